@@ -1,0 +1,311 @@
+"""The `zosoma` command line: parse, call the library, render. Nothing else lives here."""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from zosoma import __version__
+
+
+class ZosomaGroup(click.Group):
+    """Turns the library's ZosomaError (bad input, damaged files) into one line and exit code 1."""
+
+    def invoke(self, ctx):
+        from zosoma.errors import ZosomaError
+        try:
+            return super().invoke(ctx)
+        except ZosomaError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=ZosomaGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="zosoma")
+def cli():
+    """Zero-order (forward-only) pretraining of byte-level LSTM language models with SPSA."""
+
+
+def _positive(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(ctx, param, value):
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise click.BadParameter(f"must be a positive number, got {value}")
+    return value
+
+
+def _nonneg(ctx, param, value):
+    if value is not None and value < 0:
+        raise click.BadParameter(f"must not be negative, got {value}")
+    return value
+
+
+MODEL_OPTIONS = ("embed", "hidden", "layers")
+TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "optimizer", "lr",
+                 "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every")
+
+
+@cli.command()
+@click.option("--data", "data", multiple=True, type=click.Path(), help="Training text: a directory of .txt/.gz files, a file, or repeat the option. Default: the shipped 8-domain corpus.")
+@click.option("--heldout", multiple=True, type=click.Path(), help="Held-out text for the final evaluation (default: the shipped held-out slices when --data is not given).")
+@click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder) for the final evaluation; found automatically when downloaded.")
+@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True, help="Model size and training defaults; explicit options override it.")
+@click.option("--experts", type=int, default=1, show_default=True, callback=_positive, help="Number of SOMA experts (data clusters). Only 1 (a single model) is implemented so far.")
+@click.option("--embed", type=int, callback=_positive, help="E: embedding width.")
+@click.option("--hidden", type=int, callback=_positive, help="H: LSTM hidden width.")
+@click.option("--layers", type=int, callback=_positive, help="L: LSTM layers.")
+@click.option("--steps", type=int, callback=_positive, help="Optimizer steps.  [default: 600]")
+@click.option("--batch", type=int, callback=_positive, help="B: sequences per minibatch.  [default: 16]")
+@click.option("--seq-len", type=int, callback=_positive, help="T: predicted bytes per sequence.  [default: 64]")
+@click.option("--perturbations", "-P", type=int, callback=_positive, help="P: SPSA directions per step.  [default: 32]")
+@click.option("--eps", type=float, callback=_positive_float, help="SPSA perturbation scale.  [default: 1e-3]")
+@click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help="Perturbation distribution.  [default: rademacher]")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), help="Update rule applied to the SPSA estimate.  [default: adam]")
+@click.option("--lr", type=float, callback=_positive_float, help="Peak learning rate.  [default: 2e-3]")
+@click.option("--schedule", type=click.Choice(["constant", "cosine"]), help="Learning-rate schedule after warm-up.  [default: cosine]")
+@click.option("--warmup", type=int, callback=_nonneg, help="Linear warm-up steps.  [default: 20]")
+@click.option("--momentum", type=float, help="Momentum / Adam beta1.  [default: 0.9]")
+@click.option("--beta2", type=float, help="Adam beta2.  [default: 0.999]")
+@click.option("--weight-decay", type=float, callback=_nonneg, help="Decoupled weight decay.  [default: 0]")
+@click.option("--seed", type=int, callback=_nonneg, help="Seed for initialisation, batches and noise.  [default: 0]")
+@click.option("--checkpoint-every", type=int, callback=_positive, help="Steps between checkpoints.  [default: 100]")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
+@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoint.")
+@click.pass_context
+def train(ctx, data, heldout, wikitext, preset, experts, resume, run_dir, **options):
+    """Train a byte-level LSTM with SPSA (forward passes only), then evaluate it.
+
+    Writes RUN_DIR/checkpoint.h5, metrics.jsonl and results.json. Ctrl-C finishes the current
+    step, saves a checkpoint and exits; `--resume RUN_DIR` continues as if never stopped.
+    """
+    from zosoma.config import PRESETS, ModelConfig, TrainConfig
+    from zosoma.runs import resume_run, start_run
+
+    if experts != 1:
+        raise click.BadParameter("only --experts 1 is implemented so far", param_hint="--experts")
+    given = [k for k, v in options.items() if v is not None]
+    stop = _install_stop_handler()
+    if resume:
+        clashing = given + [n for n in ("data", "heldout", "wikitext", "run_dir")
+                            if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        if clashing:
+            raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
+                                   + ", ".join("--" + n.replace("_", "-") for n in clashing))
+        records = resume_run(Path(resume), should_stop=stop)
+    else:
+        base_model, base_train = PRESETS[preset]
+        model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
+                               for k in MODEL_OPTIONS})
+        train_fields = {**TrainConfig().__dict__, **base_train,
+                        **{k: options[k] for k in TRAIN_OPTIONS if options[k] is not None}}
+        cfg = TrainConfig(**train_fields)
+        run_dir = Path(run_dir or f"runs/{preset}-{datetime.now():%Y%m%d-%H%M%S}")
+        records = start_run(run_dir, model, cfg, list(data) or None, list(heldout) or None, wikitext,
+                            should_stop=stop)
+    _render_training(records)
+
+
+def _install_stop_handler():
+    """First Ctrl-C: finish the step, checkpoint, exit. A second one interrupts at once."""
+    state = {"stop": False}
+
+    def handler(signum, frame):
+        if state["stop"]:
+            raise KeyboardInterrupt
+        state["stop"] = True
+        click.echo("\nstopping after this step (Ctrl-C again to abort without saving)", err=True)
+
+    signal.signal(signal.SIGINT, handler)
+    return lambda: state["stop"]
+
+
+def _render_training(records):
+    from tqdm import tqdm
+
+    bar = None
+    for r in records:
+        event = r.get("event")
+        if event == "start":
+            m, t = r["model"], r["train"]
+            click.echo(f"run {r['run_dir']}: {r['n_params']:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
+                       f"SPSA P={t.perturbations} eps={t.eps} {t.optimizer} lr={t.lr}, "
+                       f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}")
+            click.echo(f"data: {_describe(r['data'])}")
+            bar = tqdm(total=t.steps, initial=r["step"], unit="step", dynamic_ncols=True,
+                       disable=None, file=sys.stderr)
+        elif event is None:
+            bar.update(1)
+            bar.set_postfix_str(f"loss {r['loss']:.3f} nats/byte ({r['loss'] / math.log(2):.2f} bits), "
+                                f"{r['tokens_per_s']:,.0f} tok/s" + (" SKIPPED non-finite" if r["skipped"] else ""))
+            if r["skipped"]:
+                bar.write(f"step {r['step']}: non-finite loss, update skipped")
+        elif event == "stopped":
+            bar.close()
+            click.echo(f"stopped at step {r['step']}; checkpoint saved. Continue with: zosoma train --resume <run>")
+            sys.exit(130)
+        elif event == "done":
+            bar.close()
+            click.echo(f"trained {r['step']} steps; evaluating ...")
+        elif event == "evaluated":
+            click.echo(_format_results(r))
+
+
+def _describe(corpus):
+    from zosoma.corpus import describe
+    return describe(corpus)
+
+
+def _format_results(r) -> str:
+    lines = [f"compute: {r['tokens']:,} forward tokens, {r['flops']:.3g} forward FLOPs, {r['wall_s']:.0f} s wall"]
+    if r.get("heldout"):
+        lines.append("held-out nats/byte (untrained: 5.545):")
+        lines += [f"  {name:<14} {v:.4f}" for name, v in r["heldout"].items()]
+    if r.get("wikitext103") is not None:
+        lines.append(f"WikiText-103 test nats/byte: {r['wikitext103']:.4f}  ({r['wikitext103_path']})")
+    else:
+        lines.append("WikiText-103: not found (zosoma data download wikitext-103, or --wikitext PATH)")
+    return "\n".join(lines)
+
+
+@cli.command("eval")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--data", multiple=True, type=click.Path(), help="Files or folders to evaluate (default: the shipped held-out slices).")
+@click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
+@click.option("--streams", type=int, default=16, show_default=True, callback=_positive, help="Contiguous parts evaluated side by side (1 = one pass over each file).")
+def eval_(checkpoint, data, wikitext, streams):
+    """Nats/byte of a checkpoint (file, or run folder) on held-out text and WikiText-103."""
+    from zosoma.checkpoint import load_checkpoint
+    from zosoma.corpus import load_corpus
+    from zosoma.params import Layout
+    from zosoma.runs import evaluate_run
+
+    ckpt = load_checkpoint(_checkpoint_path(checkpoint))
+    corpus = load_corpus(list(data) if data else None, split="heldout")
+    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, streams=streams)
+    lines = [f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters", "nats/byte:"]
+    lines += [f"  {name:<14} {v:.4f}" for name, v in r["heldout"].items()]
+    if r["wikitext103"] is not None:
+        lines.append(f"WikiText-103 test nats/byte: {r['wikitext103']:.4f}")
+    click.echo("\n".join(lines))
+
+
+def _checkpoint_path(path) -> Path:
+    path = Path(path)
+    return path / "checkpoint.h5" if path.is_dir() else path
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+def info(checkpoint):
+    """Summarise a checkpoint (file, or run folder): format, config, step, tensors, last metrics."""
+    from zosoma.checkpoint import summary
+    click.echo(summary(_checkpoint_path(checkpoint)))
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["torch"]), default="torch", show_default=True)
+@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="Output file (e.g. model.pt); an existing file is not overwritten without --force.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+def export(checkpoint, fmt, out, force):
+    """Write a checkpoint's weights as a PyTorch state_dict for nn.Embedding + nn.LSTM + nn.Linear
+    (modules named embedding, lstm, linear; batch_first=True)."""
+    from zosoma.checkpoint import load_checkpoint
+    from zosoma.export import export_torch
+    from zosoma.params import Layout
+
+    if Path(out).exists() and not force:
+        raise click.ClickException(f"{out} exists; pass --force to overwrite it")
+    ckpt = load_checkpoint(_checkpoint_path(checkpoint))
+    export_torch(ckpt.theta, Layout(ckpt.model), out)
+    m = ckpt.model
+    click.echo(f"wrote {out}: torch state_dict for Embedding(256, {m.embed}), "
+               f"LSTM({m.embed}, {m.hidden}, num_layers={m.layers}, batch_first=True), Linear({m.hidden}, 256)")
+
+
+@cli.group()
+def data():
+    """The shipped corpus and evaluation data."""
+
+
+@data.command("show")
+def data_show():
+    """Describe the shipped corpus (after verifying its checksums)."""
+    from zosoma.corpus import default_corpus_dir, describe, load_corpus
+    for split in ("train", "heldout"):
+        c = load_corpus(None, split=split)
+        click.echo(f"{split}: {describe(c)}")
+        for name, doc in zip(c.names, c.docs):
+            click.echo(f"  {name:<14} {doc.size:>10,} bytes")
+    click.echo(f"location: {default_corpus_dir()} (licences in LICENSES/)")
+
+
+@data.command("download")
+@click.argument("name", type=click.Choice(["wikitext-103"]))
+@click.option("--dest", type=click.Path(file_okay=False), help="Destination folder (default: ~/.cache/zosoma/wikitext-103).")
+@click.option("--url", help="Archive URL or local path (default: the official wikitext-103-raw-v1.zip).")
+@click.option("--train", "with_train", is_flag=True, help="Also extract wiki.train.raw (about 540 MB).")
+def data_download(name, dest, url, with_train):
+    """Download an evaluation data set and verify its sha256."""
+    from zosoma.download import WIKITEXT103_URL, download_wikitext103
+    from tqdm import tqdm
+
+    with tqdm(unit="B", unit_scale=True, disable=None, file=sys.stderr) as bar:
+        def progress(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+        paths = download_wikitext103(dest, url=url or WIKITEXT103_URL, progress=progress, train=with_train)
+    for p in paths.values():
+        click.echo(f"ok {p}")
+
+
+@cli.group()
+def bench():
+    """Benchmarks that print throughput figures (not tests)."""
+
+
+@bench.command("forward")
+@click.option("--embed", type=int, default=512, show_default=True, callback=_positive)
+@click.option("--hidden", type=int, default=512, show_default=True, callback=_positive)
+@click.option("--layers", type=int, default=2, show_default=True, callback=_positive)
+@click.option("--batch", type=int, default=64, show_default=True, callback=_positive)
+@click.option("--seq-len", type=int, default=256, show_default=True, callback=_positive)
+@click.option("--repeats", type=int, default=5, show_default=True, callback=_positive)
+@click.option("--no-numpy", is_flag=True, help="Skip the slow NumPy reference.")
+def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy):
+    """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
+    configuration, and the fraction of the matmul peak measured in the same run."""
+    from zosoma.bench import bench_forward, format_records
+    records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
+                            repeats=repeats, include_numpy=not no_numpy)
+    click.echo(format_records(records))
+
+
+@bench.command("spsa")
+@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="paper", show_default=True)
+@click.option("--perturbations", "-P", type=int, default=64, show_default=True, callback=_positive)
+@click.option("--batch", type=int, default=8, show_default=True, callback=_positive)
+@click.option("--seq-len", type=int, default=128, show_default=True, callback=_positive)
+@click.option("--steps", type=int, default=2, show_default=True, callback=_positive, help="Timed steps (after one warm-up step).")
+@click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
+def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise):
+    """SPSA step throughput split into forward passes, noise generation and the update."""
+    from zosoma.bench import bench_spsa, format_spsa
+    click.echo(format_spsa(bench_spsa(preset=preset, perturbations=perturbations, batch=batch,
+                                      seq_len=seq_len, steps=steps, noise=noise)))
+
+
+def main():
+    cli(prog_name="zosoma")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The SPSA step, update rules and the training loop: estimates, skipping, exact resumption."""
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from zosoma import reference
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.noise import noise
+from zosoma.optim import apply_update, init_state, learning_rate, member_chunks, spsa_gradient, spsa_losses
+from zosoma.params import Layout, init_params
+from zosoma.train import CHECKPOINT, METRICS, new_state, resume_state, train
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+
+
+def small_corpus(n=4000, seed=0):
+    rng = np.random.default_rng(seed)
+    text = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
+    noisy = np.frombuffer(text, np.uint8)[:n].copy()
+    flip = rng.random(n) < 0.02
+    noisy[flip] = rng.integers(97, 123, flip.sum())
+    return Corpus(("toy",), (noisy,))
+
+
+def test_spsa_losses_match_reference_population():
+    layout = Layout(MODEL)
+    theta = init_params(MODEL, 3)
+    batch = BatchSampler(small_corpus(), 13).batch(0, 0, 0, 4)
+    calls = []
+
+    def loss_fn(thetas):
+        calls.append(len(thetas))
+        return np.array([reference.loss(t, layout, batch) for t in thetas])
+
+    plus, minus = spsa_losses(theta, loss_fn, 5, 1e-2, seed=7, expert=1, step=2, kind="rademacher")
+    for k in range(5):
+        d = noise(theta.size, 7, 1, 2, k)
+        assert plus[k] == pytest.approx(reference.loss(theta + np.float32(1e-2) * d, layout, batch), rel=1e-6)
+        assert minus[k] == pytest.approx(reference.loss(theta - np.float32(1e-2) * d, layout, batch), rel=1e-6)
+    assert sum(calls) == 10
+
+
+def test_member_chunks_cover_all_directions_within_budget():
+    chunks = list(member_chunks(100, 1_000_000, budget_bytes=40_000_000))
+    assert [k for c in chunks for k in c] == list(range(100))
+    assert max(len(c) for c in chunks) == 5  # 5 pairs of 4 MB copies = 40 MB
+
+
+def test_spsa_gradient_is_mean_of_scaled_directions():
+    coeffs = np.array([0.5, -2.0, 1.25])
+    d = 1000
+    expected = sum(c * noise(d, 11, 0, 4, k) for k, c in enumerate(coeffs)) / len(coeffs)
+    assert_close(spsa_gradient(coeffs, d, 11, 0, 4, "rademacher"), expected, atol=1e-6, name="ghat")
+    expected = sum(c * noise(d, 11, 0, 4, k, "gaussian") for k, c in enumerate(coeffs)) / len(coeffs)
+    assert_close(spsa_gradient(coeffs, d, 11, 0, 4, "gaussian"), expected, atol=1e-5, name="ghat gaussian")
+
+
+def test_update_rules():
+    theta = np.ones(4, np.float32)
+    g = np.array([1, -1, 2, 0], np.float32)
+    new, _ = apply_update("sgd", theta, g, {}, 0, 0.1, 0.9, 0.999, 0.0)
+    assert_close(new, theta - 0.1 * g, atol=1e-7, name="sgd")
+    state = init_state("momentum", 4)
+    new, state = apply_update("momentum", theta, g, state, 0, 0.1, 0.9, 0.999, 0.0)
+    new, state = apply_update("momentum", new, g, state, 1, 0.1, 0.9, 0.999, 0.0)
+    assert_close(new, theta - 0.1 * g - 0.1 * 1.9 * g, atol=1e-6, name="momentum")
+    state = init_state("adam", 4)
+    new, state = apply_update("adam", theta, g, state, 0, 0.1, 0.9, 0.999, 0.01)
+    # The first Adam step moves every coordinate with a non-zero gradient by lr * sign(g).
+    assert_close(new, theta - 0.1 * np.sign(g) - 0.1 * 0.01 * theta, atol=1e-6, name="adam")
+    assert theta[0] == 1.0  # inputs untouched
+
+
+def test_learning_rate_schedules():
+    assert learning_rate(0, 1.0, 100, 10, "cosine") == pytest.approx(0.1)
+    assert learning_rate(9, 1.0, 100, 10, "cosine") == pytest.approx(1.0)
+    assert learning_rate(10, 1.0, 100, 10, "cosine") == pytest.approx(1.0)
+    assert learning_rate(55, 1.0, 100, 10, "cosine") == pytest.approx(0.5)
+    assert learning_rate(99, 1.0, 100, 10, "constant") == 1.0
+
+
+def run_steps(tmp_path, cfg, stop_at=None, state=None):
+    sampler = BatchSampler(small_corpus(), cfg.seq_len + 1)
+    state = new_state(MODEL, cfg) if state is None else state
+    records = []
+    for r in train(tmp_path, MODEL, cfg, sampler, state, should_stop=lambda: stop_at is not None and state.step >= stop_at):
+        records.append(r)
+    return state, records
+
+
+def test_training_lowers_the_loss(tmp_path):
+    cfg = TrainConfig(steps=60, batch=8, seq_len=16, perturbations=8, lr=1e-2, warmup=5, checkpoint_every=30)
+    state, records = run_steps(tmp_path, cfg)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert records[-1]["event"] == "done" and state.step == 60
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.2
+    assert records[-2]["tokens"] == 60 * 2 * 8 * 8 * 16
+    assert len((tmp_path / METRICS).read_text().splitlines()) == 60
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    cfg = TrainConfig(steps=12, batch=4, seq_len=16, perturbations=4, lr=1e-2, warmup=2, checkpoint_every=5)
+    full, _ = run_steps(tmp_path / "full", cfg)
+    # Stopped at step 7: the checkpoint is written at stop time; resume reads it back.
+    part, records = run_steps(tmp_path / "part", cfg, stop_at=7)
+    assert records[-1]["event"] == "stopped" and part.step == 7
+    ckpt, resumed = resume_state(tmp_path / "part")
+    assert ckpt.step == 7
+    resumed, _ = run_steps(tmp_path / "part", cfg, state=resumed)
+    assert np.array_equal(resumed.theta, full.theta)
+    for k in full.optimizer:
+        assert np.array_equal(resumed.optimizer[k], full.optimizer[k])
+    lines = [json.loads(x) for x in (tmp_path / "part" / METRICS).read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    assert [r["loss"] for r in lines] == [r["loss"] for r in full.metrics]
+
+
+def test_resume_from_an_older_checkpoint_drops_later_metrics(tmp_path):
+    """A run killed between checkpoints resumes from the last one and redoes the later steps."""
+    cfg = TrainConfig(steps=8, batch=4, seq_len=16, perturbations=2, checkpoint_every=5)
+    full, _ = run_steps(tmp_path / "full", cfg)
+    sampler = BatchSampler(small_corpus(), 17)
+    state = new_state(MODEL, cfg)
+    gen = train(tmp_path / "killed", MODEL, cfg, sampler, state)
+    for r in gen:  # abandon the generator after step 7: the checkpoint on disk holds step 5
+        if r.get("step") == 7:
+            break
+    gen.close()
+    ckpt, resumed = resume_state(tmp_path / "killed")
+    assert ckpt.step == 5
+    resumed, _ = run_steps(tmp_path / "killed", cfg, state=resumed)
+    assert np.array_equal(resumed.theta, full.theta)
+    assert len((tmp_path / "killed" / METRICS).read_text().splitlines()) == 8
+
+
+def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch):
+    import zosoma.train as train_module
+    original = train_module.population_loss
+
+    def poisoned(thetas, layout, batch):
+        losses = original(thetas, layout, batch)
+        losses[0] = np.nan
+        return losses
+
+    monkeypatch.setattr(train_module, "population_loss", poisoned)
+    cfg = TrainConfig(steps=3, batch=2, seq_len=8, perturbations=2)
+    state = new_state(MODEL, cfg)
+    theta0 = state.theta.copy()
+    state, records = run_steps(tmp_path, cfg, state=state)
+    assert all(r["skipped"] for r in records if "loss" in r)
+    assert np.array_equal(state.theta, theta0) and state.step == 3
+    assert (tmp_path / CHECKPOINT).exists()

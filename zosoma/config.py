@@ -1,0 +1,99 @@
+"""Model and training settings: frozen dataclasses stored as JSON in every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+VOCAB = 256  # V: one class per byte value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    embed: int = 64  # E: byte embedding width
+    hidden: int = 128  # H: LSTM hidden width (gates are 4H wide, order i, f, g, o)
+    layers: int = 1  # L: stacked LSTM layers
+
+    def __post_init__(self):
+        for name in ("embed", "hidden", "layers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model {name} must be at least 1, got {getattr(self, name)}")
+
+    def n_params(self) -> int:
+        E, H, L, V = self.embed, self.hidden, self.layers, VOCAB
+        lstm = sum(4 * H * ((E if layer == 0 else H) + H + 1) for layer in range(L))
+        return V * E + lstm + H * V + V
+
+    def flops_per_token(self) -> int:
+        """Nominal forward FLOPs per predicted byte (multiply-add = 2), as any implementation counts
+        them: every layer's input and recurrent matmul plus the output projection. Gate math,
+        softmax and embedding lookup are left out (they are O(H), not O(H^2))."""
+        E, H, L, V = self.embed, self.hidden, self.layers, VOCAB
+        lstm = sum(2 * 4 * H * ((E if layer == 0 else H) + H) for layer in range(L))
+        return lstm + 2 * H * V
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600  # optimizer steps
+    batch: int = 16  # B: sequences per minibatch (shared by every perturbation of a step)
+    seq_len: int = 64  # T: predicted bytes per sequence
+    perturbations: int = 32  # P: SPSA directions per step (2P forward passes)
+    eps: float = 1e-3  # SPSA perturbation scale
+    noise: str = "rademacher"  # "rademacher" or "gaussian"
+    optimizer: str = "adam"  # "sgd", "momentum" or "adam" (ZO-SGD, ZO-momentum, ZO-Adam)
+    lr: float = 2e-3  # peak learning rate
+    schedule: str = "cosine"  # "constant" or "cosine"
+    warmup: int = 20  # linear warm-up steps
+    momentum: float = 0.9  # beta1 for momentum and Adam
+    beta2: float = 0.999  # Adam second-moment decay
+    weight_decay: float = 0.0  # decoupled (AdamW-style) weight decay
+    seed: int = 0  # one seed fixes init, batches and noise
+    checkpoint_every: int = 100  # steps between checkpoints
+    eval_every: int = 0  # steps between held-out evaluations (0 = only at the end)
+
+    def __post_init__(self):
+        positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.eps > 0:
+            raise ConfigError(f"eps must be positive, got {self.eps}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.noise not in ("rademacher", "gaussian"):
+            raise ConfigError(f"noise must be rademacher or gaussian, got {self.noise!r}")
+        if self.optimizer not in ("sgd", "momentum", "adam"):
+            raise ConfigError(f"optimizer must be sgd, momentum or adam, got {self.optimizer!r}")
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"schedule must be constant or cosine, got {self.schedule!r}")
+        if self.warmup < 0 or self.eval_every < 0 or self.weight_decay < 0:
+            raise ConfigError("warmup, eval_every and weight_decay must not be negative")
+        if not (0 <= self.momentum < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("momentum and beta2 must lie in [0, 1)")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
+
+
+# name -> (model, training overrides). tiny: the 5-minute default; paper: one 4.22M-parameter
+# expert of the paper's N=2, 8.44M-parameter SOMA ensemble (E=508, H=496, L=2).
+PRESETS = {
+    "tiny": (ModelConfig(embed=64, hidden=128, layers=1), {}),
+    "small": (ModelConfig(embed=128, hidden=256, layers=2), {"batch": 16, "seq_len": 128}),
+    "paper": (ModelConfig(embed=508, hidden=496, layers=2), {"perturbations": 64, "batch": 8,
+                                                             "seq_len": 128}),
+}
+
+
+def to_json(*configs) -> str:
+    return json.dumps({type(c).__name__: dataclasses.asdict(c) for c in configs}, sort_keys=True)
+
+
+def from_json(text: str) -> dict:
+    """Inverse of to_json: {"ModelConfig": ModelConfig(...), "TrainConfig": TrainConfig(...)}."""
+    classes = {"ModelConfig": ModelConfig, "TrainConfig": TrainConfig}
+    raw = json.loads(text)
+    return {name: classes[name](**fields) for name, fields in raw.items() if name in classes}

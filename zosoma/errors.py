@@ -1,0 +1,17 @@
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero."""
+
+
+class ZosomaError(Exception):
+    """Base class: bad input, missing or damaged files, impossible settings."""
+
+
+class DataError(ZosomaError):
+    """A corpus or text file is missing, unreadable, empty, too small or fails its checksum."""
+
+
+class CheckpointError(ZosomaError):
+    """A checkpoint is missing, truncated, corrupted, or of an unknown format or version."""
+
+
+class ConfigError(ZosomaError):
+    """Settings that cannot work together (for example a model too small for its data)."""
