@@ -1,0 +1,161 @@
+"""The command line, through click's CliRunner and as a real subprocess: the main commands work,
+and bad input gets one line, a non-zero exit, and destroys nothing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from zosoma.checkpoint import load_checkpoint
+from zosoma.cli.main import cli
+
+TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16",
+        "--perturbations", "2", "--checkpoint-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(0)
+    words = [b"alpha", b"beta", b"gamma", b"delta", b"epsilon", b"\n"]
+    for name in ("a", "b"):
+        (root / f"{name}.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 6, 800)))
+    held = root / "held"
+    held.mkdir()
+    (held / "h.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 6, 300)))
+    return root
+
+
+def run(args, **kw):
+    return CliRunner().invoke(cli, args, catch_exceptions=False, **kw)
+
+
+def one_line_error(result, code=None):
+    assert result.exit_code != 0 if code is None else result.exit_code == code, result.output
+    lines = [x for x in result.output.strip().splitlines() if x.strip()]
+    assert "Traceback" not in result.output
+    return lines[-1]
+
+
+def test_help_everywhere():
+    for args in ([], ["train"], ["eval"], ["info"], ["export"], ["data"], ["data", "download"],
+                 ["bench"], ["bench", "forward"], ["bench", "spsa"]):
+        result = run(args + ["--help"])
+        assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_train_info_eval_export(tmp_path, text_files):
+    run_dir = tmp_path / "run"
+    result = run(["train", "--data", str(text_files / "a.txt"), "--data", str(text_files / "b.txt"),
+                  "--heldout", str(text_files / "held"), "--steps", "5", "--run-dir", str(run_dir),
+                  "--wikitext", str(text_files / "held" / "h.txt")] + TINY)
+    assert result.exit_code == 0, result.output
+    assert "held-out nats/byte" in result.output and "WikiText-103 test nats/byte" in result.output
+    for name in ("checkpoint.h5", "metrics.jsonl", "results.json"):
+        assert (run_dir / name).exists()
+    assert load_checkpoint(run_dir / "checkpoint.h5").step == 5
+
+    result = run(["info", str(run_dir)])
+    assert result.exit_code == 0 and "step" in result.output
+    result = run(["eval", str(run_dir / "checkpoint.h5"), "--data", str(text_files / "held")])
+    assert result.exit_code == 0 and "h " in result.output
+    out = tmp_path / "m.pt"
+    result = run(["export", str(run_dir), "--format", "torch", "--out", str(out)])
+    assert result.exit_code == 0 and out.exists()
+    result = run(["export", str(run_dir), "--out", str(out)])
+    assert "exists" in one_line_error(result)
+
+
+def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
+    missing = tmp_path / "nope.txt"
+    assert "nope.txt" in one_line_error(run(["train", "--data", str(missing)] + TINY))
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert "empty" in one_line_error(run(["train", "--data", str(empty)] + TINY))
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"abc")
+    assert "too small" in one_line_error(run(["train", "--data", str(short), "--run-dir", str(tmp_path / "s")] + TINY))
+    assert "--steps" in one_line_error(run(["train", "--steps", "0"]), code=2)
+    assert "--lr" in one_line_error(run(["train", "--lr", "-1"]), code=2)
+    assert "--eps" in one_line_error(run(["train", "--eps", "nan"]), code=2)
+    assert one_line_error(run(["train", "--optimizer", "lbfgs"]), code=2)
+
+    # A run folder that holds a run is never overwritten.
+    run_dir = tmp_path / "run"
+    assert run(["train", "--data", str(text_files / "a.txt"), "--steps", "2", "--run-dir", str(run_dir)] + TINY).exit_code == 0
+    before = (run_dir / "checkpoint.h5").read_bytes()
+    assert "already holds a run" in one_line_error(run(["train", "--data", str(text_files / "a.txt"), "--run-dir", str(run_dir)] + TINY))
+    assert (run_dir / "checkpoint.h5").read_bytes() == before
+    assert "--steps" in one_line_error(run(["train", "--resume", str(run_dir), "--steps", "9"]))
+
+    # Damaged checkpoints are reported, not loaded, and left as they are.
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(before[: len(before) // 2])
+    for args in (["info", str(bad)], ["eval", str(bad)], ["export", str(bad), "--out", str(tmp_path / "x.pt")]):
+        assert "bad.h5" in one_line_error(run(args))
+    assert bad.read_bytes() == before[: len(before) // 2] and not (tmp_path / "x.pt").exists()
+    assert "no checkpoint.h5" in one_line_error(run(["train", "--resume", str(tmp_path / "nothing")]))
+
+
+def zosoma_cmd():
+    return [sys.executable, "-c", "from zosoma.cli.main import main; main()"]
+
+
+def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_files):
+    """A run killed with SIGKILL and resumed ends with the same parameters as an uninterrupted run."""
+    args = ["train", "--data", str(text_files / "a.txt"), "--steps", "40", "--checkpoint-every", "5",
+            "--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "--perturbations", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    full = subprocess.run(zosoma_cmd() + args + ["--run-dir", str(tmp_path / "full")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr
+
+    killed_dir = tmp_path / "killed"
+    proc = subprocess.Popen(zosoma_cmd() + args + ["--run-dir", str(killed_dir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill once a checkpoint past step 0 exists
+        if (killed_dir / "metrics.jsonl").exists() and len((killed_dir / "metrics.jsonl").read_text().splitlines()) >= 12:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = load_checkpoint(killed_dir / "checkpoint.h5").step
+    assert 0 < step < 40
+    resumed = subprocess.run(zosoma_cmd() + ["train", "--resume", str(killed_dir)], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    a = load_checkpoint(tmp_path / "full" / "checkpoint.h5")
+    b = load_checkpoint(killed_dir / "checkpoint.h5")
+    assert a.step == b.step == 40
+    assert np.array_equal(a.theta, b.theta)
+    assert all(np.array_equal(a.optimizer[k], b.optimizer[k]) for k in a.optimizer)
+
+
+def test_subprocess_ctrl_c_saves_and_exits(tmp_path, text_files):
+    run_dir = tmp_path / "run"
+    args = ["train", "--data", str(text_files / "a.txt"), "--steps", "100000", "--run-dir", str(run_dir)] + TINY
+    proc = subprocess.Popen(zosoma_cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size > 0):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "checkpoint saved" in out
+    ckpt = load_checkpoint(run_dir / "checkpoint.h5")
+    assert ckpt.step > 0
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == ckpt.step
+    assert "Traceback" not in err
+
+
+def test_console_script_installed():
+    exe = Path(sys.executable).parent / "zosoma"
+    result = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "zosoma" in result.stdout
