@@ -13,14 +13,13 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .checkpoint import save_checkpoint
 from .config import ModelConfig, TrainConfig
 from .corpus import BatchSampler, Corpus, load_corpus, load_text
 from .download import find_wikitext103
 from .errors import ConfigError, DataError
 from .evaluate import evaluate_bytes, evaluate_corpus
 from .params import Layout
-from .train import CHECKPOINT, new_state, resume_state, to_checkpoint, train
+from .train import CHECKPOINT, Trainer, from_checkpoint, new_state, read_checkpoint, train
 
 RESULTS = "results.json"
 
@@ -59,21 +58,18 @@ def start_run(run_dir: Path, model: ModelConfig, cfg: TrainConfig, train_paths=N
             "heldout": [str(Path(p).resolve()) for p in heldout_paths or []],
             "wikitext": str(wikitext) if wikitext else None,
             "fingerprint": fingerprint(train_corpus)}
-    state = new_state(model, cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(run_dir / CHECKPOINT, to_checkpoint(model, cfg, state, {"data": data, "expert": 0,
-                                                                          "seed": cfg.seed}))
+    trainer = Trainer(run_dir, model, cfg, sampler, new_state(model, cfg), extra={"data": data})
+    trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
     yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "data": train_corpus,
            "model": model, "train": cfg, "step": 0}
-    yield from _train_and_evaluate(run_dir, model, cfg, sampler, state, data, heldout, wikitext, should_stop)
+    yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
 
 
 def resume_run(run_dir: Path, should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
     """Continue the run in run_dir from its checkpoint, with the configuration and data it has."""
     run_dir = Path(run_dir)
-    if not (run_dir / CHECKPOINT).exists():
-        raise ConfigError(f"{run_dir}: no {CHECKPOINT} to resume from")
-    ckpt, state = resume_state(run_dir)
+    ckpt = read_checkpoint(run_dir)
+    state = from_checkpoint(ckpt)
     data = ckpt.extra.get("data", {})
     train_corpus, heldout = load_data(data.get("train") or None, data.get("heldout") or None)
     if fingerprint(train_corpus) != data.get("fingerprint"):
@@ -81,16 +77,17 @@ def resume_run(run_dir: Path, should_stop: Callable[[], bool] = lambda: False) -
     sampler = BatchSampler(train_corpus, ckpt.train.seq_len + 1)
     yield {"event": "start", "run_dir": str(run_dir), "n_params": ckpt.model.n_params(), "data": train_corpus,
            "model": ckpt.model, "train": ckpt.train, "step": state.step}
-    yield from _train_and_evaluate(run_dir, ckpt.model, ckpt.train, sampler, state, data, heldout,
-                                   data.get("wikitext"), should_stop)
+    trainer = Trainer(run_dir, ckpt.model, ckpt.train, sampler, state, extra={"data": data})
+    yield from _train_and_evaluate(trainer, heldout, data.get("wikitext"), should_stop)
 
 
-def _train_and_evaluate(run_dir, model, cfg, sampler, state, data, heldout, wikitext, should_stop):
-    for record in train(run_dir, model, cfg, sampler, state, extra={"data": data}, should_stop=should_stop):
+def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
+    for record in train(trainer, should_stop):
         yield record
         if record.get("event") == "stopped":
             return
-    results = evaluate_run(state.theta, Layout(model), heldout, wikitext)
+    state, model, run_dir = trainer.state, trainer.model, trainer.run_dir
+    results = evaluate_run(state.theta, trainer.layout, heldout, wikitext)
     results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
                    wall_s=state.wall_s, n_params=model.n_params())
     _write_json(run_dir / RESULTS, results)

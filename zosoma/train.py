@@ -5,8 +5,9 @@ antithetic perturbations on it, turn the loss differences into the SPSA estimate
 and noise are regenerated from counters, so a run resumed from a checkpoint takes exactly the steps
 an uninterrupted run would have taken.
 
-A run folder holds `checkpoint.h5` (written atomically every K steps, at the end, and when asked
-to stop), `metrics.jsonl` (one record per step) and nothing else that matters for resuming.
+A run (or expert) folder holds `checkpoint.h5` (written atomically every K steps, at the end, and
+when asked to stop; the one before it is kept as `checkpoint.prev.h5`) and `metrics.jsonl` (one
+record per step, cut back to the checkpoint's step on resume).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import numpy as np
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import ModelConfig, TrainConfig
 from .corpus import BatchSampler
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .forward import population_loss
 from .optim import apply_update, init_state, learning_rate, spsa_gradient, spsa_losses
 from .params import Layout, init_params
 
 CHECKPOINT = "checkpoint.h5"
+PREVIOUS = "checkpoint.prev.h5"
+NEXT = "checkpoint.next.h5"
 METRICS = "metrics.jsonl"
 
 
@@ -60,65 +63,117 @@ def from_checkpoint(ckpt: Checkpoint) -> RunState:
                     int(ckpt.extra.get("tokens", 0)), float(ckpt.extra.get("wall_s", 0.0)))
 
 
-def spsa_step(theta, layout: Layout, batch: np.ndarray, cfg: TrainConfig, expert: int, step: int):
-    """The P central differences g_k of one step and the mean minibatch loss at theta."""
-    plus, minus = spsa_losses(theta, lambda thetas: population_loss(thetas, layout, batch),
-                              cfg.perturbations, cfg.eps, cfg.seed, expert, step, cfg.noise)
-    return (plus - minus) / (2 * cfg.eps), float(np.mean((plus + minus) / 2))
-
-
-def train(run_dir: Path, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler,
-          state: RunState, expert: int = 0, extra: dict | None = None,
-          should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
-    """Train from `state` to cfg.steps, yielding one record per step and a final record with
-    "event": "done" or "stopped" (should_stop() turned true; the state is checkpointed first)."""
+def write_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
+    """Atomically replace run_dir/checkpoint.h5, keeping the one it replaces as checkpoint.prev.h5.
+    At every instant at least one of the three files holds a complete checkpoint."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if sampler.T1 != cfg.seq_len + 1:
-        raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
-    layout = Layout(model)
-    extra = dict(extra or {}, expert=expert, seed=cfg.seed)
-    tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
-    ckpt_path = run_dir / CHECKPOINT
-    _rewrite_metrics(run_dir / METRICS, state.metrics)  # drop records past the checkpoint we resume
-    with open(run_dir / METRICS, "a") as log:
-        while state.step < cfg.steps:
-            if should_stop():
-                save_checkpoint(ckpt_path, to_checkpoint(model, cfg, state, extra))
-                yield {"event": "stopped", "step": state.step, "expert": expert}
-                return
-            t0 = time.perf_counter()
-            step = state.step
-            batch = sampler.batch(cfg.seed, expert, step, cfg.batch)
-            g, loss = spsa_step(state.theta, layout, batch, cfg, expert, step)
-            lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
-            skipped = not np.all(np.isfinite(g))
-            if skipped:  # a NaN/inf loss would poison theta and the optimizer state: skip the step
-                theta, opt = state.theta, state.optimizer
-            else:
-                ghat = spsa_gradient(g, state.theta.size, cfg.seed, expert, step, cfg.noise)
-                theta, opt = apply_update(cfg.optimizer, state.theta, ghat, state.optimizer, step, lr,
-                                          cfg.momentum, cfg.beta2, cfg.weight_decay)
-            dt = time.perf_counter() - t0
-            record = {"step": step + 1, "expert": expert, "loss": loss, "lr": lr,
-                      "tokens": state.tokens + tokens_per_step, "wall_s": state.wall_s + dt,
-                      "tokens_per_s": tokens_per_step / dt, "skipped": bool(skipped)}
-            record["flops"] = record["tokens"] * model.flops_per_token()
-            # The state changes only here, once the step is complete (stop requests are polled).
-            state.theta, state.optimizer, state.step = theta, opt, step + 1
-            state.tokens, state.wall_s = record["tokens"], record["wall_s"]
-            state.metrics.append(record)
+    save_checkpoint(run_dir / NEXT, ckpt)
+    if (run_dir / CHECKPOINT).exists():
+        os.replace(run_dir / CHECKPOINT, run_dir / PREVIOUS)
+    os.replace(run_dir / NEXT, run_dir / CHECKPOINT)
+
+
+def read_checkpoint(run_dir: Path, step: int | None = None) -> Checkpoint:
+    """The newest complete checkpoint of run_dir, or the one at `step`. A damaged file is passed
+    over only when another one can take its place; otherwise its error is raised."""
+    run_dir = Path(run_dir)
+    found, errors = [], []
+    for name in (CHECKPOINT, NEXT, PREVIOUS):
+        if (run_dir / name).exists():
+            try:
+                found.append(load_checkpoint(run_dir / name))
+            except CheckpointError as e:
+                errors.append(e)
+    if step is not None:
+        found = [c for c in found if c.step == step]
+    if not found:
+        if errors:
+            raise errors[0]
+        where = f"at step {step} " if step is not None else ""
+        raise CheckpointError(f"{run_dir}: no {CHECKPOINT} {where}to resume from")
+    return max(found, key=lambda c: c.step)
+
+
+class Trainer:
+    """One model's SPSA training: `losses` evaluates the step's perturbations, `update` applies an
+    estimate built from per-direction coefficients. Independent training feeds each expert its own
+    central differences; the summed-loss ablation feeds every expert the shared ones."""
+
+    def __init__(self, run_dir: Path, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler,
+                 state: RunState, expert: int = 0, extra: dict | None = None):
+        if sampler.T1 != cfg.seq_len + 1:
+            raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
+        self.run_dir, self.model, self.cfg, self.sampler = Path(run_dir), model, cfg, sampler
+        self.state, self.expert = state, expert
+        self.layout = Layout(model)
+        self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
+        self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _rewrite_metrics(self.run_dir / METRICS, state.metrics)  # drop records past the checkpoint
+        self.busy_s = 0.0  # time spent in losses() for the step in progress
+
+    @property
+    def done(self) -> bool:
+        return self.state.step >= self.cfg.steps
+
+    def losses(self) -> tuple[np.ndarray, np.ndarray]:
+        """L(theta + eps delta_k) and L(theta - eps delta_k), k < P, on this step's minibatch."""
+        t0 = time.perf_counter()
+        cfg, step = self.cfg, self.state.step
+        batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
+        result = spsa_losses(self.state.theta, lambda thetas: population_loss(thetas, self.layout, batch),
+                             cfg.perturbations, cfg.eps, cfg.seed, self.expert, step, cfg.noise)
+        self.busy_s = time.perf_counter() - t0
+        return result
+
+    def update(self, coeffs: np.ndarray, loss: float) -> dict:
+        """Apply ghat = (1/P) sum_k coeffs[k] delta_k; a non-finite coefficient skips the step (a
+        NaN would poison theta and the optimizer state). Returns the step's record."""
+        t0 = time.perf_counter()
+        cfg, state, step = self.cfg, self.state, self.state.step
+        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
+        skipped = not np.all(np.isfinite(coeffs))
+        theta, opt = state.theta, state.optimizer
+        if not skipped:
+            ghat = spsa_gradient(coeffs, theta.size, cfg.seed, self.expert, step, cfg.noise)
+            theta, opt = apply_update(cfg.optimizer, theta, ghat, opt, step, lr,
+                                      cfg.momentum, cfg.beta2, cfg.weight_decay)
+        dt = self.busy_s + time.perf_counter() - t0
+        record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
+                  "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
+                  "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped)}
+        record["flops"] = record["tokens"] * self.model.flops_per_token()
+        # The state changes only here, once the step is complete (stop requests are polled).
+        state.theta, state.optimizer, state.step = theta, opt, step + 1
+        state.tokens, state.wall_s = record["tokens"], record["wall_s"]
+        state.metrics.append(record)
+        with open(self.run_dir / METRICS, "a") as log:
             log.write(json.dumps(record) + "\n")
-            log.flush()
-            yield record
-            if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
-                save_checkpoint(ckpt_path, to_checkpoint(model, cfg, state, extra))
-    yield {"event": "done", "step": state.step, "expert": expert}
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+            self.checkpoint()
+        return record
+
+    def checkpoint(self) -> None:
+        write_checkpoint(self.run_dir, to_checkpoint(self.model, self.cfg, self.state, self.extra))
 
 
-def resume_state(run_dir: Path) -> tuple[Checkpoint, RunState]:
-    ckpt = load_checkpoint(Path(run_dir) / CHECKPOINT)
-    return ckpt, from_checkpoint(ckpt)
+def central_differences(plus: np.ndarray, minus: np.ndarray, eps: float) -> tuple[np.ndarray, float]:
+    """SPSA coefficients g_k = (L+ - L-) / (2 eps) and the minibatch loss estimate at theta."""
+    return (plus - minus) / (2 * eps), float(np.mean((plus + minus) / 2))
+
+
+def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+    """Train one model with its own losses (SOMA's independent experts; a single model) to
+    cfg.steps, yielding one record per step and a final record with "event": "done", or
+    "stopped" when should_stop() turned true (the state is checkpointed first)."""
+    while not trainer.done:
+        if should_stop():
+            trainer.checkpoint()
+            yield {"event": "stopped", "step": trainer.state.step, "expert": trainer.expert}
+            return
+        coeffs, loss = central_differences(*trainer.losses(), trainer.cfg.eps)
+        yield trainer.update(coeffs, loss)
+    yield {"event": "done", "step": trainer.state.step, "expert": trainer.expert}
 
 
 def _rewrite_metrics(path: Path, records: list) -> None:
