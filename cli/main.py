@@ -48,6 +48,7 @@ def _nonneg(ctx, param, value):
     return value
 
 
+_TC = __import__("zosoma.config", fromlist=["TrainConfig"]).TrainConfig()  # defaults shown in --help
 MODEL_OPTIONS = ("embed", "hidden", "layers")
 TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "optimizer", "lr",
                  "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every")
@@ -58,58 +59,77 @@ TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "
 @click.option("--heldout", multiple=True, type=click.Path(), help="Held-out text for the final evaluation (default: the shipped held-out slices when --data is not given).")
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder) for the final evaluation; found automatically when downloaded.")
 @click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True, help="Model size and training defaults; explicit options override it.")
-@click.option("--experts", type=int, default=1, show_default=True, callback=_positive, help="Number of SOMA experts (data clusters). Only 1 (a single model) is implemented so far.")
+@click.option("--experts", type=int, default=1, show_default=True, callback=_positive, help="N: SOMA experts, one per data cluster (1 = a single monolithic model).")
+@click.option("--loss", type=click.Choice(["independent", "summed"]), default="independent", show_default=True, help="Experts' SPSA scalars: their own losses (SOMA) or the summed loss (ablation).")
+@click.option("--workers", type=int, callback=_positive, help="Expert worker processes (default: the machine's cores).")
+@click.option("--chunk-size", type=int, default=2048, show_default=True, callback=_positive, help="Bytes per document chunk for clustering.")
+@click.option("--top-k", type=int, default=2, show_default=True, callback=_positive, help="Experts mixed per segment in the final routed evaluation.")
 @click.option("--embed", type=int, callback=_positive, help="E: embedding width.")
 @click.option("--hidden", type=int, callback=_positive, help="H: LSTM hidden width.")
 @click.option("--layers", type=int, callback=_positive, help="L: LSTM layers.")
-@click.option("--steps", type=int, callback=_positive, help="Optimizer steps.  [default: 600]")
-@click.option("--batch", type=int, callback=_positive, help="B: sequences per minibatch.  [default: 16]")
-@click.option("--seq-len", type=int, callback=_positive, help="T: predicted bytes per sequence.  [default: 64]")
-@click.option("--perturbations", "-P", type=int, callback=_positive, help="P: SPSA directions per step.  [default: 32]")
-@click.option("--eps", type=float, callback=_positive_float, help="SPSA perturbation scale.  [default: 1e-3]")
-@click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help="Perturbation distribution.  [default: rademacher]")
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), help="Update rule applied to the SPSA estimate.  [default: adam]")
-@click.option("--lr", type=float, callback=_positive_float, help="Peak learning rate.  [default: 2e-3]")
-@click.option("--schedule", type=click.Choice(["constant", "cosine"]), help="Learning-rate schedule after warm-up.  [default: cosine]")
-@click.option("--warmup", type=int, callback=_nonneg, help="Linear warm-up steps.  [default: 20]")
-@click.option("--momentum", type=float, help="Momentum / Adam beta1.  [default: 0.9]")
-@click.option("--beta2", type=float, help="Adam beta2.  [default: 0.999]")
-@click.option("--weight-decay", type=float, callback=_nonneg, help="Decoupled weight decay.  [default: 0]")
-@click.option("--seed", type=int, callback=_nonneg, help="Seed for initialisation, batches and noise.  [default: 0]")
-@click.option("--checkpoint-every", type=int, callback=_positive, help="Steps between checkpoints.  [default: 100]")
+@click.option("--steps", type=int, callback=_positive, help=f"Optimizer steps.  [default: {_TC.steps}]")
+@click.option("--batch", type=int, callback=_positive, help=f"B: sequences per minibatch.  [default: {_TC.batch}]")
+@click.option("--seq-len", type=int, callback=_positive, help=f"T: predicted bytes per sequence.  [default: {_TC.seq_len}]")
+@click.option("--perturbations", "-P", type=int, callback=_positive, help=f"P: SPSA directions per step.  [default: {_TC.perturbations}]")
+@click.option("--eps", type=float, callback=_positive_float, help=f"SPSA perturbation scale.  [default: {_TC.eps}]")
+@click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help=f"Perturbation distribution.  [default: {_TC.noise}]")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), help=f"Update rule applied to the SPSA estimate.  [default: {_TC.optimizer}]")
+@click.option("--lr", type=float, callback=_positive_float, help=f"Peak learning rate.  [default: {_TC.lr}]")
+@click.option("--schedule", type=click.Choice(["constant", "cosine"]), help=f"Learning-rate schedule after warm-up.  [default: {_TC.schedule}]")
+@click.option("--warmup", type=int, callback=_nonneg, help=f"Linear warm-up steps.  [default: {_TC.warmup}]")
+@click.option("--momentum", type=float, help=f"Momentum / Adam beta1.  [default: {_TC.momentum}]")
+@click.option("--beta2", type=float, help=f"Adam beta2.  [default: {_TC.beta2}]")
+@click.option("--weight-decay", type=float, callback=_nonneg, help=f"Decoupled weight decay.  [default: {_TC.weight_decay}]")
+@click.option("--seed", type=int, callback=_nonneg, help=f"Seed for initialisation, clustering, batches and noise.  [default: {_TC.seed}]")
+@click.option("--checkpoint-every", type=int, callback=_positive, help=f"Steps between checkpoints.  [default: {_TC.checkpoint_every}]")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
-@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoint.")
+@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
 @click.pass_context
-def train(ctx, data, heldout, wikitext, preset, experts, resume, run_dir, **options):
-    """Train a byte-level LSTM with SPSA (forward passes only), then evaluate it.
+def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_size, top_k, resume, run_dir, **options):
+    """Train byte-level LSTMs with SPSA (forward passes only), then evaluate.
 
-    Writes RUN_DIR/checkpoint.h5, metrics.jsonl and results.json. Ctrl-C finishes the current
-    step, saves a checkpoint and exits; `--resume RUN_DIR` continues as if never stopped.
+    With --experts N > 1 (SOMA): cluster the corpus into N clusters, train one expert per cluster
+    in parallel worker processes, and evaluate the top-k routed ensemble. Writes checkpoints,
+    metrics.jsonl and results.json under the run folder. Ctrl-C finishes the current step, saves
+    checkpoints and exits; `--resume RUN_DIR` continues as if never stopped.
+
+    Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
+    small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
     from zosoma.config import PRESETS, ModelConfig, TrainConfig
+    from zosoma.experts import SOMA, resume_soma, start_soma
     from zosoma.runs import resume_run, start_run
 
-    if experts != 1:
-        raise click.BadParameter("only --experts 1 is implemented so far", param_hint="--experts")
-    given = [k for k, v in options.items() if v is not None]
+    if top_k > experts and experts > 1:
+        raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
     stop = _install_stop_handler()
     if resume:
-        clashing = given + [n for n in ("data", "heldout", "wikitext", "run_dir")
+        given = [k for k, v in options.items() if v is not None]
+        clashing = given + [n for n in ("data", "heldout", "wikitext", "run_dir", "experts", "loss", "preset",
+                                        "chunk_size", "top_k")
                             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
         if clashing:
             raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
                                    + ", ".join("--" + n.replace("_", "-") for n in clashing))
-        records = resume_run(Path(resume), should_stop=stop)
+        if (Path(resume) / SOMA).exists():
+            records = resume_soma(Path(resume), workers, should_stop=stop)
+        else:
+            records = resume_run(Path(resume), should_stop=stop)
     else:
         base_model, base_train = PRESETS[preset]
         model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
                                for k in MODEL_OPTIONS})
-        train_fields = {**TrainConfig().__dict__, **base_train,
-                        **{k: options[k] for k in TRAIN_OPTIONS if options[k] is not None}}
-        cfg = TrainConfig(**train_fields)
-        run_dir = Path(run_dir or f"runs/{preset}-{datetime.now():%Y%m%d-%H%M%S}")
-        records = start_run(run_dir, model, cfg, list(data) or None, list(heldout) or None, wikitext,
-                            should_stop=stop)
+        cfg = TrainConfig(**{**TrainConfig().__dict__, **base_train,
+                             **{k: options[k] for k in TRAIN_OPTIONS if options[k] is not None}})
+        run_dir = Path(run_dir or f"runs/{preset}-{'soma%d-' % experts if experts > 1 else ''}{datetime.now():%Y%m%d-%H%M%S}")
+        train_paths, heldout_paths = list(data) or None, list(heldout) or None
+        if experts > 1:
+            records = start_soma(run_dir, model, cfg, experts, loss, workers, chunk_size, train_paths,
+                                 heldout_paths, wikitext, top_k, should_stop=stop)
+        else:
+            if loss != "independent":
+                raise click.BadParameter("the summed loss needs --experts 2 or more", param_hint="--loss")
+            records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop)
     _render_training(records)
 
 
@@ -130,32 +150,54 @@ def _install_stop_handler():
 def _render_training(records):
     from tqdm import tqdm
 
-    bar = None
+    bars, stopped, failed = {}, False, []
     for r in records:
         event = r.get("event")
-        if event == "start":
+        if event == "clusters":
+            from zosoma.cluster import format_report
+            click.echo(f"clustered {r['n_chunks']:,} chunks of {r['chunk_size']} bytes:")
+            click.echo(format_report(r["report"]))
+        elif event == "start":
             m, t = r["model"], r["train"]
-            click.echo(f"run {r['run_dir']}: {r['n_params']:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
+            n = r.get("experts", 1)
+            who = f"{n} experts x " if n > 1 else ""
+            click.echo(f"run {r['run_dir']}: {who}{r['n_params']:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
                        f"SPSA P={t.perturbations} eps={t.eps} {t.optimizer} lr={t.lr}, "
-                       f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}")
+                       f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}"
+                       + (f", {r['loss_mode']} losses" if n > 1 else ""))
             click.echo(f"data: {_describe(r['data'])}")
-            bar = tqdm(total=t.steps, initial=r["step"], unit="step", dynamic_ncols=True,
-                       disable=None, file=sys.stderr)
+            steps = r.get("steps", [r.get("step", 0)])
+            for i, done in enumerate(steps):
+                bars[i] = tqdm(total=t.steps, initial=done, unit="step", dynamic_ncols=True, position=i,
+                               desc=f"expert {i}" if n > 1 else "train", disable=None, file=sys.stderr)
         elif event is None:
+            bar = bars[r.get("expert", 0)]
             bar.update(1)
-            bar.set_postfix_str(f"loss {r['loss']:.3f} nats/byte ({r['loss'] / math.log(2):.2f} bits), "
-                                f"{r['tokens_per_s']:,.0f} tok/s" + (" SKIPPED non-finite" if r["skipped"] else ""))
+            bar.set_postfix_str(f"loss {r['loss']:.3f} nats/byte, {r['tokens_per_s']:,.0f} tok/s"
+                                + (" SKIPPED non-finite" if r["skipped"] else ""))
             if r["skipped"]:
-                bar.write(f"step {r['step']}: non-finite loss, update skipped")
+                bar.write(f"expert {r.get('expert', 0)} step {r['step']}: non-finite loss, update skipped")
         elif event == "stopped":
-            bar.close()
-            click.echo(f"stopped at step {r['step']}; checkpoint saved. Continue with: zosoma train --resume <run>")
-            sys.exit(130)
+            stopped = True
+        elif event == "failed":
+            failed.append(f"expert {r['expert']} failed: {r['error']}")
         elif event == "done":
-            bar.close()
-            click.echo(f"trained {r['step']} steps; evaluating ...")
+            pass
         elif event == "evaluated":
+            _close(bars)
             click.echo(_format_results(r))
+    _close(bars)
+    for line in failed:
+        click.echo(line, err=True)
+    if stopped or failed:
+        click.echo("stopped; checkpoints saved. Continue with: zosoma train --resume <run>")
+        sys.exit(130 if stopped and not failed else 1)
+
+
+def _close(bars):
+    for bar in bars.values():
+        bar.close()
+    bars.clear()
 
 
 def _describe(corpus):
@@ -164,13 +206,21 @@ def _describe(corpus):
 
 
 def _format_results(r) -> str:
-    lines = [f"compute: {r['tokens']:,} forward tokens, {r['flops']:.3g} forward FLOPs, {r['wall_s']:.0f} s wall"]
-    if r.get("heldout"):
+    lines = [f"compute: {r['tokens']:,} forward tokens, {r['flops']:.3g} forward FLOPs, {r['wall_s']:.0f} s wall (summed over experts)"]
+    heldout, wiki = r.get("heldout"), r.get("wikitext103")
+    if heldout and isinstance(next(iter(heldout.values())), dict):  # SOMA: routed, experts, oracle
+        cols = list(next(iter(heldout.values())))
+        lines.append(f"held-out nats/byte (untrained: 5.545; top-{r['top_k']} routing, segments of "
+                     f"{r['segment']} bytes after {r['context']} bytes of context; oracle peeks at the targets):")
+        lines.append(f"  {'':<14}" + "".join(f"{c:>10}" for c in cols))
+        rows = list(heldout.items()) + ([("WikiText-103", wiki)] if wiki else [])
+        lines += [f"  {name:<14}" + "".join(f"{v[c]:>10.4f}" for c in cols) for name, v in rows]
+    elif heldout:
         lines.append("held-out nats/byte (untrained: 5.545):")
-        lines += [f"  {name:<14} {v:.4f}" for name, v in r["heldout"].items()]
-    if r.get("wikitext103") is not None:
-        lines.append(f"WikiText-103 test nats/byte: {r['wikitext103']:.4f}  ({r['wikitext103_path']})")
-    else:
+        lines += [f"  {name:<14} {v:.4f}" for name, v in heldout.items()]
+        if wiki is not None:
+            lines.append(f"WikiText-103 test nats/byte: {wiki:.4f}  ({r['wikitext103_path']})")
+    if wiki is None:
         lines.append("WikiText-103: not found (zosoma data download wikitext-103, or --wikitext PATH)")
     return "\n".join(lines)
 

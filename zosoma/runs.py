@@ -90,7 +90,7 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     results = evaluate_run(state.theta, trainer.layout, heldout, wikitext)
     results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
                    wall_s=state.wall_s, n_params=model.n_params())
-    _write_json(run_dir / RESULTS, results)
+    write_json(run_dir / RESULTS, results)
     yield {"event": "evaluated", **results}
 
 
@@ -106,7 +106,8 @@ def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, s
     return out
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
+    """Atomically (temporary file + rename) write obj as JSON."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
     os.replace(tmp, path)

@@ -1,0 +1,132 @@
+"""SOMA training: clusters, independent experts, the summed-loss ablation, resumption, errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+import zosoma.optim
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.errors import ConfigError
+from zosoma.experts import SOMA, expert_dir, resume_soma, start_soma
+from zosoma.train import read_checkpoint
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+CFG = TrainConfig(steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
+
+
+@pytest.fixture(scope="module")
+def two_domains(tmp_path_factory):
+    """Prose and digits: two domains clustering can tell apart."""
+    root = tmp_path_factory.mktemp("domains")
+    rng = np.random.default_rng(0)
+    words = [b"river", b"stone", b"light", b"green", b"house", b"quiet"]
+    (root / "prose.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 6, 3000)))
+    (root / "digits.txt").write_bytes(b",".join(b"%d" % v for v in rng.integers(0, 10**6, 3000)))
+    return root
+
+
+def records_of(gen):
+    return [r for r in gen]
+
+
+def soma_run(tmp_path, data, **kw):
+    args = dict(n_experts=2, chunk_size=256, train_paths=[str(data / "prose.txt"), str(data / "digits.txt")],
+                heldout_paths=[str(data / "prose.txt")], workers=1, top_k=2)
+    args.update(kw)
+    return records_of(start_soma(tmp_path, MODEL, args.pop("cfg", CFG), **args))
+
+
+def test_soma_clusters_trains_and_evaluates(tmp_path, two_domains):
+    records = soma_run(tmp_path, two_domains)
+    clusters = next(r for r in records if r.get("event") == "clusters")
+    mixes = [r["mix"] if "mix" in r else r for r in clusters["report"]]
+    assert len(mixes) == 2
+    assert {r["expert"] for r in records if "loss" in r} == {0, 1}
+    done = next(r for r in records if r.get("event") == "evaluated")
+    row = done["heldout"]["prose"]
+    assert {"routed", "expert0", "expert1", "oracle"} <= set(row)
+    assert row["oracle"] <= min(row["expert0"], row["expert1"]) + 1e-9
+    for i in range(2):
+        assert read_checkpoint(expert_dir(tmp_path, i)).step == CFG.steps
+    assert json.loads((tmp_path / SOMA).read_text())["experts"] == 2
+
+
+def counters(monkeypatch):
+    """Record every perturbation counter and every batch the trainers use."""
+    seen = {"noise": [], "batches": []}
+    add_noise = zosoma.optim.add_noise
+
+    def recording(out, base, scale, seed, expert, step, member, kind="rademacher", start=0):
+        if abs(scale) == CFG.eps:  # perturbations (not the update's regeneration)
+            seen["noise"].append((seed, expert, step, member, kind, np.sign(scale)))
+        return add_noise(out, base, scale, seed, expert, step, member, kind, start)
+
+    monkeypatch.setattr(zosoma.optim, "add_noise", recording)
+    from zosoma.corpus import BatchSampler
+    batch = BatchSampler.batch
+
+    def recording_batch(self, seed, stream, step, B):
+        out = batch(self, seed, stream, step, B)
+        seen["batches"].append((stream, step, out.tobytes()))
+        return out
+
+    monkeypatch.setattr(BatchSampler, "batch", recording_batch)
+    return seen
+
+
+def test_summed_and_independent_share_perturbations_and_batches(tmp_path, two_domains, monkeypatch):
+    seen = {}
+    for loss in ("independent", "summed"):
+        with monkeypatch.context() as m:
+            seen[loss] = counters(m)
+            soma_run(tmp_path / loss, two_domains, loss=loss)
+    assert sorted(seen["independent"]["noise"]) == sorted(seen["summed"]["noise"])
+    assert sorted(seen["independent"]["batches"]) == sorted(seen["summed"]["batches"])
+    assert len(seen["summed"]["noise"]) == 2 * CFG.steps * CFG.perturbations * 2
+    # Same start, same data and noise, different scalars: the experts end up elsewhere.
+    for i in range(2):
+        a = read_checkpoint(expert_dir(tmp_path / "independent", i)).theta
+        b = read_checkpoint(expert_dir(tmp_path / "summed", i)).theta
+        assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("loss", ["independent", "summed"])
+def test_stopped_soma_run_resumes_exactly(tmp_path, two_domains, loss):
+    soma_run(tmp_path / "full", two_domains, loss=loss)
+    steps = {"n": 0}
+
+    def stop_after_three():
+        steps["n"] += 1
+        return steps["n"] > 3
+
+    kw = dict(n_experts=2, chunk_size=256, train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")],
+              workers=1, loss=loss)
+    records = records_of(start_soma(tmp_path / "part", MODEL, CFG, should_stop=stop_after_three, **kw))
+    assert any(r.get("event") == "stopped" for r in records)
+    assert min(read_checkpoint(expert_dir(tmp_path / "part", i)).step for i in range(2)) < CFG.steps
+    records_of(resume_soma(tmp_path / "part", workers=1))
+    for i in range(2):
+        a = read_checkpoint(expert_dir(tmp_path / "full", i))
+        b = read_checkpoint(expert_dir(tmp_path / "part", i))
+        assert a.step == b.step == CFG.steps
+        assert np.array_equal(a.theta, b.theta)
+
+
+def test_worker_processes_match_in_process_training(tmp_path, two_domains):
+    soma_run(tmp_path / "serial", two_domains, workers=1)
+    soma_run(tmp_path / "pool", two_domains, workers=2)
+    for i in range(2):
+        a = read_checkpoint(expert_dir(tmp_path / "serial", i)).theta
+        b = read_checkpoint(expert_dir(tmp_path / "pool", i)).theta
+        assert np.array_equal(a, b)
+
+
+def test_soma_errors(tmp_path, two_domains):
+    with pytest.raises(ConfigError, match="cannot make 500 clusters"):
+        soma_run(tmp_path / "a", two_domains, n_experts=500)
+    with pytest.raises(ConfigError, match="shorter than a training window"):
+        soma_run(tmp_path / "b", two_domains, chunk_size=8)
+    soma_run(tmp_path / "c", two_domains)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        soma_run(tmp_path / "c", two_domains)
