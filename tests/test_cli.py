@@ -149,7 +149,7 @@ def test_subprocess_ctrl_c_saves_and_exits(tmp_path, text_files):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert "checkpoint saved" in out
+    assert "checkpoints saved" in out
     ckpt = load_checkpoint(run_dir / "checkpoint.h5")
     assert ckpt.step > 0
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == ckpt.step
