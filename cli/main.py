@@ -307,11 +307,15 @@ def data():
 def data_show():
     """Describe the shipped corpus (after verifying its checksums)."""
     from zosoma.corpus import default_corpus_dir, describe, load_corpus
-    for split in ("train", "heldout"):
-        c = load_corpus(None, split=split)
+    from zosoma.evaluate import ngram_baselines
+    corpora = {split: load_corpus(None, split=split) for split in ("train", "heldout")}
+    for split, c in corpora.items():
         click.echo(f"{split}: {describe(c)}")
         for name, doc in zip(c.names, c.docs):
             click.echo(f"  {name:<14} {doc.size:>10,} bytes")
+    base = ngram_baselines(corpora["train"], corpora["heldout"])
+    click.echo(f"held-out nats/byte of byte n-gram models counted on train (add-one): unigram "
+               f"{base['unigram']:.3f}, bigram {base['bigram']:.3f}; uniform 5.545")
     click.echo(f"location: {default_corpus_dir()} (licences in LICENSES/)")
 
 

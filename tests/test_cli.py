@@ -160,3 +160,30 @@ def test_console_script_installed():
     exe = Path(sys.executable).parent / "zosoma"
     result = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "zosoma" in result.stdout
+
+
+def test_soma_commands(tmp_path, text_files):
+    """train --experts, eval with routing options, sample, cluster, variance, and their errors."""
+    data = ["--data", str(text_files / "a.txt"), "--data", str(text_files / "b.txt")]
+    run_dir = tmp_path / "soma"
+    result = run(["train", "--experts", "2", "--workers", "1", "--chunk-size", "128", "--steps", "3",
+                  "--heldout", str(text_files / "held"), "--run-dir", str(run_dir)] + data + TINY)
+    assert result.exit_code == 0, result.output
+    assert "cluster 0:" in result.output and "routed" in result.output and "oracle" in result.output
+    result = run(["eval", str(run_dir), "--data", str(text_files / "held"), "--top-k", "1"])
+    assert result.exit_code == 0 and "expert1" in result.output
+    assert "exceeds the 2 experts" in one_line_error(run(["eval", str(run_dir), "--top-k", "3"]))
+    result = run(["sample", str(run_dir), "--prompt", "alpha", "--bytes", "20", "--seed", "3"])
+    assert result.exit_code == 0 and result.output.startswith("alpha")
+    assert result.output == run(["sample", str(run_dir), "--prompt", "alpha", "--bytes", "20", "--seed", "3"]).output
+    result = run(["train", "--resume", str(run_dir)])
+    assert result.exit_code == 0, result.output  # already finished: nothing to train, evaluates again
+
+    result = run(["cluster", "-N", "2", "--chunk-size", "128"] + data)
+    assert result.exit_code == 0 and "purity" in result.output
+    assert "cannot make 5000 clusters" in one_line_error(run(["cluster", "-N", "5000", "--chunk-size", "128"] + data))
+    assert "exceeds the 2 experts" in one_line_error(run(["train", "--experts", "2", "--top-k", "3"] + data), code=2)
+    assert "--experts 2 or more" in one_line_error(run(["train", "--loss", "summed"] + data), code=2)
+
+    result = run(["variance", "--no-lstm", "--trials", "2000"])
+    assert result.exit_code == 0 and "ratio" in result.output
