@@ -430,7 +430,7 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy):
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
 def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise):
     """SPSA step throughput split into forward passes, noise generation and the update."""
-    from zosoma.bench import bench_spsa, format_spsa
+    from zosoma.bench_spsa import bench_spsa, format_spsa
     click.echo(format_spsa(bench_spsa(preset=preset, perturbations=perturbations, batch=batch,
                                       seq_len=seq_len, steps=steps, noise=noise)))
 

@@ -16,6 +16,7 @@ decoupled weight decay as AdamW, Loshchilov & Hutter 2019).
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -43,15 +44,24 @@ def member_chunks(P: int, d: int, budget_bytes: int = 64 << 20) -> Iterator[rang
 
 
 def spsa_losses(theta: np.ndarray, loss_fn: Callable[[np.ndarray], np.ndarray], P: int, eps: float,
-                seed: int, expert: int, step: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
+                seed: int, expert: int, step: int, kind: str,
+                timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """L(theta + eps*delta_k) and L(theta - eps*delta_k) for k = 0..P-1, evaluating the population
-    chunk by chunk with loss_fn((M, d) thetas) -> (M,) losses on the step's shared minibatch."""
+    chunk by chunk with loss_fn((M, d) thetas) -> (M,) losses on the step's shared minibatch.
+    `timings`, if given, accumulates seconds spent building perturbations ("noise") and in
+    loss_fn ("forward")."""
     plus, minus = np.empty(P), np.empty(P)
+    timings = {} if timings is None else timings
     buf = None
     for chunk in member_chunks(P, theta.size):
         if buf is None or buf.shape[0] != 2 * len(chunk):
             buf = np.empty((2 * len(chunk), theta.size), np.float32)
-        losses = loss_fn(perturbed(theta, eps, chunk, seed, expert, step, kind, buf))
+        t0 = time.perf_counter()
+        population = perturbed(theta, eps, chunk, seed, expert, step, kind, buf)
+        t1 = time.perf_counter()
+        losses = loss_fn(population)
+        timings["noise"] = timings.get("noise", 0.0) + t1 - t0
+        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
         plus[chunk.start:chunk.stop] = losses[0::2]
         minus[chunk.start:chunk.stop] = losses[1::2]
     return plus, minus

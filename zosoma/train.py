@@ -110,7 +110,7 @@ class Trainer:
         self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _rewrite_metrics(self.run_dir / METRICS, state.metrics)  # drop records past the checkpoint
-        self.busy_s = 0.0  # time spent in losses() for the step in progress
+        self.timings: dict = {}  # seconds of the step in progress: noise, forward, update
 
     @property
     def done(self) -> bool:
@@ -121,10 +121,9 @@ class Trainer:
         t0 = time.perf_counter()
         cfg, step = self.cfg, self.state.step
         batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
-        result = spsa_losses(self.state.theta, lambda thetas: population_loss(thetas, self.layout, batch),
-                             cfg.perturbations, cfg.eps, cfg.seed, self.expert, step, cfg.noise)
-        self.busy_s = time.perf_counter() - t0
-        return result
+        self.timings = {"data": time.perf_counter() - t0}
+        return spsa_losses(self.state.theta, lambda thetas: population_loss(thetas, self.layout, batch),
+                           cfg.perturbations, cfg.eps, cfg.seed, self.expert, step, cfg.noise, self.timings)
 
     def update(self, coeffs: np.ndarray, loss: float) -> dict:
         """Apply ghat = (1/P) sum_k coeffs[k] delta_k; a non-finite coefficient skips the step (a
@@ -138,10 +137,12 @@ class Trainer:
             ghat = spsa_gradient(coeffs, theta.size, cfg.seed, self.expert, step, cfg.noise)
             theta, opt = apply_update(cfg.optimizer, theta, ghat, opt, step, lr,
                                       cfg.momentum, cfg.beta2, cfg.weight_decay)
-        dt = self.busy_s + time.perf_counter() - t0
+        self.timings["update"] = time.perf_counter() - t0
+        dt = sum(self.timings.values())
         record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
                   "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
-                  "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped)}
+                  "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped),
+                  **{f"{k}_s": v for k, v in self.timings.items()}}
         record["flops"] = record["tokens"] * self.model.flops_per_token()
         # The state changes only here, once the step is complete (stop requests are polled).
         state.theta, state.optimizer, state.step = theta, opt, step + 1
