@@ -1,7 +1,6 @@
 """The SPSA step, update rules and the training loop: estimates, skipping, exact resumption."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

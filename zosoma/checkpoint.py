@@ -20,7 +20,6 @@ onto the target, so a crash mid-write leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import textwrap
@@ -34,6 +33,7 @@ import numpy as np
 from . import __version__
 from .config import ModelConfig, TrainConfig, from_json, to_json
 from .errors import CheckpointError, ConfigError
+from .h5util import attr_int, attr_text, content_digest, fsync_dir, fsync_path
 from .params import Layout
 
 FORMAT = "zosoma-checkpoint"
@@ -70,21 +70,6 @@ def _layout_json(layout: Layout) -> str:
     return json.dumps([[e.name, list(e.shape), e.offset] for e in layout.entries])
 
 
-def _digest(texts: dict[str, str], arrays: list[tuple[str, np.ndarray]]) -> str:
-    """SHA-256 over the text fields (sorted by key) and then the arrays (in the given order), each
-    framed by its key, length / dtype and shape, arrays as little-endian C-order bytes."""
-    h = hashlib.sha256()
-    for key in sorted(texts):
-        data = texts[key].encode("utf-8")
-        h.update(f"{key}\0{len(data)}\0".encode())
-        h.update(data)
-    for key, a in arrays:
-        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
-        h.update(f"{key}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(a.data if a.size else b"")
-    return h.hexdigest()
-
-
 def _check_for_writing(ckpt: Checkpoint, layout: Layout) -> None:
     """Refuse to write a checkpoint that could not be read back (caller bugs, so ValueError)."""
     theta = ckpt.theta
@@ -100,31 +85,6 @@ def _check_for_writing(ckpt: Checkpoint, layout: Layout) -> None:
             raise ValueError(f"optimizer state {name!r} must be a numeric NumPy array")
     if not isinstance(ckpt.metrics, list) or not isinstance(ckpt.extra, dict):
         raise ValueError("metrics must be a list of records and extra a dict")
-
-
-def _fsync_path(path: Path) -> None:
-    # A fresh descriptor is enough: fsync flushes the file's pages whoever wrote them, and h5py's
-    # close (which may still write metadata) has happened by now.
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable. Best effort: Windows cannot open a directory and some
-    network filesystems refuse to fsync one; the data file itself is already on disk."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
@@ -153,7 +113,7 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
         raise TypeError(f"checkpoint metrics and extra must be JSON serialisable: {err}") from None
     params = [(e.name, layout.view(ckpt.theta, e.name)) for e in layout.entries]
     optimizer = [(name, ckpt.optimizer[name]) for name in sorted(ckpt.optimizer)]
-    checksum = _digest(texts, [("params/" + n, a) for n, a in params] +
+    checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
                        [("optimizer/" + n, a) for n, a in optimizer])
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -172,7 +132,7 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
             for name, values in optimizer:
                 group.create_dataset(name, data=values)
             f.create_dataset("metrics", data=texts["metrics"], dtype=h5py.string_dtype())
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
@@ -180,24 +140,7 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
             reason = " ".join(str(err).split())
             raise CheckpointError(f"cannot write checkpoint {path}: {reason}") from err
         raise
-    _fsync_dir(path.parent)
-
-
-def _text(value) -> str:
-    """An HDF5 string attribute as str (h5py gives bytes for fixed-length strings)."""
-    if isinstance(value, (bytes, np.bytes_)):
-        return value.decode("utf-8")
-    if isinstance(value, str):
-        return value
-    raise TypeError(f"expected a string, found {type(value).__name__}")
-
-
-def _integer(value, what: str) -> int:
-    if isinstance(value, np.ndarray) and value.shape == ():
-        value = value[()]
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} is not an integer: {value!r}")
-    return int(value)
+    fsync_dir(path.parent)
 
 
 class _Damaged(Exception):
@@ -215,11 +158,11 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
     with h5py.File(path, "r") as f:
         if "format" not in f.attrs:
             raise _Damaged("no 'format' attribute (not written by zosoma)")
-        fmt = _text(f.attrs["format"])
+        fmt = attr_text(f.attrs["format"])
         if fmt != FORMAT:
             raise _Damaged(f"format is {fmt!r}, expected {FORMAT!r}")
-        version = _integer(f.attrs.get("format_version"), "format_version")
-        written_by = _text(f.attrs.get("zosoma_version", "unknown"))
+        version = attr_int(f.attrs.get("format_version"), "format_version")
+        written_by = attr_text(f.attrs.get("zosoma_version", "unknown"))
         if version > FORMAT_VERSION:
             raise CheckpointError(
                 f"checkpoint {path} was written by a newer zosoma ({written_by}, format version "
@@ -229,8 +172,8 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
 
         texts = {"format": fmt, "format_version": str(version), "zosoma_version": written_by}
         for key in ("config", "created", "extra"):
-            texts[key] = _text(f.attrs[key])
-        step = _integer(f.attrs["step"], "step")
+            texts[key] = attr_text(f.attrs[key])
+        step = attr_int(f.attrs["step"], "step")
         if step < 0:
             raise _Damaged(f"negative step {step}")
         texts["step"] = str(step)
@@ -242,7 +185,7 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
 
         layout = Layout(model)
         group = f["params"]
-        texts["layout"] = _text(group.attrs["layout"])
+        texts["layout"] = attr_text(group.attrs["layout"])
         stored = [(str(n), tuple(int(s) for s in shape), int(o)) for n, shape, o in json.loads(texts["layout"])]
         expected = [(e.name, e.shape, e.offset) for e in layout.entries]
         if stored != expected:
@@ -260,7 +203,7 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
                                       f"{getattr(ds, 'shape', None)}, expected {e.shape} for {model}")
             if ds.dtype.kind != "f" or ds.dtype.itemsize != 4:
                 raise _Damaged(f"parameter {e.name!r} has dtype {ds.dtype}, expected float32")
-            if _integer(ds.attrs["offset"], "offset") != e.offset:
+            if attr_int(ds.attrs["offset"], "offset") != e.offset:
                 raise _Damaged(f"parameter {e.name!r} has offset {ds.attrs['offset']}, expected {e.offset}")
             view = layout.view(theta, e.name)
             view[...] = ds[()]
@@ -273,14 +216,14 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
                 raise _Damaged(f"optimizer state {name!r} is not a numeric dataset")
             optimizer[name] = np.asarray(ds[()])
 
-        texts["metrics"] = _text(f["metrics"][()])
+        texts["metrics"] = attr_text(f["metrics"][()])
         metrics = json.loads(texts["metrics"])
         if not isinstance(metrics, list):
             raise _Damaged("'metrics' is not a JSON list")
 
-        checksum = _text(f.attrs["checksum"])
+        checksum = attr_text(f.attrs["checksum"])
     arrays = params + [("optimizer/" + n, a) for n, a in optimizer.items()]
-    if _digest(texts, arrays) != checksum:
+    if content_digest(texts, arrays) != checksum:
         raise _Damaged("checksum mismatch (the file was modified or corrupted after writing)")
     header = {"format": fmt, "format_version": version, "zosoma_version": written_by,
               "created": texts["created"]}

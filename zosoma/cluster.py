@@ -58,7 +58,7 @@ import numpy as np
 import scipy.sparse
 from numba import njit
 
-from .checkpoint import _digest, _fsync_dir, _fsync_path, _integer, _text
+from .h5util import attr_int, attr_text, content_digest, fsync_dir, fsync_path
 from .corpus import Corpus
 from .errors import CheckpointError, ConfigError, DataError
 
@@ -505,7 +505,7 @@ class Clustering:
         group.attrs["format"] = FORMAT
         group.attrs["format_version"] = np.int64(FORMAT_VERSION)
         group.attrs["config"] = self.config.to_json()
-        group.attrs["checksum"] = _digest(*self._digest_parts())
+        group.attrs["checksum"] = content_digest(*self._digest_parts())
         for name, values in self._arrays():
             group.create_dataset(name, data=values)
 
@@ -535,14 +535,14 @@ class Clustering:
     def _load(cls, group, where: str) -> "Clustering":
         import h5py
 
-        fmt = _text(group.attrs["format"]) if "format" in group.attrs else None
+        fmt = attr_text(group.attrs["format"]) if "format" in group.attrs else None
         if fmt != FORMAT:
             raise _Damaged(f"format is {fmt!r}, expected {FORMAT!r}")
-        version = _integer(group.attrs["format_version"], "format_version")
+        version = attr_int(group.attrs["format_version"], "format_version")
         if version != FORMAT_VERSION:
             raise CheckpointError(f"{where}: clustering format version {version} is not supported "
                                   f"(this zosoma reads version {FORMAT_VERSION})")
-        config = ClusterConfig.from_json(_text(group.attrs["config"]))
+        config = ClusterConfig.from_json(attr_text(group.attrs["config"]))
         F, D, N = config.n_features, config.svd_dim, config.n_clusters
         arrays = {}
         for name, shape in (("idf", (F,)), ("projection", (F, D)), ("centroids", (N, D))):
@@ -552,7 +552,7 @@ class Clustering:
                                f"expected float32 {shape}")
             arrays[name] = np.ascontiguousarray(ds[()])
         clustering = cls(config, arrays["idf"], arrays["projection"], arrays["centroids"])
-        if _digest(*clustering._digest_parts()) != _text(group.attrs["checksum"]):
+        if content_digest(*clustering._digest_parts()) != attr_text(group.attrs["checksum"]):
             raise _Damaged("checksum mismatch (modified or corrupted after writing)")
         return clustering
 
@@ -578,14 +578,14 @@ def save_clustering(path: PathLike, clustering: Clustering) -> None:
     try:
         with h5py.File(tmp, "w") as f:
             clustering.save(f)
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
         if isinstance(err, OSError):
             raise CheckpointError(f"cannot write clustering {path}: {' '.join(str(err).split())}") from err
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def load_clustering(path: PathLike) -> Clustering:
