@@ -1,0 +1,208 @@
+"""Benchmarks: tokens/s of each forward path, measured in one run beside their references.
+
+Every benchmark returns a list of records (plain dicts) that `format_records` renders as a table:
+    name             what ran
+    tokens_per_s     predicted bytes per second (median over `repeats` timed runs, after a warm-up)
+    gflops           nominal model GFLOP/s: ModelConfig.flops_per_token() * tokens_per_s / 1e9
+                     (the same count for every path, whatever shortcuts a path takes)
+    fraction_of_peak gflops / the fp32 matmul GFLOP/s measured in the same run
+    ratio_vs_torch   tokens_per_s / torch's tokens_per_s in the same run
+    repeats, seconds (median seconds per timed run), threads, note
+
+Timed paths run in interleaved rounds (one run of each path per round), so a load that comes and
+goes on a shared machine hits every path alike, with a short pause between paths: each BLAS
+(NumPy's OpenBLAS, SciPy's OpenBLAS behind Numba, torch's OpenMP pool) has threads that spin for a
+while after a call, and would steal the cores from the next path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from .config import VOCAB, ModelConfig
+from .params import Layout, init_params
+
+_PAUSE_S = 0.3  # lets the previous path's BLAS threads stop spinning (OpenBLAS: about 0.1 s)
+_PEAK_N = 2048  # matmul size for the fp32 peak
+
+
+def blas_threads() -> int:
+    """Threads OpenBLAS uses: its environment variables, else one per core."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return os.cpu_count() or 1
+
+
+def _time_once(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_interleaved(paths: dict[str, Callable[[], object]], repeats: dict[str, int],
+                     pause_s: float = _PAUSE_S) -> dict[str, list[float]]:
+    """Seconds per call of each path: one warm-up call each, then rounds that run every path
+    still short of its repeats once, pausing between paths."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()
+        time.sleep(pause_s)
+    for _ in range(max(repeats.values())):
+        for name, fn in paths.items():
+            if len(times[name]) < repeats[name]:
+                times[name].append(_time_once(fn))
+                time.sleep(pause_s)
+    return times
+
+
+def matmul_peak_gflops(n: int = _PEAK_N, repeats: int = 5) -> float:
+    """Median fp32 GFLOP/s of an n x n x n np.matmul: the machine's practical peak."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    out = np.empty((n, n), np.float32)
+    np.matmul(a, b, out=out)
+    seconds = [_time_once(lambda: np.matmul(a, b, out=out)) for _ in range(repeats)]
+    return 2 * n ** 3 / float(np.median(seconds)) / 1e9
+
+
+def _torch_forward(config: ModelConfig, batch: np.ndarray, threads: int):
+    """torch's CPU path for the same model shape: nn.Embedding + nn.LSTM(batch_first) + nn.Linear
+    + cross_entropy under no_grad (its own random weights: speed does not depend on them)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(VOCAB, config.embed)
+    lstm = torch.nn.LSTM(config.embed, config.hidden, config.layers, batch_first=True)
+    out = torch.nn.Linear(config.hidden, VOCAB)
+    data = torch.from_numpy(batch.astype(np.int64))
+    inputs, targets = data[:, :-1], data[:, 1:].reshape(-1)
+
+    def run():
+        with torch.no_grad():
+            hidden, _ = lstm(embed(inputs))
+            logits = out(hidden).reshape(-1, VOCAB)
+            return float(torch.nn.functional.cross_entropy(logits, targets))
+
+    return run
+
+
+def _record(name: str, config: ModelConfig, tokens: int, seconds: list[float], peak: float,
+            **extra) -> dict:
+    median = float(np.median(seconds))
+    tokens_per_s = tokens / median
+    gflops = config.flops_per_token() * tokens_per_s / 1e9
+    return {"name": name, "tokens_per_s": tokens_per_s, "gflops": gflops,
+            "fraction_of_peak": gflops / peak, "ratio_vs_torch": None, "repeats": len(seconds),
+            "seconds": median, **extra}
+
+
+def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: int = 64,
+                  seq_len: int = 256, repeats: int = 5, seed: int = 0,
+                  include_numpy: bool = True) -> list[dict]:
+    """Forward + mean loss (no gradient) of one model on a (batch, seq_len + 1) byte batch:
+    the NumPy reference, the Numba `population_loss` with M = 1, and torch's nn.LSTM, timed in
+    interleaved rounds, plus the fp32 matmul peak measured in the same run."""
+    from . import forward, reference
+
+    config = ModelConfig(embed=embed, hidden=hidden, layers=layers)
+    layout = Layout(config)
+    theta = init_params(config, seed)
+    data = np.random.default_rng([seed, 0xBE7C]).integers(0, VOCAB, (batch, seq_len + 1),
+                                                          dtype=np.uint8)
+    tokens = batch * seq_len
+    threads = blas_threads()
+    shape = f"E={embed} H={hidden} L={layers} B={batch} T={seq_len}"
+
+    paths = {"numba": lambda: forward.population_loss(theta[None], layout, data)}
+    counts = {"numba": repeats}
+    try:
+        paths["torch"] = _torch_forward(config, data, threads)
+        counts["torch"] = repeats
+        import torch
+        torch_threads = torch.get_num_threads()
+    except ImportError:
+        torch_threads = None
+    numpy_repeats = min(repeats, 2)  # minutes per run at the full-size model
+    if include_numpy:
+        paths["numpy"] = lambda: reference.loss(theta, layout, data)
+        counts["numpy"] = numpy_repeats
+
+    times = time_interleaved(paths, counts)
+    time.sleep(_PAUSE_S)
+    peak = matmul_peak_gflops()
+
+    records = [{"name": f"fp32 matmul peak (numpy, {_PEAK_N}^3)", "tokens_per_s": None,
+                "gflops": peak, "fraction_of_peak": 1.0, "ratio_vs_torch": None, "repeats": 5,
+                "threads": f"blas={threads}"}]
+    if include_numpy:
+        records.append(_record("numpy reference forward+loss", config, tokens, times["numpy"],
+                               peak, threads=f"blas={threads}",
+                               note=f"{shape}; {numpy_repeats} repeats (slow path)"))
+    records.append(_record("numba population_loss M=1", config, tokens, times["numba"], peak,
+                           threads=f"blas={threads}",
+                           note=f"{shape}; layer-0 input projection by table lookup"))
+    if "torch" in times:
+        records.append(_record("torch nn.LSTM no_grad", config, tokens, times["torch"], peak,
+                               threads=f"torch={torch_threads}", note=shape))
+        torch_rate = records[-1]["tokens_per_s"]
+        for record in records:
+            if record["tokens_per_s"] is not None:
+                record["ratio_vs_torch"] = record["tokens_per_s"] / torch_rate
+    else:
+        records.append({"name": "torch nn.LSTM no_grad", "tokens_per_s": None, "gflops": None,
+                        "fraction_of_peak": None, "ratio_vs_torch": None, "repeats": 0,
+                        "note": "torch not installed"})
+    return records
+
+
+_COLUMNS = (  # (key, header, format); other keys follow in first-seen order
+    ("name", "path", "{}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("gflops", "GFLOP/s", "{:.1f}"),
+    ("fraction_of_peak", "of peak", "{:.0%}"),
+    ("ratio_vs_torch", "vs torch", "{:.2f}x"),
+    ("repeats", "repeats", "{}"),
+    ("seconds", "s/run", "{:.3f}"),
+    ("threads", "threads", "{}"),
+)
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    return fmt.format(value)
+
+
+def format_records(records: list[dict]) -> str:
+    """An aligned plain-text table of benchmark records (numbers right-aligned, "-" for none);
+    a "note" column, when any record has one, goes last."""
+    known = [c for c in _COLUMNS if any(c[0] in r for r in records)]
+    extra = []
+    for record in records:
+        for key, value in record.items():
+            if (key not in {c[0] for c in _COLUMNS} and key != "note" and key not in extra
+                    and not isinstance(value, (list, tuple, dict))):
+                extra.append(key)
+    columns = known + [(key, key, "{}") for key in extra]
+    if any("note" in r for r in records):
+        columns.append(("note", "note", "{}"))
+    rows = [[header for _, header, _ in columns]]
+    rows += [[_cell(r.get(key), fmt) for key, _, fmt in columns] for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    left = {"name", "note", "threads"}
+
+    def line(row):
+        cells = [cell.ljust(w) if key in left else cell.rjust(w)
+                 for cell, w, (key, _, _) in zip(row, widths, columns)]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(rows[0]), rule] + [line(row) for row in rows[1:]])
