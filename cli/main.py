@@ -49,6 +49,16 @@ def _nonneg(ctx, param, value):
 
 
 _TC = __import__("zosoma.config", fromlist=["TrainConfig"]).TrainConfig()  # defaults shown in --help
+def device_option(f):
+    return click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+                        help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
+
+
+def _resolve(device: str) -> str:
+    from zosoma.backend import resolve_device
+    return resolve_device(device)
+
+
 MODEL_OPTIONS = ("embed", "hidden", "layers")
 TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "optimizer", "lr",
                  "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every")
@@ -84,8 +94,10 @@ TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "
 @click.option("--checkpoint-every", type=int, callback=_positive, help=f"Steps between checkpoints.  [default: {_TC.checkpoint_every}]")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
 @click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
+@device_option
 @click.pass_context
-def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_size, top_k, resume, run_dir, **options):
+def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_size, top_k, resume, run_dir, device,
+          **options):
     """Train byte-level LSTMs with SPSA (forward passes only), then evaluate.
 
     With --experts N > 1 (SOMA): cluster the corpus into N clusters, train one expert per cluster
@@ -102,6 +114,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
 
     if top_k > experts and experts > 1:
         raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
+    device = _resolve(device)
     stop = _install_stop_handler()
     if resume:
         given = [k for k, v in options.items() if v is not None]
@@ -112,9 +125,9 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
             raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
                                    + ", ".join("--" + n.replace("_", "-") for n in clashing))
         if (Path(resume) / SOMA).exists():
-            records = resume_soma(Path(resume), workers, should_stop=stop)
+            records = resume_soma(Path(resume), workers, should_stop=stop, device=device)
         else:
-            records = resume_run(Path(resume), should_stop=stop)
+            records = resume_run(Path(resume), should_stop=stop, device=device)
     else:
         base_model, base_train = PRESETS[preset]
         model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
@@ -125,11 +138,12 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
         if experts > 1:
             records = start_soma(run_dir, model, cfg, experts, loss, workers, chunk_size, train_paths,
-                                 heldout_paths, wikitext, top_k, should_stop=stop)
+                                 heldout_paths, wikitext, top_k, should_stop=stop, device=device)
         else:
             if loss != "independent":
                 raise click.BadParameter("the summed loss needs --experts 2 or more", param_hint="--loss")
-            records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop)
+            records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
+                                device=device)
     _render_training(records)
 
 
@@ -237,7 +251,8 @@ def _format_results(r) -> str:
 @click.option("--temperature", type=float, default=0.1, show_default=True, help="SOMA run: routing temperature T in softmax(-d^2 / T).")
 @click.option("--segment", type=int, default=256, show_default=True, callback=_positive, help="SOMA run: bytes predicted per routing decision.")
 @click.option("--context", type=int, default=512, show_default=True, callback=_positive, help="SOMA run: bytes before each segment used for routing and warm-up.")
-def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, context):
+@device_option
+def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, context, device):
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
@@ -259,7 +274,7 @@ def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, cont
     else:
         from zosoma.checkpoint import load_checkpoint
         ckpt = load_checkpoint(path)
-    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, streams=streams)
+    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, streams=streams, device=_resolve(device))
     click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
     click.echo(_format_results(r))
 
@@ -428,11 +443,12 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy):
 @click.option("--seq-len", type=int, default=128, show_default=True, callback=_positive)
 @click.option("--steps", type=int, default=2, show_default=True, callback=_positive, help="Timed steps (after one warm-up step).")
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
-def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise):
+@device_option
+def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, device):
     """SPSA step throughput split into forward passes, noise generation and the update."""
     from zosoma.bench_spsa import bench_spsa, format_spsa
     click.echo(format_spsa(bench_spsa(preset=preset, perturbations=perturbations, batch=batch,
-                                      seq_len=seq_len, steps=steps, noise=noise)))
+                                      seq_len=seq_len, steps=steps, noise=noise, device=_resolve(device))))
 
 
 @bench.command("route")

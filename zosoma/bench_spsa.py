@@ -20,7 +20,7 @@ PARTS = ("forward", "noise", "data", "update")
 
 
 def bench_spsa(preset: str = "paper", perturbations: int = 64, batch: int = 8, seq_len: int = 128,
-               steps: int = 2, noise: str = "rademacher", seed: int = 0) -> dict:
+               steps: int = 2, noise: str = "rademacher", seed: int = 0, device: str = "cpu") -> dict:
     """Median per-step seconds of each part over `steps` timed steps (after one warm-up step)."""
     model, overrides = PRESETS[preset]
     cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides, "perturbations": perturbations,
@@ -29,7 +29,7 @@ def bench_spsa(preset: str = "paper", perturbations: int = 64, batch: int = 8, s
     sampler = BatchSampler(load_corpus(None, "train"), seq_len + 1)
     per_step = []
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg))
+        trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), device=device)
         for _ in range(steps + 1):
             coeffs, loss = central_differences(*trainer.losses(), cfg.eps)
             trainer.update(coeffs, loss)
@@ -41,14 +41,14 @@ def bench_spsa(preset: str = "paper", perturbations: int = 64, batch: int = 8, s
     return {"preset": preset, "n_params": model.n_params(), "perturbations": perturbations, "batch": batch,
             "seq_len": seq_len, "noise": noise, "steps": steps, "parts": parts, "step_s": total,
             "tokens_per_s": tokens / total, "outside_forward": 1 - parts["forward"] / total,
-            "model": model}
+            "model": model, "device": device}
 
 
 def format_spsa(r: dict) -> str:
     m = r["model"]
     lines = [f"SPSA step, preset {r['preset']} (E={m.embed} H={m.hidden} L={m.layers}, {r['n_params']:,} parameters), "
              f"P={r['perturbations']} ({2 * r['perturbations']} forward passes), B={r['batch']} T={r['seq_len']}, "
-             f"{r['noise']} noise; median of {r['steps']} steps after a warm-up",
+             f"{r['noise']} noise, device {r['device']}; median of {r['steps']} steps after a warm-up",
              f"  {'part':<10} {'s/step':>9} {'share':>7}"]
     lines += [f"  {k:<10} {v:>9.3f} {v / r['step_s']:>7.1%}" for k, v in r["parts"].items()]
     lines.append(f"  {'total':<10} {r['step_s']:>9.3f}   {r['tokens_per_s']:,.0f} forward tokens/s")

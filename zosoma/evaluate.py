@@ -52,13 +52,17 @@ def stream_batches(data: np.ndarray, streams: int, segment: int):
 
 
 def evaluate_bytes(theta: np.ndarray, layout: Layout, data: np.ndarray, streams: int = 16,
-                   segment: int = 256) -> EvalResult:
+                   segment: int = 256, device: str = "cpu") -> EvalResult:
     """Total nats of every byte of `data` (uint8, at least 2 bytes) given all bytes before it."""
     if data.size < 2:
         raise DataError(f"need at least 2 bytes to evaluate, got {data.size}")
+    if device == "cuda":
+        from .gpu import nll_stream as stream
+    else:
+        stream = nll_stream
     total, state = 0.0, None
     for tokens, targets, mask in stream_batches(data, streams, segment):
-        nll, state = nll_stream(theta, layout, np.ascontiguousarray(tokens), np.ascontiguousarray(targets), state)
+        nll, state = stream(theta, layout, np.ascontiguousarray(tokens), np.ascontiguousarray(targets), state)
         total += float(nll[mask].sum(dtype=np.float64))
     return EvalResult(total, data.size - 1)
 

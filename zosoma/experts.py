@@ -54,7 +54,8 @@ def expert_corpora(chunks: Corpus, assignments: np.ndarray, n: int) -> list[Corp
 
 def start_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                workers: int | None = None, chunk_size: int = 2048, train_paths=None, heldout_paths=None,
-               wikitext=None, top_k: int = 2, should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+               wikitext=None, top_k: int = 2, should_stop: Callable[[], bool] = lambda: False,
+               device: str = "cpu") -> Iterator[dict]:
     """Cluster, initialise and train a new SOMA run; yields "clusters", "start", per-step records
     (with "expert"), per-expert "done"/"stopped"/"failed", then "evaluated"."""
     run_dir = Path(run_dir)
@@ -86,12 +87,12 @@ def start_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: i
     yield {"event": "clusters", "report": report, "n_chunks": len(chunks), "chunk_size": chunk_size}
     yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "experts": n_experts,
            "loss_mode": loss, "data": train_corpus, "model": model, "train": cfg, "steps": [0] * n_experts}
-    yield from _train_experts(run_dir, soma, corpora, workers, should_stop)
+    yield from _train_experts(run_dir, soma, corpora, workers, should_stop, device)
     yield from _evaluate(run_dir, soma, heldout)
 
 
-def resume_soma(run_dir: Path, workers: int | None = None,
-                should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+def resume_soma(run_dir: Path, workers: int | None = None, should_stop: Callable[[], bool] = lambda: False,
+                device: str = "cpu") -> Iterator[dict]:
     """Continue every expert of a SOMA run where it stopped, then evaluate."""
     run_dir = Path(run_dir)
     try:
@@ -110,28 +111,30 @@ def resume_soma(run_dir: Path, workers: int | None = None,
     yield {"event": "start", "run_dir": str(run_dir), "n_params": first.model.n_params(),
            "experts": soma["experts"], "loss_mode": soma["loss"], "data": train_corpus, "model": first.model,
            "train": first.train, "steps": [c.step for c in ckpts]}
-    yield from _train_experts(run_dir, soma, corpora, workers, should_stop)
+    yield from _train_experts(run_dir, soma, corpora, workers, should_stop, device)
     yield from _evaluate(run_dir, soma, heldout)
 
 
-def _train_experts(run_dir, soma, corpora, workers, should_stop):
+def _train_experts(run_dir, soma, corpora, workers, should_stop, device):
     if soma["loss"] == "summed":
-        yield from _train_lockstep(run_dir, soma, corpora, should_stop)
+        yield from _train_lockstep(run_dir, soma, corpora, should_stop, device)
     else:
-        yield from _train_parallel(run_dir, soma, corpora, workers, should_stop)
+        yield from _train_parallel(run_dir, soma, corpora, workers, should_stop, device)
 
 
-def _trainer(run_dir: Path, soma: dict, corpus: Corpus, i: int, step: int | None = None) -> Trainer:
+def _trainer(run_dir: Path, soma: dict, corpus: Corpus, i: int, step: int | None = None,
+             device: str = "cpu") -> Trainer:
     ckpt = read_checkpoint(expert_dir(run_dir, i), step)
     return Trainer(expert_dir(run_dir, i), ckpt.model, ckpt.train, BatchSampler(corpus, ckpt.train.seq_len + 1),
-                   from_checkpoint(ckpt), expert=i, extra={"data": soma["data"], "loss": soma["loss"]})
+                   from_checkpoint(ckpt), expert=i, extra={"data": soma["data"], "loss": soma["loss"]},
+                   device=device)
 
 
-def _train_lockstep(run_dir, soma, corpora, should_stop):
+def _train_lockstep(run_dir, soma, corpora, should_stop, device):
     """The summed-loss ablation: every expert updated with the shared central differences."""
     n = soma["experts"]
     step = min(read_checkpoint(expert_dir(run_dir, i)).step for i in range(n))
-    trainers = [_trainer(run_dir, soma, corpora[i], i, step) for i in range(n)]
+    trainers = [_trainer(run_dir, soma, corpora[i], i, step, device) for i in range(n)]
     eps = trainers[0].cfg.eps
     while not trainers[0].done:
         if should_stop():
@@ -158,18 +161,18 @@ def _init_worker(records, stop):
     _queue, _stop = records, stop
 
 
-def _run_expert(run_dir: str, soma: dict, corpus: Corpus, i: int) -> None:
-    trainer = _trainer(Path(run_dir), soma, corpus, i)
+def _run_expert(run_dir: str, soma: dict, corpus: Corpus, i: int, device: str) -> None:
+    trainer = _trainer(Path(run_dir), soma, corpus, i, device=device)
     for record in train(trainer, should_stop=_stop.is_set):
         _queue.put(record)
 
 
-def _train_parallel(run_dir, soma, corpora, workers, should_stop):
+def _train_parallel(run_dir, soma, corpora, workers, should_stop, device):
     n = soma["experts"]
     workers = max(1, min(n, workers or os.cpu_count() or 1))
     if workers == 1:  # one after another in this process
         for i in range(n):
-            yield from train(_trainer(Path(run_dir), soma, corpora[i], i), should_stop)
+            yield from train(_trainer(Path(run_dir), soma, corpora[i], i, device=device), should_stop)
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")
@@ -179,7 +182,7 @@ def _train_parallel(run_dir, soma, corpora, workers, should_stop):
     try:
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                  initargs=(records, stop)) as pool:
-            futures = {pool.submit(_run_expert, str(run_dir), soma, corpora[i], i): i for i in range(n)}
+            futures = {pool.submit(_run_expert, str(run_dir), soma, corpora[i], i, device): i for i in range(n)}
             pending = set(futures)
             while pending or not records.empty():
                 if should_stop() and not stop.is_set():

@@ -46,7 +46,7 @@ def load_data(train_paths: list[str] | None, heldout_paths: list[str] | None):
 
 
 def start_run(run_dir: Path, model: ModelConfig, cfg: TrainConfig, train_paths=None, heldout_paths=None,
-              wikitext=None, should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+              wikitext=None, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu") -> Iterator[dict]:
     """A new run in run_dir (which must not hold one). Yields a "start" record, the training
     records, then the evaluation records."""
     run_dir = Path(run_dir)
@@ -58,14 +58,14 @@ def start_run(run_dir: Path, model: ModelConfig, cfg: TrainConfig, train_paths=N
             "heldout": [str(Path(p).resolve()) for p in heldout_paths or []],
             "wikitext": str(wikitext) if wikitext else None,
             "fingerprint": fingerprint(train_corpus)}
-    trainer = Trainer(run_dir, model, cfg, sampler, new_state(model, cfg), extra={"data": data})
+    trainer = Trainer(run_dir, model, cfg, sampler, new_state(model, cfg), extra={"data": data}, device=device)
     trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
     yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "data": train_corpus,
            "model": model, "train": cfg, "step": 0}
     yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
 
 
-def resume_run(run_dir: Path, should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+def resume_run(run_dir: Path, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu") -> Iterator[dict]:
     """Continue the run in run_dir from its checkpoint, with the configuration and data it has."""
     run_dir = Path(run_dir)
     ckpt = read_checkpoint(run_dir)
@@ -77,7 +77,7 @@ def resume_run(run_dir: Path, should_stop: Callable[[], bool] = lambda: False) -
     sampler = BatchSampler(train_corpus, ckpt.train.seq_len + 1)
     yield {"event": "start", "run_dir": str(run_dir), "n_params": ckpt.model.n_params(), "data": train_corpus,
            "model": ckpt.model, "train": ckpt.train, "step": state.step}
-    trainer = Trainer(run_dir, ckpt.model, ckpt.train, sampler, state, extra={"data": data})
+    trainer = Trainer(run_dir, ckpt.model, ckpt.train, sampler, state, extra={"data": data}, device=device)
     yield from _train_and_evaluate(trainer, heldout, data.get("wikitext"), should_stop)
 
 
@@ -87,21 +87,24 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
         if record.get("event") == "stopped":
             return
     state, model, run_dir = trainer.state, trainer.model, trainer.run_dir
-    results = evaluate_run(state.theta, trainer.layout, heldout, wikitext)
+    results = evaluate_run(state.theta, trainer.layout, heldout, wikitext, device=trainer.device)
     results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
                    wall_s=state.wall_s, n_params=model.n_params())
     write_json(run_dir / RESULTS, results)
     yield {"event": "evaluated", **results}
 
 
-def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, streams: int = 16) -> dict:
+def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, streams: int = 16,
+                 device: str = "cpu") -> dict:
     """{"heldout": {domain: nats/byte, ..., "overall": ...}, "wikitext103": nats/byte or None}."""
     out: dict = {"heldout": None, "wikitext103": None}
     if heldout is not None:
-        out["heldout"] = {k: r.nats_per_byte for k, r in evaluate_corpus(theta, layout, heldout, streams=streams).items()}
+        out["heldout"] = {k: r.nats_per_byte for k, r in evaluate_corpus(theta, layout, heldout, streams=streams,
+                                                                               device=device).items()}
     wiki = find_wikitext103(wikitext)
     if wiki is not None:
-        out["wikitext103"] = evaluate_bytes(theta, layout, load_text(wiki), streams=streams).nats_per_byte
+        out["wikitext103"] = evaluate_bytes(theta, layout, load_text(wiki), streams=streams,
+                                              device=device).nats_per_byte
         out["wikitext103_path"] = str(wiki)
     return out
 

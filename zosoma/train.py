@@ -100,11 +100,12 @@ class Trainer:
     central differences; the summed-loss ablation feeds every expert the shared ones."""
 
     def __init__(self, run_dir: Path, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler,
-                 state: RunState, expert: int = 0, extra: dict | None = None):
+                 state: RunState, expert: int = 0, extra: dict | None = None, device: str = "cpu"):
         if sampler.T1 != cfg.seq_len + 1:
             raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
         self.run_dir, self.model, self.cfg, self.sampler = Path(run_dir), model, cfg, sampler
         self.state, self.expert = state, expert
+        self.device = device  # "cpu" or "cuda" (resolved); only the forward passes move to the GPU
         self.layout = Layout(model)
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
         self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
@@ -122,8 +123,15 @@ class Trainer:
         cfg, step = self.cfg, self.state.step
         batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
         self.timings = {"data": time.perf_counter() - t0}
+        args = (cfg.perturbations, cfg.eps, cfg.seed, self.expert, step, cfg.noise)
+        if self.device == "cuda":  # the population is perturbed and evaluated on the device
+            from . import gpu
+            t0 = time.perf_counter()
+            result = gpu.spsa_losses(self.state.theta, self.layout, batch, *args)
+            self.timings["forward"] = time.perf_counter() - t0
+            return result
         return spsa_losses(self.state.theta, lambda thetas: population_loss(thetas, self.layout, batch),
-                           cfg.perturbations, cfg.eps, cfg.seed, self.expert, step, cfg.noise, self.timings)
+                           *args, self.timings)
 
     def update(self, coeffs: np.ndarray, loss: float) -> dict:
         """Apply ghat = (1/P) sum_k coeffs[k] delta_k; a non-finite coefficient skips the step (a

@@ -1,0 +1,380 @@
+"""Device check of zosoma's CUDA backend: validate every kernel against the CPU code, then time it.
+
+For a machine with an NVIDIA GPU and CuPy, Numba and PyTorch (a CUDA build) already installed;
+nothing is installed or downloaded. Run from a checkout (no install needed):
+
+    bash tests/gpu_check.sh [TABLE_FILE]          # or: python tests/gpu_check.py --out TABLE_FILE
+
+1. Validation, on fresh random inputs, every output buffer (and every float buffer gpu.py
+   allocates) filled with NaN first, so an element a kernel skips shows up: Philox known answers;
+   Rademacher noise, populations, estimates and fused updates bit-identical to zosoma.noise /
+   zosoma.optim at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
+   log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream and
+   log_probs against the Numba forward and the NumPy reference. Each line prints its max abs and
+   relative error.
+2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
+   forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
+   member, as a PyTorch user would evaluate SPSA perturbations, and (b) one cuDNN model on all M*B
+   sequences at once (shared weights: the speed SPSA could reach if members cost nothing extra);
+   then the SPSA step (population build + forward + fused update) at P = 64, 256, 1024.
+   Everything in fp32: TF32 is off for torch, and CuPy uses fp32 GEMMs unless CUPY_TF32 is set.
+
+The table is printed last and written to --out. Exit status: 0 every check passed (or --dry-run),
+1 a check failed, 2 no CUDA device (nothing checked). --dry-run only imports what the check needs
+and reports whether a device is there (CI runs it on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import numpy as np  # noqa: E402
+
+from zosoma import backend, forward, gpu, reference  # noqa: E402
+from zosoma.config import PRESETS, VOCAB, ModelConfig  # noqa: E402
+from zosoma.noise import noise  # noqa: E402
+from zosoma.optim import apply_update, perturbed, spsa_gradient, spsa_losses  # noqa: E402
+from zosoma.params import Layout, init_params  # noqa: E402
+
+NO_DEVICE = 2
+PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10
+    ((0, 0, 0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 6, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+NOISE_KEYS = [(0, 0, 0, 0), (2**40 + 12345, 1, 99, 17), (2**63 + 5, 7, 3, 1023)]
+
+
+class Checks:
+    """Validation rows: name, max abs error, max relative error (to max |reference|), tolerance."""
+
+    def __init__(self):
+        self.rows = []
+
+    def compare(self, name, got, want, atol=0.0, rtol=0.0, exact=False, info=False):
+        got = np.asarray(backend.to_numpy(got), np.float64)
+        want = np.asarray(want, np.float64)
+        if got.shape != want.shape:
+            self._add(name, float("nan"), float("nan"), f"shape {got.shape} != {want.shape}", False)
+            return
+        diff = np.abs(got - want)
+        max_abs = float(np.nanmax(diff)) if diff.size else 0.0
+        scale = float(np.abs(want).max()) if want.size else 0.0
+        max_rel = max_abs / scale if scale else max_abs
+        finite = bool(np.isfinite(got).all())
+        if exact:
+            ok, tol = finite and np.array_equal(got, want), "bit-identical"
+        else:
+            ok, tol = finite and bool((diff <= atol + rtol * np.abs(want)).all()), f"atol {atol:g} rtol {rtol:g}"
+        if info:
+            ok, tol = finite, "(info)"
+        if not finite:
+            tol += f"; {int((~np.isfinite(got)).sum())} non-finite"
+        self._add(name, max_abs, max_rel, tol, ok)
+
+    def _add(self, name, max_abs, max_rel, tol, ok):
+        self.rows.append((name, max_abs, max_rel, tol, ok))
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}: max abs {max_abs:.3g}, max rel {max_rel:.3g} ({tol})",
+              flush=True)
+
+    @property
+    def failed(self):
+        return [r for r in self.rows if not r[4]]
+
+
+@contextlib.contextmanager
+def poisoned_allocations(cp):
+    """cupy.empty / empty_like return NaN-filled float arrays while active."""
+    empty, empty_like = cp.empty, cp.empty_like
+
+    def fill(a):
+        if a.dtype.kind == "f":
+            a.fill(np.nan)
+        return a
+
+    cp.empty = lambda *args, **kwargs: fill(empty(*args, **kwargs))
+    cp.empty_like = lambda *args, **kwargs: fill(empty_like(*args, **kwargs))
+    try:
+        yield
+    finally:
+        cp.empty, cp.empty_like = empty, empty_like
+
+
+def _cell_reference(pre, c):
+    H = c.shape[-1]
+    i, f = reference.sigmoid(pre[..., :H]), reference.sigmoid(pre[..., H:2 * H])
+    g, o = np.tanh(pre[..., 2 * H:3 * H]), reference.sigmoid(pre[..., 3 * H:])
+    c = f * c + i * g
+    return o * np.tanh(c), c
+
+
+def validate(cp, checks: Checks, rng):
+    paper = Layout(PRESETS["paper"][0])
+    d = paper.size
+    nan = lambda shape: cp.full(shape, np.nan, np.float32)  # noqa: E731
+
+    print("noise and SPSA kernels (paper expert, d = {:,})".format(d), flush=True)
+    out = cp.full((len(PHILOX_KAT), 4), 0xDEADBEEF, np.uint32)
+    gpu._launch("philox_blocks", len(PHILOX_KAT), cp.asarray(np.array([c for c, _ in PHILOX_KAT], np.uint32)),
+                out, len(PHILOX_KAT))
+    checks.compare("philox4x32-10 known answers", out, np.array([e for _, e in PHILOX_KAT]), exact=True)
+    for key in NOISE_KEYS:
+        for kind, start in (("rademacher", 0), ("rademacher", 384), ("gaussian", 0), ("gaussian", 8)):
+            n = d - start
+            x = nan(n)
+            gpu.add_noise(x, cp.zeros(n, np.float32), 1.0, *key, kind, start)
+            want = noise(n, *key, kind, start)
+            if kind == "rademacher":
+                checks.compare(f"add_noise {kind} key={key} start={start}", x, want, exact=True)
+            else:
+                checks.compare(f"add_noise {kind} key={key} start={start}", x, want, atol=1e-5)
+    theta = init_params(PRESETS["paper"][0], 1)
+    theta_d = cp.asarray(theta)
+    for kind in ("rademacher", "gaussian"):
+        members = range(5, 9)
+        got = gpu.perturbed(theta_d, 1e-3, members, 2**33 + 7, 1, 4, kind, out=nan((8, d)))
+        want = perturbed(theta, 1e-3, members, 2**33 + 7, 1, 4, kind)
+        if kind == "rademacher":
+            checks.compare(f"perturbed {kind} 4 directions", got, want, exact=True)
+        else:
+            checks.compare(f"perturbed {kind} 4 directions", got, want, atol=1e-8, rtol=1e-6)
+        coeffs = rng.standard_normal(64) * 5
+        ghat = spsa_gradient(coeffs, d, 11, 1, 3, kind)
+        got = gpu.spsa_gradient(coeffs, d, 11, 1, 3, kind)
+        new, _ = apply_update("sgd", theta, ghat, {}, 3, 0.003, 0.9, 0.999, 0.01)
+        upd = gpu.spsa_update(theta_d, coeffs, 0.003, 11, 1, 3, kind, 0.01, out=nan(d))
+        if kind == "rademacher":
+            checks.compare(f"spsa_gradient {kind} P=64", got, ghat, exact=True)
+            checks.compare(f"spsa_update (fused SGD, wd) {kind} P=64", upd, new, exact=True)
+        else:
+            checks.compare(f"spsa_gradient {kind} P=64", got, ghat, atol=1e-5, rtol=1e-5)
+            checks.compare(f"spsa_update (fused SGD, wd) {kind} P=64", upd, new, atol=1e-7, rtol=1e-6)
+
+    # 64-bit offsets: a population of more than 2**31 floats (10 GB), its last rows checked
+    P = 2**31 // (2 * d) + 2
+    try:
+        big = gpu.perturbed(theta_d, 1e-3, range(P), 9, 0, 0, "rademacher")
+    except Exception as e:  # cupy.cuda.memory.OutOfMemoryError on a small GPU
+        checks._add(f"perturbed beyond 2**31 elements: not run ({type(e).__name__})", 0.0, 0.0, "skipped", True)
+    else:
+        want = perturbed(theta, 1e-3, range(P - 1, P), 9, 0, 0, "rademacher")
+        checks.compare(f"perturbed {2 * P} rows x d = {2 * P * d:,} elements, last 2 rows", big[-2:], want,
+                       exact=True)
+        del big
+
+    print("LSTM kernels (paper widths, random inputs, vs float64 NumPy)", flush=True)
+    M, B, H, Tc, t, T = 4, 8, 496, 16, 5, 40
+    G = 4 * H
+    f32 = lambda *shape: (rng.standard_normal(shape) * 2).astype(np.float32)  # noqa: E731
+    gates, table, bias, c0, xproj = f32(M, B, G), f32(M, VOCAB, G), f32(M, G), f32(M, B, H), f32(M, Tc, B, G)
+    out_b = f32(M, VOCAB)
+    tokens = rng.integers(0, VOCAB, (M, B, T + 1), dtype=np.uint8)
+    tok = cp.asarray(tokens)[..., :-1]
+    sm, sb = gpu._byte_strides(tok, M)
+    c, h, hs = cp.asarray(c0.copy()), nan((M, B, H)), nan((M, Tc, B, H))
+    gpu._launch("lstm_cell_embed", M * B * H, cp.asarray(gates), cp.asarray(table), tok, sm, sb, 30,
+                cp.asarray(bias), c, h, hs, M, B, H, Tc, t)
+    x = table[np.arange(M)[:, None], tokens[:, :, 30]]
+    want_h, want_c = _cell_reference(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
+    checks.compare("lstm_cell_embed h", h, want_h, atol=1e-6, rtol=1e-5)
+    checks.compare("lstm_cell_embed c", c, want_c, atol=1e-6, rtol=1e-5)
+    checks.compare("lstm_cell_embed hs[:, t]", hs[:, t], want_h, atol=1e-6, rtol=1e-5)
+    c, h, hs = cp.asarray(c0.copy()), nan((M, B, H)), nan((M, Tc, B, H))
+    gpu._launch("lstm_cell_proj", M * B * H, cp.asarray(gates), cp.asarray(xproj), cp.asarray(bias), c, h, hs,
+                M, B, H, Tc, t)
+    want_h, want_c = _cell_reference(gates.astype(np.float64) + xproj[:, t] + bias[:, None], c0.astype(np.float64))
+    checks.compare("lstm_cell_proj h", h, want_h, atol=1e-6, rtol=1e-5)
+    checks.compare("lstm_cell_proj c", c, want_c, atol=1e-6, rtol=1e-5)
+    logits = (f32(M, Tc, B, VOCAB) * 3)
+    tgt = cp.asarray(tokens)[..., 1:]
+    nll, logp = nan((M, B, T)), nan((M, B, T, VOCAB))
+    t0 = 8
+    gpu._launch("log_softmax_nll", M * Tc * B, cp.asarray(logits), cp.asarray(out_b), tgt,
+                *gpu._byte_strides(tgt, M), nll, logp, 1, M, B, T, t0, Tc)
+    z = logits.astype(np.float64).transpose(0, 2, 1, 3) + out_b[:, None, None]
+    checks.compare("log_softmax_nll nll", nll[:, :, t0:t0 + Tc], reference.nll(z, tokens[:, :, 1 + t0:1 + t0 + Tc]),
+                   atol=1e-5, rtol=1e-6)
+    checks.compare("log_softmax_nll logp", logp[:, :, t0:t0 + Tc], reference.log_softmax(z), atol=1e-5, rtol=1e-6)
+
+    print("forward (vs the Numba forward and the float64 NumPy reference)", flush=True)
+    for scale in (1.0, 3.0):  # the initialisation (near-uniform predictions) and saturated gates
+        theta_s = (theta * scale).astype(np.float32)
+        thetas = perturbed(theta_s, 0.05, range(4), 3, 0, 0, "rademacher")  # (8, d)
+        batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
+        got = gpu.population_loss(cp.asarray(thetas), paper, batch)
+        checks.compare(f"population_loss paper M=8 B=8 T=128 init*{scale:g} vs numba", got,
+                       forward.population_loss(thetas, paper, batch), rtol=2e-5)
+        want = [reference.loss(thetas[m].astype(np.float64), paper, batch) for m in range(2)]
+        checks.compare(f"population_loss paper init*{scale:g} vs float64 reference (2 members)", got[:2], want,
+                       rtol=2e-5)
+    small = Layout(ModelConfig(embed=24, hidden=40, layers=3))
+    thetas = (init_params(small.config, 2) * 3 + 0.3 * rng.standard_normal((16, small.size))).astype(np.float32)
+    per_member = rng.integers(0, VOCAB, (16, 3, 300), dtype=np.uint8)  # several time chunks
+    want = [reference.loss(thetas[m].astype(np.float64), small, per_member[m]) for m in range(16)]
+    checks.compare("population_loss E=24 H=40 L=3, per-member batches, T=299",
+                   gpu.population_loss(thetas, small, per_member), want, rtol=1e-5)
+    theta_small = thetas[0]
+    data = rng.integers(0, VOCAB, (4, 201), dtype=np.uint8)
+    first, state = gpu.nll_stream(theta_small, small, data[:, :120], data[:, 1:121])
+    second, _ = gpu.nll_stream(theta_small, small, data[:, 120:-1], data[:, 121:], state)
+    want, _ = forward.nll_stream(theta_small, small, data[:, :-1], data[:, 1:])
+    checks.compare("nll_stream in two segments (state carried) vs numba", np.concatenate([first, second], 1), want,
+                   atol=1e-4)
+    logp, _ = gpu.log_probs(theta_small, small, data[:, 120:-1], state)
+    want, _ = forward.log_probs(theta_small, small, data[:, 120:-1], state)
+    checks.compare("log_probs from a carried state vs numba", logp, want, atol=1e-4)
+    batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
+    plus, minus = gpu.spsa_losses(theta_d, paper, batch, 8, 1e-3, 5, 0, 1, "rademacher")
+    cpu_plus, cpu_minus = spsa_losses(theta, lambda t: forward.population_loss(t, paper, batch), 8, 1e-3, 5, 0, 1,
+                                      "rademacher")
+    checks.compare("spsa_losses paper P=8 L+ and L- vs numba", np.stack([plus, minus]), np.stack([cpu_plus, cpu_minus]),
+                   rtol=2e-5)
+    checks.compare("spsa_losses paper P=8 coefficients (L+ - L-)/2eps vs numba", (plus - minus) / 2e-3,
+                   (cpu_plus - cpu_minus) / 2e-3, info=True)
+
+
+def _timed(fn, sync, repeats=3):
+    """Median seconds of fn() after one warm-up, synchronising the device around each call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024)):
+    config = PRESETS["paper"][0]
+    layout = Layout(config)
+    sync = cp.cuda.runtime.deviceSynchronize
+    rng = np.random.default_rng(1)
+    batch = rng.integers(0, VOCAB, (B, T + 1), dtype=np.uint8)
+    theta = cp.asarray(init_params(config, 0))
+    thetas = gpu.perturbed(theta, 1e-3, range(M // 2), 0, 0, 0, "rademacher")
+    tokens = M * B * T
+    print(f"timing: population forward M={M} B={B} T={T}", flush=True)
+    s = _timed(lambda: gpu.population_loss(thetas, layout, batch), sync)
+    rows.append((f"zosoma gpu.population_loss, M={M} members", tokens / s, s, None))
+    base = tokens / s
+    try:
+        import torch
+    except ImportError as e:
+        rows.append((f"torch unavailable ({e})", None, None, None))
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.benchmark = True
+        dev = torch.device("cuda")
+        torch.manual_seed(0)
+        embed = torch.nn.Embedding(VOCAB, config.embed).to(dev)
+        lstm = torch.nn.LSTM(config.embed, config.hidden, config.layers, batch_first=True).to(dev)
+        linear = torch.nn.Linear(config.hidden, VOCAB).to(dev)
+        data = torch.from_numpy(batch.astype(np.int64)).to(dev)
+
+        def loss(x):
+            hidden, _ = lstm(embed(x[:, :-1]))
+            return torch.nn.functional.cross_entropy(linear(hidden).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+        def per_member():  # M separate forwards, each its own small cuDNN call (weights not swapped)
+            with torch.no_grad():
+                return torch.stack([loss(data) for _ in range(M)]).cpu()
+
+        everything = data.repeat(M, 1)  # (M*B, T+1): one model, all sequences
+
+        def all_at_once():
+            with torch.no_grad():
+                return loss(everything).cpu()
+
+        s = _timed(per_member, torch.cuda.synchronize)
+        rows.append((f"torch cuDNN nn.LSTM once per member, M={M} x B={B}", tokens / s, s, tokens / s / base))
+        s = _timed(all_at_once, torch.cuda.synchronize)
+        rows.append((f"torch cuDNN nn.LSTM, one model on M*B={M * B} sequences", tokens / s, s, tokens / s / base))
+        del embed, lstm, linear
+        torch.cuda.empty_cache()
+    elif torch is not None:
+        rows.append(("torch has no CUDA device", None, None, None))
+    del thetas
+
+    for P in perturbations:
+        print(f"timing: SPSA step P={P}", flush=True)
+        work = theta.copy()
+
+        def step(P=P, work=work):
+            plus, minus = gpu.spsa_losses(work, layout, batch, P, 1e-3, 0, 0, 1, "rademacher")
+            gpu.spsa_update(work, (plus - minus) / 2e-3, 1e-4, 0, 0, 1, "rademacher", out=work)
+
+        s = _timed(step, sync, repeats=2 if P < 1024 else 1)
+        coeffs = rng.standard_normal(P)
+        u = _timed(lambda: gpu.spsa_update(work, coeffs, 1e-4, 0, 0, 1, "rademacher", out=work), sync)
+        tokens = 2 * P * B * T
+        rows.append((f"SPSA step P={P} (2P={2 * P} forwards, fused update {u * 1e3:.1f} ms)", tokens / s, s, None))
+
+
+def table(device_line: str, checks: Checks, rows: list) -> str:
+    lines = [f"zosoma gpu_check  {time.strftime('%Y-%m-%d %H:%M')}  {device_line}", "",
+             f"validation: {len(checks.rows) - len(checks.failed)} of {len(checks.rows)} passed",
+             f"  {'check':<66} {'max abs':>9} {'max rel':>9}  result"]
+    for name, max_abs, max_rel, tol, ok in checks.rows:
+        lines.append(f"  {name:<66} {max_abs:>9.2g} {max_rel:>9.2g}  {'PASS' if ok else 'FAIL'} ({tol})")
+    if rows:
+        m = PRESETS["paper"][0]
+        lines += ["", f"timing, paper expert (E={m.embed} H={m.hidden} L={m.layers}, {m.n_params():,} parameters), "
+                      f"fp32, median after a warm-up",
+                  f"  {'path':<66} {'tokens/s':>12} {'s/call':>9} {'vs zosoma':>9}"]
+        for name, tps, s, ratio in rows:
+            tps_s = f"{tps:>12,.0f}" if tps else f"{'-':>12}"
+            s_s = f"{s:>9.4f}" if s else f"{'-':>9}"
+            r_s = f"{ratio:>9.3f}" if ratio else f"{'':>9}"
+            lines.append(f"  {name:<66} {tps_s} {s_s} {r_s}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="import, look for a device, check nothing")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.txt"),
+                        help="file the table is written to (default: $OUT/gpu_check.txt)")
+    parser.add_argument("--skip-timing", action="store_true", help="validation only")
+    args = parser.parse_args(argv)
+    gpu._signatures()  # the kernel sources parse
+    why = backend.cuda_unavailable_reason()
+    if why is not None:
+        print(f"gpu_check: no CUDA device ({why}); nothing checked")
+        return 0 if args.dry_run else NO_DEVICE
+    cp = backend.require_cupy()
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    device_line = (f"{name}, CuPy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, "
+                   f"Python {platform.python_version()}, CUPY_TF32={os.environ.get('CUPY_TF32', 'unset')}")
+    print(f"gpu_check: {device_line}", flush=True)
+    if args.dry_run:
+        return 0
+    checks, rows = Checks(), []
+    start = time.perf_counter()
+    with poisoned_allocations(cp):
+        validate(cp, checks, np.random.default_rng(2024))
+    print(f"validation took {time.perf_counter() - start:.0f} s", flush=True)
+    if not args.skip_timing:
+        timing(cp, rows)
+    text = table(device_line, checks, rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print("\n" + text + f"(written to {args.out})")
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

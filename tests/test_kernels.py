@@ -1,0 +1,529 @@
+"""The CUDA kernels (zosoma/kernels/*.cu) and the CUDA backend (zosoma/gpu.py), with or without a GPU.
+
+Three layers of checks:
+1. Every .cu file compiles for the GPU with `nvcc --ptx` (skipped where nvcc is absent).
+2. Emulation: each .cu file is compiled as C++ with g++ and kernels/emulate.h, which runs a launch's
+   blocks and threads one after another on the CPU. zosoma.gpu then runs unchanged on an
+   "emulated" runtime (NumPy arrays, NumPy matmul for the GEMMs, the kernels through ctypes), so the
+   kernels' arithmetic *and* gpu.py's launches (argument order, strides, chunking) are checked
+   against the CPU code on any machine with a C++ compiler.
+3. The same gpu.py tests on the real CUDA runtime (CuPy + a GPU), where there is one.
+
+The `rt` fixture runs each backend test on both runtimes (on the emulated one only without a GPU). The emulated runtime caps the grid at a
+few blocks, so the kernels' grid-stride loops are exercised too.
+"""
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from zosoma import backend, forward, gpu, reference
+from zosoma.config import VOCAB, ModelConfig
+from zosoma.errors import ConfigError
+from zosoma.noise import add_noise, noise
+from zosoma.optim import apply_update, perturbed, spsa_gradient, spsa_losses
+from zosoma.params import Layout, init_params
+
+ROOT = Path(__file__).resolve().parents[1]
+EMULATE_H = gpu.KERNEL_DIR / "emulate.h"
+M32 = 0xFFFFFFFF
+
+PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10: (counter, key, expected output)
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((M32, M32, M32, M32), (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+NOISE_KEYS = [  # (seed, expert, step, member); seeds above 2**32 exercise the key's high word
+    (0, 0, 0, 0), (1234, 2, 7, 3), (2**40 + 12345, 1, 99, 17), (2**63 + 5, 7, 2**31 + 3, 2**32 - 1),
+]
+GAUSSIAN_ATOL = 1e-5  # float32 Box-Muller vs the CPU's float64 one
+LOSS_RTOL = 1e-5  # mean loss vs the float64 reference
+NLL_ATOL = 1e-4  # per-position nats and log-probabilities
+
+
+# --- 1. the sources compile for the GPU ---------------------------------------------------------
+
+@pytest.mark.parametrize("file", gpu.KERNEL_FILES)
+def test_kernel_compiles_with_nvcc(file, tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    result = subprocess.run([nvcc, "--ptx", "-arch=sm_80", str(gpu.KERNEL_DIR / file), "-o",
+                             str(tmp_path / "out.ptx")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    ptx = (tmp_path / "out.ptx").read_text()
+    for name in gpu.kernel_signatures((gpu.KERNEL_DIR / file).read_text()):
+        assert f".entry {name}(" in ptx  # extern "C": unmangled, as cupy.RawModule looks them up
+
+
+def test_kernel_signatures_are_parsed():
+    sigs = gpu._signatures()
+    assert set(sigs) == {"philox_blocks", "perturb", "spsa_update", "lstm_cell_embed",
+                         "lstm_cell_proj", "log_softmax_nll"}
+    file, params = sigs["perturb"]
+    assert file == "noise.cu"
+    assert [(p.name, p.ctype, p.pointer) for p in params[:4]] == [
+        ("out", "float", True), ("base", "float", True), ("n", "long long", False),
+        ("scale", "float", False)]
+    with pytest.raises(ValueError, match="unsupported parameter type"):
+        gpu.kernel_signatures('extern "C" __global__ void k(const short* x) {}')
+
+
+# --- 2. the emulated runtime --------------------------------------------------------------------
+
+_CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
+           np.dtype(np.int32): ctypes.c_int, np.dtype(np.uint32): ctypes.c_uint,
+           np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.uint64): ctypes.c_ulonglong}
+
+
+class EmulatedRuntime:
+    """gpu.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
+    as the driver API does (grid, block, an array of pointers to the arguments)."""
+
+    xp = np
+    max_grid = (5, 3)  # few blocks, so the grid-stride loops take several turns
+
+    def __init__(self, libs):
+        self.libs = libs
+
+    def launch(self, file, name, grid, block, args):
+        values = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                values.append(ctypes.c_void_p(a.ctypes.data))
+            else:
+                values.append(_CTYPES[a.dtype](a))
+        pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        getattr(self.libs[file], "emu_" + name)((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
+                                                pointers)
+
+
+@pytest.fixture(scope="module")
+def emulated_libs(tmp_path_factory):
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found: cannot emulate the kernels")
+    out = tmp_path_factory.mktemp("emulated")
+    jobs = {}
+    for file in gpu.KERNEL_FILES:
+        source = gpu.KERNEL_DIR / file
+        wrapper = out / f"{file}.cpp"
+        exports = "".join(f"ZOSOMA_EMU_EXPORT({name})\n" for name in gpu.kernel_signatures(source.read_text()))
+        wrapper.write_text(f'#include "{source}"\n{exports}')
+        lib = out / f"{file}.so"
+        cmd = [gxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-Wall", "-Werror",
+               "-include", str(EMULATE_H), "-x", "c++", str(wrapper), "-o", str(lib)]
+        jobs[file] = (lib, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+    libs = {}
+    for file, (lib, proc) in jobs.items():
+        _, err = proc.communicate()
+        assert proc.returncode == 0, f"g++ failed on {file}:\n{err}"
+        libs[file] = ctypes.CDLL(str(lib))
+    return libs
+
+
+# The CUDA runtime joins the parametrisation only where CuPy finds a device; elsewhere
+# test_cuda_runtime_available records, as one skip, that the gpu.py tests ran emulated only.
+RUNTIMES = ["emulated"] + (["cuda"] if backend.cuda_device_count() else [])
+_cuda_runtime = []
+
+
+def test_cuda_runtime_available():
+    if not backend.cuda_device_count():
+        pytest.skip(f"no CUDA device ({backend.cuda_unavailable_reason()}): gpu.py tested on the "
+                    "emulated runtime only")
+
+
+@pytest.fixture(params=RUNTIMES)
+def rt(request, monkeypatch):
+    """Each backend test runs on the emulated runtime and, where there is a GPU, on CuPy."""
+    if request.param == "emulated":
+        runtime = EmulatedRuntime(request.getfixturevalue("emulated_libs"))
+    else:
+        if not _cuda_runtime:
+            _cuda_runtime.append(gpu.CupyRuntime())  # one, so each kernel file compiles once
+        runtime = _cuda_runtime[0]
+    monkeypatch.setattr(gpu, "_runtime", runtime)
+    return runtime
+
+
+def _host(x):
+    return backend.to_numpy(x)
+
+
+def _poisoned(rt, shape):
+    """A device float32 array filled with NaN: a kernel that skips an element shows up."""
+    return rt.xp.full(shape, np.nan, np.float32)
+
+
+# --- Philox and noise -----------------------------------------------------------------------------
+
+def test_philox_known_answers(rt):
+    counters = np.array([c + k for c, k, _ in PHILOX_KAT], np.uint32)  # (n, 6)
+    out = rt.xp.zeros((len(PHILOX_KAT), 4), np.uint32)
+    gpu._launch("philox_blocks", len(PHILOX_KAT), gpu._device(counters, np.uint32), out, len(PHILOX_KAT))
+    assert [tuple(int(w) for w in row) for row in _host(out)] == [e for _, _, e in PHILOX_KAT]
+
+
+@pytest.mark.parametrize("seed, expert, step, member", NOISE_KEYS)
+@pytest.mark.parametrize("n, start", [(1, 0), (1001, 0), (2053, 384)])
+def test_rademacher_noise_is_bit_identical(rt, seed, expert, step, member, n, start):
+    out = _poisoned(rt, n)
+    gpu.add_noise(out, np.zeros(n, np.float32), 1.0, seed, expert, step, member, "rademacher", start)
+    np.testing.assert_array_equal(_host(out), noise(n, seed, expert, step, member, "rademacher", start))
+
+
+@pytest.mark.parametrize("seed, expert, step, member", NOISE_KEYS)
+@pytest.mark.parametrize("n, start", [(3, 0), (4099, 0), (1030, 8)])
+def test_gaussian_noise_matches_within_float32(rt, seed, expert, step, member, n, start):
+    out = _poisoned(rt, n)
+    gpu.add_noise(out, np.zeros(n, np.float32), 1.0, seed, expert, step, member, "gaussian", start)
+    assert_close(_host(out), noise(n, seed, expert, step, member, "gaussian", start),
+                 atol=GAUSSIAN_ATOL, rtol=0, name="gaussian noise")
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_add_noise_in_place_matches_cpu(rt, kind):
+    base = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    want = add_noise(np.empty_like(base), base, -0.013, 2**33 + 1, 3, 4, 5, kind)
+    x = gpu._device(base.copy())
+    assert gpu.add_noise(x, x, -0.013, 2**33 + 1, 3, 4, 5, kind) is x
+    if kind == "rademacher":
+        np.testing.assert_array_equal(_host(x), want)
+    else:
+        assert_close(_host(x), want, atol=GAUSSIAN_ATOL * 0.013, rtol=1e-6, name="in place")
+
+
+def test_add_noise_rejects_bad_arguments(rt):
+    out = rt.xp.zeros(10, np.float32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gpu.add_noise(out, out, 1.0, 0, 0, 0, 0, "rademacher", start=4)
+    with pytest.raises(ValueError, match="noise kind"):
+        gpu.add_noise(out, out, 1.0, 0, 0, 0, 0, "uniform")
+    with pytest.raises(ValueError, match="float32"):
+        gpu.add_noise(rt.xp.zeros(10, np.float64), out, 1.0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="seed"):
+        gpu.add_noise(out, out, 1.0, -1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_perturbed_population_matches_cpu(rt, kind):
+    theta = np.random.default_rng(1).standard_normal(777).astype(np.float32)
+    members = range(3, 10)
+    want = perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind)
+    out = _poisoned(rt, want.shape)
+    got = _host(gpu.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out))
+    if kind == "rademacher":
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_close(got, want, atol=2e-3 * GAUSSIAN_ATOL, rtol=1e-6, name="population")
+    assert gpu.perturbed(theta, 1e-3, range(0), 0, 0, 0, kind).shape == (0, theta.size)
+    with pytest.raises(ValueError, match="consecutive"):
+        gpu.perturbed(theta, 1e-3, range(0, 6, 2), 0, 0, 0, kind)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_spsa_gradient_matches_cpu(rt, kind):
+    d, coeffs = 1537, np.random.default_rng(2).standard_normal(9) * 3.0
+    want = spsa_gradient(coeffs, d, 2**40 + 1, 4, 6, kind)
+    got = _host(gpu.spsa_gradient(coeffs, d, 2**40 + 1, 4, 6, kind))
+    if kind == "rademacher":  # same float32 terms added in the same order
+        np.testing.assert_array_equal(got, want)
+    else:
+        assert_close(got, want, atol=1e-5, rtol=1e-5, name="ghat")
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fused_spsa_update_matches_cpu(rt, kind, weight_decay):
+    d, P = 2051, 7
+    rng = np.random.default_rng(3)
+    theta = rng.standard_normal(d).astype(np.float32)
+    coeffs = rng.standard_normal(P) * 10.0
+    ghat = spsa_gradient(coeffs, d, 5, 1, 8, kind)
+    want, _ = apply_update("sgd", theta, ghat, {}, 8, 0.03, 0.9, 0.999, weight_decay)
+    out = _poisoned(rt, d)
+    got = _host(gpu.spsa_update(theta, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=out))
+    x = gpu._device(theta.copy())  # in place (a copy: on the emulated runtime _device does not copy)
+    gpu.spsa_update(x, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=x)
+    if kind == "rademacher":
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(_host(x), want)
+    else:
+        assert_close(got, want, atol=1e-6, rtol=1e-6, name="update")
+        assert_close(_host(x), want, atol=1e-6, rtol=1e-6, name="update in place")
+
+
+# --- the LSTM kernels on their own ----------------------------------------------------------------
+
+def _cell_reference(pre, c):
+    """reference.forward's gate and cell math in float64. pre (..., 4H) pre-activations."""
+    H = c.shape[-1]
+    i, f = reference.sigmoid(pre[..., :H]), reference.sigmoid(pre[..., H:2 * H])
+    g, o = np.tanh(pre[..., 2 * H:3 * H]), reference.sigmoid(pre[..., 3 * H:])
+    c = f * c + i * g
+    return o * np.tanh(c), c
+
+
+@pytest.mark.parametrize("shared_tokens", [True, False])
+def test_lstm_cell_embed_matches_reference(rt, shared_tokens):
+    M, B, H, Tc, t, T = 3, 2, 5, 4, 2, 7
+    G = 4 * H
+    rng = np.random.default_rng(4)
+    gates, table = (rng.standard_normal(s).astype(np.float32) * 2 for s in [(M, B, G), (M, VOCAB, G)])
+    bias = rng.standard_normal((M, G)).astype(np.float32)
+    c0 = rng.standard_normal((M, B, H)).astype(np.float32)
+    tokens = rng.integers(0, VOCAB, (1 if shared_tokens else M, B, T + 1), dtype=np.uint8)
+    tt = 5  # absolute time of this step in tokens
+    d = gpu._device
+    c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
+    tok = d(tokens, np.uint8)[..., :-1]  # a strided view, as population_loss passes
+    sm, sb = gpu._byte_strides(tok, M)
+    gpu._launch("lstm_cell_embed", M * B * H, d(gates), d(table), tok, sm, sb, tt, d(bias), c, h, hs,
+                M, B, H, Tc, t)
+    rows = tokens[np.arange(M) % tokens.shape[0], :, tt]  # (M, B) bytes
+    x = table[np.arange(M)[:, None], rows]  # (M, B, G)
+    want_h, want_c = _cell_reference(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
+    assert_close(_host(h), want_h, atol=1e-6, rtol=1e-5, name="h")
+    assert_close(_host(c), want_c, atol=1e-6, rtol=1e-5, name="c")
+    assert_close(_host(hs)[:, t], want_h, atol=1e-6, rtol=1e-5, name="hs[t]")
+    assert np.isnan(np.delete(_host(hs), t, axis=1)).all()  # other steps untouched
+
+
+def test_lstm_cell_proj_matches_reference(rt):
+    M, B, H, Tc, t = 2, 3, 6, 3, 1
+    G = 4 * H
+    rng = np.random.default_rng(5)
+    gates, xproj = (rng.standard_normal(s).astype(np.float32) * 2 for s in [(M, B, G), (M, Tc, B, G)])
+    bias = rng.standard_normal((M, G)).astype(np.float32)
+    c0 = rng.standard_normal((M, B, H)).astype(np.float32)
+    d = gpu._device
+    c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
+    gpu._launch("lstm_cell_proj", M * B * H, d(gates), d(xproj), d(bias), c, h, hs, M, B, H, Tc, t)
+    want_h, want_c = _cell_reference(gates.astype(np.float64) + xproj[:, t] + bias[:, None],
+                                     c0.astype(np.float64))
+    assert_close(_host(h), want_h, atol=1e-6, rtol=1e-5, name="h")
+    assert_close(_host(c), want_c, atol=1e-6, rtol=1e-5, name="c")
+    assert_close(_host(hs)[:, t], want_h, atol=1e-6, rtol=1e-5, name="hs[t]")
+
+
+def test_log_softmax_nll_matches_reference(rt):
+    M, B, T, t0, Tc = 2, 3, 9, 4, 3
+    rng = np.random.default_rng(6)
+    logits = (rng.standard_normal((M, Tc, B, VOCAB)) * 4).astype(np.float32)
+    logits[0, 0, 0, 7] = 60.0  # a confident row
+    bias = rng.standard_normal((M, VOCAB)).astype(np.float32)
+    targets = rng.integers(0, VOCAB, (M, B, T + 1), dtype=np.uint8)
+    d = gpu._device
+    tgt = d(targets, np.uint8)[..., 1:]
+    sm, sb = gpu._byte_strides(tgt, M)
+    nll, logp = _poisoned(rt, (M, B, T)), _poisoned(rt, (M, B, T, VOCAB))
+    gpu._launch("log_softmax_nll", M * Tc * B, d(logits), d(bias), tgt, sm, sb, nll, logp, 1, M, B, T, t0, Tc)
+    z = logits.astype(np.float64).transpose(0, 2, 1, 3) + bias[:, None, None]  # (M, B, Tc, V)
+    want = reference.nll(z, targets[:, :, 1 + t0:1 + t0 + Tc])
+    assert_close(_host(nll)[:, :, t0:t0 + Tc], want, atol=1e-5, rtol=1e-6, name="nll")
+    assert_close(_host(logp)[:, :, t0:t0 + Tc], reference.log_softmax(z), atol=1e-5, rtol=1e-6, name="logp")
+    assert np.isnan(_host(nll)[:, :, :t0]).all() and np.isnan(_host(nll)[:, :, t0 + Tc:]).all()
+
+
+def test_launch_checks_arguments(rt):
+    out = rt.xp.zeros((1, 4), np.uint32)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        gpu._launch("philox_blocks", 1, out, out)
+    with pytest.raises(TypeError, match="counters must be a uint32"):
+        gpu._launch("philox_blocks", 1, rt.xp.zeros(6, np.float32), out, 1)
+
+
+# --- gpu.py end to end ----------------------------------------------------------------------------
+
+def _model(embed, hidden, layers, seed=0, scale=3.0):
+    """Parameters scaled up so gates saturate and predictions are far from uniform."""
+    layout = Layout(ModelConfig(embed=embed, hidden=hidden, layers=layers))
+    return (init_params(layout.config, seed) * scale).astype(np.float32), layout
+
+
+def _bytes(seed, shape):
+    return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.uint8)
+
+
+def _population(theta, M, seed=0):
+    """M distinct members around theta."""
+    noise_ = np.random.default_rng(seed).standard_normal((M, theta.size)).astype(np.float32)
+    return theta[None] + 0.3 * noise_
+
+
+@pytest.mark.parametrize("embed, hidden, layers, B, T, rows_per_chunk", [
+    (8, 16, 1, 3, 5, 1024),
+    (12, 8, 2, 2, 13, 4),  # time chunks of 2 steps, the last one short
+    (6, 10, 3, 1, 7, 3),
+])
+@pytest.mark.parametrize("per_member_batch", [False, True])
+def test_population_loss_matches_reference(rt, monkeypatch, embed, hidden, layers, B, T,
+                                           rows_per_chunk, per_member_batch):
+    monkeypatch.setattr(gpu, "ROWS_PER_CHUNK", rows_per_chunk)
+    theta, layout = _model(embed, hidden, layers)
+    M = 4
+    thetas = _population(theta, M)
+    batch = _bytes(1, (M, B, T + 1) if per_member_batch else (B, T + 1))
+    got = gpu.population_loss(thetas, layout, batch)
+    assert got.shape == (M,) and got.dtype == np.float64
+    want = [reference.loss(thetas[m].astype(np.float64), layout, batch[m] if per_member_batch else batch)
+            for m in range(M)]
+    assert_close(got, want, rtol=LOSS_RTOL, name="population loss")
+    assert_close(got, forward.population_loss(thetas, layout, batch), rtol=LOSS_RTOL, name="vs numba")
+
+
+def test_population_loss_in_member_chunks(rt):
+    theta, layout = _model(8, 8, 2)
+    thetas = _population(theta, 5, seed=3)
+    batch = _bytes(2, (2, 6))
+    whole = gpu.population_loss(thetas, layout, batch)
+    one_by_one = gpu.population_loss(thetas, layout, batch, workspace_bytes=1)  # chunks of 1 member
+    np.testing.assert_array_equal(whole, one_by_one)
+    with pytest.raises(ValueError, match="theta must have shape"):
+        gpu.population_loss(theta, layout, batch)
+    with pytest.raises(ValueError, match="batch must be"):
+        gpu.population_loss(thetas, layout, _bytes(0, (3, 2, 6)))
+    with pytest.raises(ValueError, match="uint8"):
+        gpu.population_loss(thetas, layout, batch.astype(np.int64))
+
+
+def test_spsa_losses_match_cpu(rt):
+    theta, layout = _model(8, 12, 1, scale=1.0)
+    batch = _bytes(4, (3, 9))
+    cpu_loss = lambda thetas: forward.population_loss(thetas, layout, batch)
+    for kind in ("rademacher", "gaussian"):
+        want = spsa_losses(theta, cpu_loss, 5, 1e-2, 7, 1, 2, kind)
+        got = gpu.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1)
+        for g, w in zip(got, want):
+            assert_close(g, w, rtol=LOSS_RTOL, name=f"spsa losses {kind}")
+
+
+def test_nll_stream_carries_state_and_log_probs_match(rt):
+    theta, layout = _model(10, 12, 2)
+    data = _bytes(5, (2, 25))
+    tokens, targets = data[:, :-1], data[:, 1:]
+    whole, state_whole = gpu.nll_stream(theta, layout, tokens, targets)
+    first, state = gpu.nll_stream(theta, layout, tokens[:, :10], targets[:, :10])
+    second, state_halves = gpu.nll_stream(theta, layout, tokens[:, 10:], targets[:, 10:], state)
+    assert whole.dtype == np.float32 and whole.shape == (2, 24)
+    assert_close(np.concatenate([first, second], axis=1), whole, atol=NLL_ATOL, name="halves")
+    want, _ = forward.nll_stream(theta, layout, tokens, targets)
+    assert_close(whole, want, atol=NLL_ATOL, name="vs numba")
+    for (h, c), (h2, c2) in zip(state_whole, state_halves):
+        assert_close(h, h2, atol=1e-5, name="h")
+        assert_close(c, c2, atol=1e-5, name="c")
+    logp, state_lp = gpu.log_probs(theta, layout, tokens[:, :10], state)
+    want_logp, want_state = forward.log_probs(theta, layout, tokens[:, :10], state)
+    assert logp.shape == (2, 10, VOCAB)
+    assert_close(logp, want_logp, atol=NLL_ATOL, name="log_probs")
+    assert_close(state_lp[1][0], want_state[1][0], atol=1e-5, name="log_probs state")
+    with pytest.raises(ValueError, match="must match"):
+        gpu.nll_stream(theta, layout, tokens, targets[:, :5])
+
+
+# --- backend.py -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_probe():
+    backend._import_cupy.cache_clear()
+    backend._probe_devices.cache_clear()
+    yield
+    backend._import_cupy.cache_clear()
+    backend._probe_devices.cache_clear()
+
+
+def test_resolve_device(fresh_probe):
+    assert backend.resolve_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="device must be one of cpu, cuda, auto"):
+        backend.resolve_device("gpu")
+    if backend.cuda_device_count():
+        assert backend.resolve_device("auto") == backend.resolve_device("cuda") == "cuda"
+        return
+    assert backend.resolve_device("auto") == "cpu"
+    with pytest.raises(ConfigError, match=r"^--device cuda: no CUDA device \(.+\)$"):
+        backend.resolve_device("cuda")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        gpu.CupyRuntime()
+
+
+def test_missing_cupy_is_reported_with_the_install_hint(fresh_probe, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail as if not installed
+    assert backend.cupy_or_none() is None and backend.cuda_device_count() == 0
+    with pytest.raises(ConfigError, match=r"CuPy not installed: pip install zosoma\[gpu\]"):
+        backend.resolve_device("cuda")
+
+
+def test_cupy_without_a_device_is_told_apart(fresh_probe, monkeypatch):
+    class Runtime:
+        @staticmethod
+        def getDeviceCount():
+            raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    fake = type(sys)("cupy")
+    fake.cuda = type(sys)("cupy.cuda")
+    fake.cuda.runtime = Runtime
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert backend.cupy_or_none() is fake
+    assert backend.resolve_device("auto") == "cpu"
+    with pytest.raises(ConfigError, match="CuPy found no device: cudaErrorNoDevice"):
+        backend.resolve_device("cuda")
+
+
+def test_array_module_and_to_numpy():
+    x = np.arange(3)
+    assert backend.get_array_module(x) is np
+    assert backend.to_numpy([1, 2]).tolist() == [1, 2]
+    assert backend.to_numpy(x) is x
+
+
+def test_only_the_backend_imports_cupy():
+    offenders = []
+    for path in sorted((ROOT / "zosoma").rglob("*.py")) + sorted((ROOT / "cli").rglob("*.py")):
+        if path.name == "backend.py":
+            continue
+        for line in path.read_text().splitlines():
+            if re.match(r"\s*(import|from)\s+cupy\b", line):
+                offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+    assert not offenders, offenders
+
+
+# --- the device check script ----------------------------------------------------------------------
+
+def test_gpu_check_dry_run():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--dry-run"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    if backend.cuda_device_count() == 0:
+        assert "no CUDA device" in result.stdout
+
+
+def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
+    """--device cuda: the Trainer's population losses and streaming evaluation run on the device
+    (here the runtime of the `rt` fixture) and agree with the CPU path."""
+    from zosoma.config import TrainConfig
+    from zosoma.corpus import BatchSampler, Corpus
+    from zosoma.evaluate import evaluate_bytes
+    from zosoma.train import Trainer, new_state
+
+    model = ModelConfig(embed=8, hidden=16, layers=2)
+    cfg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3)
+    text = np.frombuffer(b"a forward-only trainer checks its device path " * 20, np.uint8)
+    sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)
+    cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))
+    dev = Trainer(tmp_path / "dev", model, cfg, sampler, new_state(model, cfg), device="cuda")
+    for a, b in zip(cpu.losses(), dev.losses()):
+        assert_close(b, a, rtol=1e-5, name="device vs cpu losses")
+    theta = cpu.state.theta
+    assert_close(evaluate_bytes(theta, Layout(model), text, streams=3, segment=50, device="cuda").nats,
+                 evaluate_bytes(theta, Layout(model), text, streams=3, segment=50).nats, rtol=1e-5, name="eval")

@@ -1,0 +1,435 @@
+"""The CUDA backend: the population forward and SPSA on an NVIDIA GPU, through CuPy.
+
+Mirrors the CPU functions one for one, and is checked against them (tests/test_kernels.py,
+tests/gpu_check.py):
+
+    population_loss(thetas, layout, batch)            zosoma.forward.population_loss
+    nll_stream / log_probs                             zosoma.forward.nll_stream / log_probs
+    add_noise(out, base, scale, seed, ...)             zosoma.noise.add_noise (bit-identical signs)
+    perturbed(theta, eps, members, seed, ...)          zosoma.optim.perturbed
+    spsa_gradient(coeffs, d, seed, ...)                zosoma.optim.spsa_gradient
+    spsa_update(theta, coeffs, lr, seed, ...)          spsa_gradient + optim.apply_update("sgd")
+    spsa_losses(theta, layout, batch, P, eps, ...)     optim.spsa_losses with population_loss
+
+Inputs may be NumPy or CuPy arrays (NumPy ones are copied to the device on each call, so keep theta
+on the device across steps); array results stay on the device, except the per-member losses,
+nll_stream and log_probs, which return NumPy like their CPU twins.
+
+The forward (shapes: M members, B batch, T time, E embed, H hidden, G = 4H, V = 256, L layers):
+every member has its own weights, so every GEMM is batched over members (cuBLAS strided-batched
+through cupy.matmul) and the rest is two raw kernels from kernels/lstm.cu:
+
+    table  = embed @ w_ih of layer 0           (M, V, E) x (M, E, G): the input projection of every
+                                               byte, gathered by token as zosoma.forward does
+    per chunk of Tc timesteps (Tc * B ~ 1024 rows), per layer:
+        xproj = hs_below @ w_ih                (M, Tc*B, H) x (M, H, G), layers >= 1
+        per step: gates = h @ w_hh             (M, B, H) x (M, H, G)
+                  lstm_cell_*: gates + input projection + bias -> i, f, g, o -> c, h
+        logits = hs @ out.w                    (M, Tc*B, H) x (M, H, V)
+        log_softmax_nll: + out.b, log-softmax, nll of the targets
+
+The recurrent GEMM reads every member's w_hh at every step, so the forward is bound by memory
+bandwidth at small B; batching members amortises the kernel launches, not those reads.
+
+Noise (kernels/noise.cu) is a pure function of (seed, expert, step, member, index), the Philox
+counter layout of zosoma.noise, so the GPU regenerates exactly the CPU's directions: Rademacher
+noise, perturbed populations, estimates and ZO-SGD updates are bit-identical to the CPU's;
+Gaussian ones agree within float32 rounding.
+
+Kernels are compiled on first use with cupy.RawModule (NVRTC; CuPy caches the binaries on disk).
+Their argument types are read from the .cu sources (`kernel_signatures`), and every launch is
+checked against them, so a Python scalar is always passed at the width the kernel declares.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from . import backend
+from .config import VOCAB
+from .noise import KINDS, stream_key
+from .params import Layout
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+KERNEL_FILES = ("noise.cu", "lstm.cu")
+BLOCK = 256  # threads per block of every kernel
+ROWS_PER_CHUNK = 1024  # target Tc*B rows of the per-chunk GEMMs (as zosoma.forward)
+WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers, per call
+_U32 = 0xFFFFFFFF
+
+
+# --- kernel signatures: the one place Python learns the kernels' argument types ------------------
+
+_SCALAR_TYPES = {"float": np.float32, "double": np.float64, "int": np.int32,
+                 "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64}
+_POINTER_TYPES = {"float": np.float32, "double": np.float64, "int": np.int32,
+                  "unsigned int": np.uint32, "unsigned char": np.uint8}
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter: its name, C base type, and whether it is a pointer."""
+    name: str
+    ctype: str
+    pointer: bool
+
+    @property
+    def dtype(self) -> np.dtype:
+        table = _POINTER_TYPES if self.pointer else _SCALAR_TYPES
+        return np.dtype(table[self.ctype])
+
+
+def kernel_signatures(source: str) -> dict[str, tuple[Param, ...]]:
+    """The parameters of every `extern "C" __global__` kernel in CUDA source text."""
+    source = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    kernels = {}
+    for name, params in _KERNEL_RE.findall(source):
+        parsed = []
+        for text in params.split(","):
+            words = text.replace("*", " * ").split()
+            pointer = "*" in words
+            words = [w for w in words if w not in ("*", "const", "__restrict__")]
+            ctype = " ".join(words[:-1])
+            if ctype not in (_POINTER_TYPES if pointer else _SCALAR_TYPES):
+                raise ValueError(f"kernel {name}: unsupported parameter type in {text.strip()!r}")
+            parsed.append(Param(words[-1], ctype, pointer))
+        kernels[name] = tuple(parsed)
+    return kernels
+
+
+@lru_cache(maxsize=None)
+def _signatures() -> dict[str, tuple[str, tuple[Param, ...]]]:
+    """kernel name -> (its .cu file, its parameters), over every shipped kernel file."""
+    found = {}
+    for file in KERNEL_FILES:
+        for name, params in kernel_signatures((KERNEL_DIR / file).read_text()).items():
+            found[name] = (file, params)
+    return found
+
+
+# --- the runtime: where arrays live and how kernels are launched ---------------------------------
+
+class CupyRuntime:
+    """CuPy arrays and kernels compiled from kernels/*.cu with cupy.RawModule, one module per file,
+    compiled on first use. (tests/test_kernels.py swaps in a runtime of NumPy arrays and the same
+    kernels compiled for the CPU, to run this module without a GPU.)"""
+
+    max_grid = (1 << 16, 65535)  # blocks along x and y; the kernels' grid-stride loops do the rest
+
+    def __init__(self):
+        self.xp = backend.require_cupy()
+        self._modules = {}  # file -> cupy.RawModule
+        self._kernels = {}  # name -> its function in the module
+
+    def launch(self, file: str, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            if file not in self._modules:
+                self._modules[file] = self.xp.RawModule(code=(KERNEL_DIR / file).read_text())
+            kernel = self._kernels[name] = self._modules[file].get_function(name)
+        kernel(grid, block, args)
+
+
+_runtime = None
+
+
+def runtime():
+    """The active runtime, created on first use (raises ConfigError without a CUDA device)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = CupyRuntime()
+    return _runtime
+
+
+def _launch(name: str, work: int, *args, rows: int = 1) -> None:
+    """Launch kernel `name` over `work` items along x (and `rows` along y) with BLOCK threads per
+    block, checking the arguments against the kernel's signature: arrays for pointers (of the
+    pointee's dtype), scalars converted to the declared type."""
+    rt = runtime()
+    file, params = _signatures()[name]
+    if len(args) != len(params):
+        raise TypeError(f"{name} takes {len(params)} arguments, got {len(args)}")
+    converted = []
+    for p, a in zip(params, args):
+        if p.pointer:
+            if not isinstance(a, rt.xp.ndarray) or a.dtype != p.dtype:
+                raise TypeError(f"{name}: {p.name} must be a {p.dtype} {rt.xp.__name__} array, got {a!r:.60}")
+            converted.append(a)
+        else:
+            converted.append(p.dtype.type(a))
+    grid = (max(1, min(-(-work // BLOCK), rt.max_grid[0])), max(1, min(rows, rt.max_grid[1])), 1)
+    rt.launch(file, name, grid, (BLOCK, 1, 1), tuple(converted))
+
+
+def _device(x, dtype=np.float32):
+    """x as a C-contiguous device array of dtype (copied only when needed)."""
+    xp = runtime().xp
+    return xp.ascontiguousarray(xp.asarray(x), dtype=dtype)
+
+
+def _kind_code(kind: str) -> int:
+    if kind not in KINDS:
+        raise ValueError(f"noise kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return KINDS[kind]
+
+
+def _check_out(out, shape: tuple, name: str = "out"):
+    xp = runtime().xp
+    if not isinstance(out, xp.ndarray) or out.dtype != np.float32 or out.shape != shape \
+            or not out.flags.c_contiguous:
+        want = "(n,)" if shape == (None,) else str(shape)
+        raise ValueError(f"{name} must be a C-contiguous float32 {xp.__name__} array of shape {want}")
+    return out
+
+
+# --- noise and SPSA (kernels/noise.cu) ------------------------------------------------------------
+
+def add_noise(out, base, scale: float, seed: int, expert: int, step: int, member: int,
+              kind: str = "rademacher", start: int = 0):
+    """out = base + scale * delta, delta = noise(seed, expert, step, member)[start:start+n], as
+    zosoma.noise.add_noise. out: device float32 (n,), may be base (in place); base (n,). `start` must
+    be a multiple of 128 (Rademacher) or 4 (Gaussian). Returns out."""
+    k0, k1 = stream_key(seed)
+    code = _kind_code(kind)
+    align = 128 if kind == "rademacher" else 4
+    if start % align:
+        raise ValueError(f"start must be a multiple of {align} for {kind} noise")
+    n = out.shape[0] if getattr(out, "ndim", 0) == 1 else None
+    _check_out(out, (n,))
+    base = _device(base)
+    if base.shape != (n,):
+        raise ValueError(f"base has shape {base.shape}, out has {(n,)}")
+    groups = -(-n // 4)
+    _launch("perturb", groups, out, base, n, scale, start // 4, k0, k1, expert & _U32, step & _U32,
+            member & _U32, 1, 0, code)
+    return out
+
+
+def _member_range(members) -> tuple[int, int]:
+    """(first, count) of consecutive directions, e.g. a range with step 1."""
+    members = [int(k) for k in members]
+    first = members[0] if members else 0
+    if members != list(range(first, first + len(members))):
+        raise ValueError("members must be consecutive (a range with step 1)")
+    return first, len(members)
+
+
+def perturbed(theta, eps: float, members: range, seed: int, expert: int, step: int, kind: str,
+              out=None):
+    """The antithetic population for directions `members`, as zosoma.optim.perturbed: rows 2j and
+    2j+1 are theta + eps*delta_k and theta - eps*delta_k for k = members[j]. theta (d,); returns
+    a device (2*len(members), d) float32 array (out, when given)."""
+    theta = _device(theta)
+    d = theta.size
+    member0, count = _member_range(members)
+    k0, k1 = stream_key(seed)
+    code = _kind_code(kind)
+    out = runtime().xp.empty((2 * count, d), np.float32) if out is None else _check_out(out, (2 * count, d))
+    if count:
+        _launch("perturb", -(-d // 4), out, theta, d, eps, 0, k0, k1, expert & _U32, step & _U32,
+                member0 & _U32, count, 1, code, rows=count)
+    return out
+
+
+def _coefficients(coeffs):
+    """coeffs[k] / P as float32, computed in float64 as zosoma.optim.spsa_gradient does."""
+    c = np.asarray(backend.to_numpy(coeffs), np.float64).ravel()
+    return _device((c / len(c)).astype(np.float32)), len(c)
+
+
+def spsa_gradient(coeffs, d: int, seed: int, expert: int, step: int, kind: str):
+    """ghat = (1/P) sum_k coeffs[k] * delta_k, as zosoma.optim.spsa_gradient, with every direction
+    regenerated on the fly (none is stored). coeffs (P,). Returns a device (d,) float32 array."""
+    coef, P = _coefficients(coeffs)
+    k0, k1 = stream_key(seed)
+    out = runtime().xp.empty(d, np.float32)
+    _launch("spsa_update", -(-d // 4), out, out, coef, P, d, k0, k1, expert & _U32, step & _U32,
+            _kind_code(kind), 0, 0.0, 0.0)
+    return out
+
+
+def spsa_update(theta, coeffs, lr: float, seed: int, expert: int, step: int, kind: str,
+                weight_decay: float = 0.0, out=None):
+    """One fused ZO-SGD step: theta - lr * ghat (- lr * weight_decay * theta), ghat as
+    spsa_gradient, without materialising ghat or any direction: the same numbers as
+    optim.apply_update("sgd", theta, spsa_gradient(...), ...). theta (d,); coeffs (P,). Returns a
+    device (d,) float32 array: out, which may be theta itself (in place), or a new one."""
+    theta = _device(theta)
+    d = theta.size
+    out = runtime().xp.empty_like(theta) if out is None else _check_out(out, (d,))
+    coef, P = _coefficients(coeffs)
+    k0, k1 = stream_key(seed)
+    lr_wd = np.float32(lr * weight_decay) if weight_decay else 0.0
+    _launch("spsa_update", -(-d // 4), out, theta, coef, P, d, k0, k1, expert & _U32, step & _U32,
+            _kind_code(kind), 1, np.float32(lr), lr_wd)
+    return out
+
+
+# --- the population forward (kernels/lstm.cu + cuBLAS) --------------------------------------------
+
+def _chunk_steps(B: int, T: int) -> int:
+    return max(1, min(T, -(-ROWS_PER_CHUNK // B)))
+
+
+def member_bytes(layout: Layout, B: int, T: int) -> int:
+    """Device bytes of one member's forward work buffers (its weights' contiguous copies, the
+    layer-0 table, one chunk's activations, gates, logits, state and nll)."""
+    cfg = layout.config
+    H, G, L = cfg.hidden, 4 * cfg.hidden, cfg.layers
+    rows = _chunk_steps(B, T) * B
+    floats = layout.size + VOCAB * G + rows * (2 * H + G + VOCAB) + B * G + 2 * L * B * H + B * T
+    return 4 * floats
+
+
+def _byte_strides(tokens, M: int) -> tuple[int, int]:
+    """(member, row) strides in elements of a (1 or M, B, T) uint8 view; member stride 0 when one
+    batch is shared by all M members."""
+    if tokens.strides[2] != 1:
+        raise ValueError("token rows must be contiguous in time")
+    return (0 if tokens.shape[0] == 1 and M > 1 else tokens.strides[0]), tokens.strides[1]
+
+
+def _forward(thetas, layout: Layout, tokens, targets, h, c, want_logp: bool = False):
+    """The population forward. thetas (M, d) float32 device, C-contiguous; tokens, targets
+    (1 or M, B, T) uint8 device views (the kernels take their strides); h, c (L, M, B, H) float32
+    initial state, updated in place to the final state. Returns nll (M, B, T) float32 and, when
+    want_logp, logp (M, B, T, V)."""
+    xp = runtime().xp
+    cfg = layout.config
+    H, G, L, V = cfg.hidden, 4 * cfg.hidden, cfg.layers, VOCAB
+    M = thetas.shape[0]
+    B, T = tokens.shape[1], tokens.shape[2]
+    # contiguous per-member copies: cupy.matmul would copy a strided operand at every call
+    w = {e.name: xp.ascontiguousarray(layout.view(thetas, e.name)) for e in layout.entries}
+    table = xp.matmul(w["embed"], w["lstm0.w_ih"])  # (M, V, G)
+    tok_sm, tok_sb = _byte_strides(tokens, M)
+    tgt_sm, tgt_sb = _byte_strides(targets, M)
+    nll = xp.empty((M, B, T), np.float32)
+    logp = xp.empty((M, B, T, V) if want_logp else (1,), np.float32)
+    gates = xp.empty((M, B, G), np.float32)
+    Tc = _chunk_steps(B, T)
+    for t0 in range(0, T, Tc):
+        n = min(Tc, T - t0)
+        below = None  # (M, n, B, H): the layer below's outputs over the chunk
+        for layer in range(L):
+            w_hh, bias = w[f"lstm{layer}.w_hh"], w[f"lstm{layer}.bias"]
+            hs = xp.empty((M, n, B, H), np.float32)
+            if layer > 0:
+                xproj = xp.matmul(below.reshape(M, n * B, H), w[f"lstm{layer}.w_ih"])  # (M, n*B, G)
+            for t in range(n):
+                xp.matmul(h[layer], w_hh, out=gates)  # (M, B, G)
+                if layer == 0:
+                    _launch("lstm_cell_embed", M * B * H, gates, table, tokens, tok_sm, tok_sb, t0 + t,
+                            bias, c[layer], h[layer], hs, M, B, H, n, t)
+                else:
+                    _launch("lstm_cell_proj", M * B * H, gates, xproj, bias, c[layer], h[layer], hs,
+                            M, B, H, n, t)
+            below = hs
+        logits = xp.matmul(below.reshape(M, n * B, H), w["out.w"])  # (M, n*B, V)
+        _launch("log_softmax_nll", M * n * B, logits, w["out.b"], targets, tgt_sm, tgt_sb, nll, logp,
+                int(want_logp), M, B, T, t0, n)
+    return nll, (logp if want_logp else None)
+
+
+def _check_thetas(thetas, layout: Layout, ndim: int):
+    thetas = _device(thetas)
+    if thetas.ndim != ndim or thetas.shape[-1] != layout.size:
+        want = "(M, d)" if ndim == 2 else "(d,)"
+        raise ValueError(f"theta must have shape {want} with d={layout.size}, got {thetas.shape}")
+    return thetas
+
+
+def _check_bytes(tokens, name: str, ndim: int):
+    xp = runtime().xp
+    tokens = xp.asarray(tokens)
+    if tokens.dtype != np.uint8 or tokens.ndim != ndim:
+        raise ValueError(f"{name} must be a {ndim}-d uint8 array, got {tokens.dtype} {tokens.shape}")
+    return xp.ascontiguousarray(tokens)
+
+
+def population_loss(thetas, layout: Layout, batch, workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
+    """Mean nats per predicted byte of each member, from zero state, as
+    zosoma.forward.population_loss. thetas (M, d) float32; batch (B, T+1) uint8 shared by all
+    members, or (M, B, T+1) one per member. Members run in chunks whose work buffers fit
+    workspace_bytes. Returns (M,) float64 NumPy."""
+    xp = runtime().xp
+    thetas = _check_thetas(thetas, layout, 2)
+    batch = xp.asarray(batch)
+    batches = _check_bytes(batch[None] if batch.ndim == 2 else batch, "batch", 3)
+    M = thetas.shape[0]
+    if batches.shape[0] not in (1, M) or batches.shape[2] < 2:
+        raise ValueError(f"batch must be (B, T+1) or (M={M}, B, T+1) with T >= 1, got {batch.shape}")
+    cfg = layout.config
+    B, T = batches.shape[1], batches.shape[2] - 1
+    per = max(1, workspace_bytes // member_bytes(layout, B, T))
+    sums = np.empty(M, np.float64)
+    for m0 in range(0, M, per):
+        m1 = min(M, m0 + per)
+        sub = batches if batches.shape[0] == 1 else batches[m0:m1]
+        h = xp.zeros((cfg.layers, m1 - m0, B, cfg.hidden), np.float32)
+        c = xp.zeros_like(h)
+        nll, _ = _forward(thetas[m0:m1], layout, sub[..., :-1], sub[..., 1:], h, c)
+        sums[m0:m1] = backend.to_numpy(nll.sum(axis=(1, 2), dtype=np.float64))
+    return sums / (B * T)
+
+
+def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, expert: int, step: int,
+                kind: str, workspace_bytes: int = WORKSPACE_BYTES) -> tuple[np.ndarray, np.ndarray]:
+    """L(theta + eps*delta_k) and L(theta - eps*delta_k) for k < P on one shared batch (B, T+1), as
+    optim.spsa_losses with population_loss: the perturbed population is built on the device,
+    chunk by chunk, and never leaves it. Returns (plus, minus), each (P,) float64 NumPy."""
+    theta = _check_thetas(theta, layout, 1)
+    batch = _check_bytes(batch, "batch", 2)
+    B, T = batch.shape[0], batch.shape[1] - 1
+    per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
+    size = max(1, min(P, workspace_bytes // per_direction))
+    plus, minus = np.empty(P), np.empty(P)
+    for start in range(0, P, size):
+        chunk = range(start, min(P, start + size))
+        losses = population_loss(perturbed(theta, eps, chunk, seed, expert, step, kind), layout, batch,
+                                 workspace_bytes)
+        plus[chunk.start:chunk.stop] = losses[0::2]
+        minus[chunk.start:chunk.stop] = losses[1::2]
+    return plus, minus
+
+
+def _stream(theta, layout: Layout, tokens, targets, state, want_logp: bool):
+    xp = runtime().xp
+    cfg = layout.config
+    theta = _check_thetas(theta, layout, 1)
+    tokens = _check_bytes(tokens, "tokens", 2)
+    targets = tokens if targets is None else _check_bytes(targets, "targets", 2)
+    if targets.shape != tokens.shape:
+        raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
+    B = tokens.shape[0]
+    h = xp.zeros((cfg.layers, 1, B, cfg.hidden), np.float32)
+    c = xp.zeros_like(h)
+    if state is not None:
+        if len(state) != cfg.layers:
+            raise ValueError(f"state must hold {cfg.layers} (h, c) pairs, got {len(state)}")
+        for layer, (h_l, c_l) in enumerate(state):
+            h[layer, 0], c[layer, 0] = xp.asarray(h_l), xp.asarray(c_l)  # broadcasting checks (B, H)
+    nll, logp = _forward(theta[None], layout, tokens[None], targets[None], h, c, want_logp)
+    state = [(backend.to_numpy(h[layer, 0]), backend.to_numpy(c[layer, 0])) for layer in range(cfg.layers)]
+    return nll[0], logp, state
+
+
+def nll_stream(theta, layout: Layout, tokens, targets, state=None):
+    """Nats of each target byte under one model, carrying state, as zosoma.forward.nll_stream.
+    theta (d,); tokens, targets (B, T) uint8; state None or one (h, c) pair of (B, H) per layer.
+    Returns nll (B, T) float32 NumPy and the final state (NumPy)."""
+    nll, _, state = _stream(theta, layout, tokens, targets, state, False)
+    return backend.to_numpy(nll), state
+
+
+def log_probs(theta, layout: Layout, tokens, state=None):
+    """Next-byte log-probabilities of one model, as zosoma.forward.log_probs. theta (d,); tokens
+    (B, T) uint8. Returns logp (B, T, V) float32 NumPy and the final state."""
+    _, logp, state = _stream(theta, layout, tokens, None, state, True)
+    return backend.to_numpy(logp[0]), state
