@@ -16,6 +16,9 @@ first use only: it is slow to import and most runs are on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import functools
 import sys
 
@@ -111,3 +114,22 @@ def to_numpy(x) -> np.ndarray:
     if get_array_module(x) is not np:
         return x.get()
     return np.asarray(x)
+
+
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def child_threads(threads: int):
+    """Within the block, processes spawned from this one start with `threads` BLAS/OpenMP/Numba
+    threads (they read the environment when they import NumPy); this process is unaffected."""
+    saved = {k: os.environ.get(k) for k in THREAD_VARS}
+    os.environ.update({k: str(threads) for k in THREAD_VARS})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

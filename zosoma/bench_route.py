@@ -34,6 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
+from .backend import THREAD_VARS, child_threads
 from .cluster import ClusterConfig, fit_clusters
 from .config import ModelConfig
 from .errors import ConfigError
@@ -46,7 +47,7 @@ PAPER = {"n_small": 256, "n_large": 8, "top_k": 4, "small_tokens_per_s": 2.36e6,
 
 _PAUSE_S = 0.3  # lets the previous run's BLAS threads stop spinning (OpenBLAS: about 0.1 s)
 _CHUNK = 2048  # bytes per clustering chunk, as SOMA training (zosoma.experts) uses by default
-_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_THREAD_VARS = THREAD_VARS[:3]
 
 
 def matched_config(total_params: int, n_experts: int) -> ModelConfig:
@@ -119,18 +120,9 @@ def bench_route(n_small: int = 256, n_large: int = 8, top_k: int = 4, total_para
                   seed=seed, batch=batch)
     if threads is None or _blas_threads() == threads:
         return _bench(**kwargs)
-    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
-    os.environ.update({k: str(threads) for k in _THREAD_VARS})  # the child reads it when it starts
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            return pool.submit(bench_route, **kwargs, threads=threads).result()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    ctx = multiprocessing.get_context("spawn")
+    with child_threads(threads), ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(bench_route, **kwargs, threads=threads).result()
 
 
 def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, repeats, seed,

@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .backend import child_threads
 from .cluster import ClusterConfig, cluster_report, fit_clusters, save_clustering
 from .config import ModelConfig, TrainConfig
 from .corpus import BatchSampler, Corpus, chunk
@@ -177,34 +178,22 @@ def _train_parallel(run_dir, soma, corpora, workers, should_stop, device):
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")
     records, stop = ctx.Queue(), ctx.Event()
-    saved = {k: os.environ.get(k) for k in _THREAD_VARS}
-    os.environ.update({k: str(threads) for k in _THREAD_VARS})  # children read it when they start
-    try:
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(records, stop)) as pool:
-            futures = {pool.submit(_run_expert, str(run_dir), soma, corpora[i], i, device): i for i in range(n)}
-            pending = set(futures)
-            while pending or not records.empty():
-                if should_stop() and not stop.is_set():
-                    stop.set()
-                try:
-                    yield records.get(timeout=0.2)
-                    continue
-                except queue.Empty:
-                    pass
-                for f in [f for f in pending if f.done()]:
-                    pending.discard(f)
-                    if f.exception() is not None:
-                        yield {"event": "failed", "expert": futures[f], "error": _one_line(f.exception())}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+    with child_threads(threads), ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                     initargs=(records, stop)) as pool:
+        futures = {pool.submit(_run_expert, str(run_dir), soma, corpora[i], i, device): i for i in range(n)}
+        pending = set(futures)
+        while pending or not records.empty():
+            if should_stop() and not stop.is_set():
+                stop.set()
+            try:
+                yield records.get(timeout=0.2)
+                continue
+            except queue.Empty:
+                pass
+            for f in [f for f in pending if f.done()]:
+                pending.discard(f)
+                if f.exception() is not None:
+                    yield {"event": "failed", "expert": futures[f], "error": _one_line(f.exception())}
 
 
 def _one_line(exc: BaseException) -> str:
