@@ -187,3 +187,21 @@ def test_soma_commands(tmp_path, text_files):
 
     result = run(["variance", "--no-lstm", "--trials", "2000"])
     assert result.exit_code == 0 and "ratio" in result.output
+
+
+def test_data_show_and_download(tmp_path):
+    result = run(["data", "show"])
+    assert result.exit_code == 0 and "drama" in result.output and "bigram" in result.output
+    shared = Path(__file__).resolve().parents[1].parent / "shared" / "wikitext-103"
+    if not (shared / "wiki.test.raw").exists():
+        pytest.skip("no local WikiText-103 files to build an archive from")
+    import zipfile
+    archive = tmp_path / "wikitext-103-raw-v1.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for name in ("wiki.test.raw", "wiki.valid.raw"):
+            z.write(shared / name, f"wikitext-103-raw/{name}")
+    result = run(["data", "download", "wikitext-103", "--url", archive.as_uri(), "--dest", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "wiki.test.raw").read_bytes() == (shared / "wiki.test.raw").read_bytes()
+    assert "no such file" in one_line_error(run(["data", "download", "wikitext-103", "--url", str(tmp_path / "x.zip"),
+                                                 "--dest", str(tmp_path / "out2")]))
