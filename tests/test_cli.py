@@ -105,7 +105,9 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
 
 
 def zosoma_cmd():
-    return [sys.executable, "-c", "from zosoma.cli.main import main; main()"]
+    """The installed console script (a `python -c` from the checkout would import the source tree,
+    where zosoma.cli does not exist: it is mapped from cli/ at install time)."""
+    return [str(Path(sys.executable).parent / "zosoma")]
 
 
 def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_files):
