@@ -34,8 +34,10 @@ import numpy as np
 from .backend import child_threads
 from .cluster import ClusterConfig, cluster_report, fit_clusters, save_clustering
 from .config import ModelConfig, TrainConfig
-from .corpus import BatchSampler, Corpus, chunk
+from .corpus import BatchSampler, Corpus, chunk, load_text
+from .download import find_wikitext103
 from .errors import ConfigError, DataError
+from .routing import evaluate_routed, evaluate_routed_corpus, load_ensemble
 from .runs import fingerprint, load_data, write_json
 from .train import (CHECKPOINT, Trainer, central_differences, from_checkpoint, new_state,
                     read_checkpoint, train)
@@ -201,13 +203,13 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _evaluate(run_dir, soma, heldout):
-    steps = [read_checkpoint(expert_dir(run_dir, i)) for i in range(soma["experts"])]
-    if any(c.step < c.train.steps for c in steps):
+    ckpts = [read_checkpoint(expert_dir(run_dir, i)) for i in range(soma["experts"])]
+    if any(c.step < c.train.steps for c in ckpts):
         return  # stopped or failed experts: nothing to evaluate yet
     results = evaluate_soma(run_dir, heldout, soma["data"].get("wikitext"), top_k=soma["top_k"])
-    results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in steps),
-                   flops=sum(float(c.extra.get("flops", 0)) for c in steps),
-                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in steps))
+    results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
+                   flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
+                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts))
     write_json(Path(run_dir) / "results.json", results)
     yield {"event": "evaluated", **results}
 
@@ -216,10 +218,6 @@ def evaluate_soma(run_dir: Path, heldout: Corpus | None, wikitext=None, top_k: i
                   temperature: float = 0.1, segment: int = 256, context: int = 512) -> dict:
     """Routed ensemble, each expert alone and oracle routing, in nats/byte: per held-out domain
     ({"heldout": {name: {"routed": x, "expert0": y, ..., "oracle": z}}}) and on WikiText-103."""
-    from .download import find_wikitext103
-    from .corpus import load_text
-    from .routing import evaluate_routed, evaluate_routed_corpus, load_ensemble
-
     ensemble = load_ensemble(run_dir, top_k, temperature)
     kw = dict(segment=segment, context=context)
     out: dict = {"heldout": None, "wikitext103": None, "top_k": top_k, "temperature": temperature, **kw}
