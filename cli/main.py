@@ -287,9 +287,14 @@ def _checkpoint_path(path) -> Path:
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 def info(checkpoint):
-    """Summarise a checkpoint (file, or run folder): format, config, step, tensors, last metrics."""
+    """Summarise a checkpoint (file, or run folder): format, config, step, tensors, last metrics.
+    For a SOMA run folder: its experts, loss mode and cluster sizes, and each expert's step."""
     from zosoma.checkpoint import summary
-    click.echo(summary(_checkpoint_path(checkpoint)))
+    from zosoma.experts import SOMA, soma_summary
+    if (Path(checkpoint) / SOMA).exists():
+        click.echo(soma_summary(Path(checkpoint)))
+    else:
+        click.echo(summary(_checkpoint_path(checkpoint)))
 
 
 @cli.command()

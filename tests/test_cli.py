@@ -172,6 +172,8 @@ def test_soma_commands(tmp_path, text_files):
                   "--heldout", str(text_files / "held"), "--run-dir", str(run_dir)] + data + TINY)
     assert result.exit_code == 0, result.output
     assert "cluster 0:" in result.output and "routed" in result.output and "oracle" in result.output
+    result = run(["info", str(run_dir)])
+    assert result.exit_code == 0 and "expert1: step 3/3" in result.output
     result = run(["eval", str(run_dir), "--data", str(text_files / "held"), "--top-k", "1"])
     assert result.exit_code == 0 and "expert1" in result.output
     assert "exceeds the 2 experts" in one_line_error(run(["eval", str(run_dir), "--top-k", "3"]))

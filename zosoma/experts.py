@@ -94,14 +94,31 @@ def start_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: i
     yield from _evaluate(run_dir, soma, heldout)
 
 
+def read_soma(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / SOMA).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{run_dir}: not a SOMA run folder ({SOMA} unreadable: {e})") from None
+
+
+def soma_summary(run_dir: Path) -> str:
+    """A few lines for `zosoma info RUN`: what the run is and how far each expert got."""
+    soma = read_soma(run_dir)
+    lines = [f"SOMA run {run_dir}: {soma['experts']} experts, {soma['loss']} losses, chunks of "
+             f"{soma['chunk_size']} bytes, cluster sizes {soma['cluster_sizes']}"]
+    for i in range(soma["experts"]):
+        c = read_checkpoint(expert_dir(run_dir, i))
+        lines.append(f"  expert{i}: step {c.step}/{c.train.steps}, {c.model.n_params():,} parameters, "
+                     f"last loss {c.metrics[-1]['loss']:.4f}" if c.metrics else f"  expert{i}: step 0")
+    lines.append(f"details: zosoma info {Path(run_dir) / 'expert0'}")
+    return "\n".join(lines)
+
+
 def resume_soma(run_dir: Path, workers: int | None = None, should_stop: Callable[[], bool] = lambda: False,
                 device: str = "cpu") -> Iterator[dict]:
     """Continue every expert of a SOMA run where it stopped, then evaluate."""
     run_dir = Path(run_dir)
-    try:
-        soma = json.loads((run_dir / SOMA).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{run_dir}: not a SOMA run folder ({SOMA} unreadable: {e})") from None
+    soma = read_soma(run_dir)
     data = soma["data"]
     train_corpus, heldout = load_data(data["train"] or None, data["heldout"] or None)
     if fingerprint(train_corpus) != data["fingerprint"]:
