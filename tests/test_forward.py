@@ -168,8 +168,8 @@ def test_matches_torch():
         x = torch.from_numpy(p["embed"])[torch.from_numpy(batch[:, :-1].astype(np.int64))]
         y, _ = lstm(x)
         logits = y @ torch.from_numpy(p["out.w"]) + torch.from_numpy(p["out.b"])
-        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                torch.from_numpy(batch[:, 1:].astype(np.int64)).reshape(-1))
+        targets = torch.from_numpy(batch[:, 1:].astype(np.int64)).reshape(-1)
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets)
     loss = forward.population_loss(theta[None], layout, batch)
     assert_close(loss[0], float(ref), rtol=1e-5, name="loss vs torch")
 

@@ -43,9 +43,11 @@ _ROWS_PER_CHUNK = 1024  # target Tc*B: big enough for an efficient GEMM, small e
 # float32 so the arithmetic stays float32 (a float64 literal would promote the whole loop).
 _F = np.float32
 _TANH_CLAMP = _F(7.90531110763549805)
-_A1, _A3, _A5, _A7 = _F(4.89352455891786e-03), _F(6.37261928875436e-04), _F(1.48572235717979e-05), _F(5.12229709037114e-08)
+_A1, _A3, _A5, _A7 = (_F(4.89352455891786e-03), _F(6.37261928875436e-04),
+                      _F(1.48572235717979e-05), _F(5.12229709037114e-08))
 _A9, _A11, _A13 = _F(-8.60467152213735e-11), _F(2.00018790482477e-13), _F(-2.76076847742355e-16)
-_B0, _B2, _B4, _B6 = _F(4.89352518554385e-03), _F(2.26843463243900e-03), _F(1.18534705686654e-04), _F(1.19825839466702e-06)
+_B0, _B2, _B4, _B6 = (_F(4.89352518554385e-03), _F(2.26843463243900e-03),
+                      _F(1.18534705686654e-04), _F(1.19825839466702e-06))
 _HALF = _F(0.5)
 _ONE = _F(1.0)
 
@@ -58,8 +60,7 @@ _LOG2E = _F(1.4426950408889634)
 _LN2_HI = _F(0.693359375)  # ln 2 in two parts (Cody-Waite): k * _LN2_HI is exact for k < 2**15
 _LN2_LO = _F(-2.12194440e-4)
 _C2, _C3, _C4, _C5, _C6, _C7 = (_F(1 / math.factorial(k)) for k in range(2, 8))
-_K1, _K2, _K4, _K8, _K16, _K32, _K64 = (_F(2 ** i) for i in range(7))
-_P1, _P2, _P4, _P8, _P16, _P32, _P64 = (_F(2.0 ** -(2 ** i)) for i in range(7))
+_POW2_STEPS = tuple((_F(2 ** i), _F(2.0 ** -(2 ** i))) for i in range(6, -1, -1))  # (64, 2**-64)..
 _ZERO = _F(0.0)
 
 
@@ -79,27 +80,12 @@ def _sigmoid(x):
 
 @njit(inline="always", **_JIT)
 def _pow2_neg(k):
-    """2**-k for an integral float32 k in [0, 127], exactly."""
+    """2**-k for an integral float32 k in [0, 127], exactly: one factor per binary digit."""
     s = _ONE
-    t = k >= _K64
-    s *= _P64 if t else _ONE
-    k -= _K64 if t else _ZERO
-    t = k >= _K32
-    s *= _P32 if t else _ONE
-    k -= _K32 if t else _ZERO
-    t = k >= _K16
-    s *= _P16 if t else _ONE
-    k -= _K16 if t else _ZERO
-    t = k >= _K8
-    s *= _P8 if t else _ONE
-    k -= _K8 if t else _ZERO
-    t = k >= _K4
-    s *= _P4 if t else _ONE
-    k -= _K4 if t else _ZERO
-    t = k >= _K2
-    s *= _P2 if t else _ONE
-    k -= _K2 if t else _ZERO
-    s *= _P1 if k >= _K1 else _ONE
+    for step, factor in _POW2_STEPS:
+        t = k >= step
+        s *= factor if t else _ONE
+        k -= step if t else _ZERO
     return s
 
 
@@ -297,7 +283,8 @@ def _check_theta(theta, layout: Layout, ndim: int) -> np.ndarray:
 def _check_bytes(tokens, name: str, ndim: int) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.dtype != np.uint8 or tokens.ndim != ndim:
-        raise ValueError(f"{name} must be a {ndim}-d uint8 array, got {tokens.dtype} {tokens.shape}")
+        raise ValueError(f"{name} must be a {ndim}-d uint8 array, "
+                         f"got {tokens.dtype} {tokens.shape}")
     return np.ascontiguousarray(tokens)
 
 
