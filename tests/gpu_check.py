@@ -109,14 +109,6 @@ def poisoned_allocations(cp):
         cp.empty, cp.empty_like = empty, empty_like
 
 
-def _cell_reference(pre, c):
-    H = c.shape[-1]
-    i, f = reference.sigmoid(pre[..., :H]), reference.sigmoid(pre[..., H:2 * H])
-    g, o = np.tanh(pre[..., 2 * H:3 * H]), reference.sigmoid(pre[..., 3 * H:])
-    c = f * c + i * g
-    return o * np.tanh(c), c
-
-
 def validate(cp, checks: Checks, rng):
     paper = Layout(PRESETS["paper"][0])
     d = paper.size
@@ -184,14 +176,14 @@ def validate(cp, checks: Checks, rng):
     gpu._launch("lstm_cell_embed", M * B * H, cp.asarray(gates), cp.asarray(table), tok, sm, sb, 30,
                 cp.asarray(bias), c, h, hs, M, B, H, Tc, t)
     x = table[np.arange(M)[:, None], tokens[:, :, 30]]
-    want_h, want_c = _cell_reference(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
+    want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
     checks.compare("lstm_cell_embed h", h, want_h, atol=1e-6, rtol=1e-5)
     checks.compare("lstm_cell_embed c", c, want_c, atol=1e-6, rtol=1e-5)
     checks.compare("lstm_cell_embed hs[:, t]", hs[:, t], want_h, atol=1e-6, rtol=1e-5)
     c, h, hs = cp.asarray(c0.copy()), nan((M, B, H)), nan((M, Tc, B, H))
     gpu._launch("lstm_cell_proj", M * B * H, cp.asarray(gates), cp.asarray(xproj), cp.asarray(bias), c, h, hs,
                 M, B, H, Tc, t)
-    want_h, want_c = _cell_reference(gates.astype(np.float64) + xproj[:, t] + bias[:, None], c0.astype(np.float64))
+    want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + xproj[:, t] + bias[:, None], c0.astype(np.float64))
     checks.compare("lstm_cell_proj h", h, want_h, atol=1e-6, rtol=1e-5)
     checks.compare("lstm_cell_proj c", c, want_c, atol=1e-6, rtol=1e-5)
     logits = (f32(M, Tc, B, VOCAB) * 3)

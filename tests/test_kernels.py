@@ -265,14 +265,6 @@ def test_fused_spsa_update_matches_cpu(rt, kind, weight_decay):
 
 # --- the LSTM kernels on their own ----------------------------------------------------------------
 
-def _cell_reference(pre, c):
-    """reference.forward's gate and cell math in float64. pre (..., 4H) pre-activations."""
-    H = c.shape[-1]
-    i, f = reference.sigmoid(pre[..., :H]), reference.sigmoid(pre[..., H:2 * H])
-    g, o = np.tanh(pre[..., 2 * H:3 * H]), reference.sigmoid(pre[..., 3 * H:])
-    c = f * c + i * g
-    return o * np.tanh(c), c
-
 
 @pytest.mark.parametrize("shared_tokens", [True, False])
 def test_lstm_cell_embed_matches_reference(rt, shared_tokens):
@@ -292,7 +284,7 @@ def test_lstm_cell_embed_matches_reference(rt, shared_tokens):
                 M, B, H, Tc, t)
     rows = tokens[np.arange(M) % tokens.shape[0], :, tt]  # (M, B) bytes
     x = table[np.arange(M)[:, None], rows]  # (M, B, G)
-    want_h, want_c = _cell_reference(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
+    want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
     assert_close(_host(h), want_h, atol=1e-6, rtol=1e-5, name="h")
     assert_close(_host(c), want_c, atol=1e-6, rtol=1e-5, name="c")
     assert_close(_host(hs)[:, t], want_h, atol=1e-6, rtol=1e-5, name="hs[t]")
@@ -309,7 +301,7 @@ def test_lstm_cell_proj_matches_reference(rt):
     d = gpu._device
     c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
     gpu._launch("lstm_cell_proj", M * B * H, d(gates), d(xproj), d(bias), c, h, hs, M, B, H, Tc, t)
-    want_h, want_c = _cell_reference(gates.astype(np.float64) + xproj[:, t] + bias[:, None],
+    want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + xproj[:, t] + bias[:, None],
                                      c0.astype(np.float64))
     assert_close(_host(h), want_h, atol=1e-6, rtol=1e-5, name="h")
     assert_close(_host(c), want_c, atol=1e-6, rtol=1e-5, name="c")

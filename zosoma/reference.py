@@ -15,6 +15,16 @@ def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def lstm_cell(gates, c):
+    """One LSTM step from pre-activations gates (..., 4H) in blocks i, f, g, o and the cell c
+    (..., H): returns the new (h, c)."""
+    H = c.shape[-1]
+    i, f = sigmoid(gates[..., :H]), sigmoid(gates[..., H:2 * H])
+    g, o = np.tanh(gates[..., 2 * H:3 * H]), sigmoid(gates[..., 3 * H:])
+    c = f * c + i * g
+    return o * np.tanh(c), c
+
+
 def zero_state(layout: Layout, B: int, dtype=np.float32) -> list[tuple[np.ndarray, np.ndarray]]:
     """One (h, c) pair of shape (B, H) per layer."""
     H = layout.config.hidden
@@ -34,11 +44,7 @@ def forward(theta, layout: Layout, tokens, state=None):
         w_ih, w_hh, bias = (p[f"lstm{layer}.{n}"] for n in ("w_ih", "w_hh", "bias"))
         hs = np.empty((B, T, H), theta.dtype)
         for t in range(T):
-            gates = x[:, t] @ w_ih + h @ w_hh + bias  # (B, 4H), blocks i, f, g, o
-            i, f = sigmoid(gates[:, :H]), sigmoid(gates[:, H:2 * H])
-            g, o = np.tanh(gates[:, 2 * H:3 * H]), sigmoid(gates[:, 3 * H:])
-            c = f * c + i * g
-            h = o * np.tanh(c)
+            h, c = lstm_cell(x[:, t] @ w_ih + h @ w_hh + bias, c)  # gates (B, 4H)
             hs[:, t] = h
         new_state.append((h, c))
         x = hs
