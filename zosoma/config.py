@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 VOCAB = 256  # V: one class per byte value
+OPTIMIZERS = ("sgd", "momentum", "adam", "eggroll")
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,14 @@ class TrainConfig:
     batch: int = 8  # B: sequences per minibatch (shared by every perturbation of a step)
     seq_len: int = 32  # T: predicted bytes per sequence
     perturbations: int = 32  # P: SPSA directions per step (2P forward passes)
-    eps: float = 1e-3  # SPSA perturbation scale (MeZO's default)
+    eps: float = 1e-3  # perturbation scale: SPSA's eps (MeZO's default), EGGROLL's sigma
     noise: str = "rademacher"  # "rademacher" or "gaussian"
     # ZO-SGD (as MeZO): ZO-Adam's per-coordinate normalisation amplifies the estimate's noise in
     # the many coordinates whose true gradient is small, and learned far slower here.
-    optimizer: str = "sgd"  # "sgd", "momentum" or "adam" (ZO-SGD, ZO-momentum, ZO-Adam)
+    # "eggroll" replaces SPSA altogether: low-rank ES (zosoma.eggroll), P antithetic pairs of rank
+    # `rank`, z-scored fitness, theta += lr * (2P)^-1/2 * sum f~_j E_j.
+    optimizer: str = "sgd"  # "sgd", "momentum", "adam" (ZO-SGD, ZO-momentum, ZO-Adam) or "eggroll"
+    rank: int = 1  # EGGROLL's r
     # The estimate's norm grows like sqrt(d / P), so the largest stable rate falls roughly like 1/d:
     # 0.15 suits the tiny preset's 50k parameters (0.3 diverged there).
     lr: float = 0.15  # peak learning rate
@@ -60,7 +64,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between held-out evaluations (0 = only at the end)
 
     def __post_init__(self):
-        positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every")
+        positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every", "rank")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -70,8 +74,8 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.noise not in ("rademacher", "gaussian"):
             raise ConfigError(f"noise must be rademacher or gaussian, got {self.noise!r}")
-        if self.optimizer not in ("sgd", "momentum", "adam"):
-            raise ConfigError(f"optimizer must be sgd, momentum or adam, got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(f"schedule must be constant or cosine, got {self.schedule!r}")
         if self.warmup < 0 or self.eval_every < 0 or self.weight_decay < 0:

@@ -61,14 +61,31 @@ def start_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: i
                device: str = "cpu") -> Iterator[dict]:
     """Cluster, initialise and train a new SOMA run; yields "clusters", "start", per-step records
     (with "expert"), per-expert "done"/"stopped"/"failed", then "evaluated"."""
+    report, n_chunks = create_soma(run_dir, model, cfg, n_experts, loss, chunk_size, train_paths,
+                                   heldout_paths, wikitext, top_k)
+    soma, train_corpus, corpora, heldout = open_soma(run_dir)
+    yield {"event": "clusters", "report": report, "n_chunks": n_chunks, "chunk_size": chunk_size}
+    yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "experts": n_experts,
+           "loss_mode": loss, "data": train_corpus, "model": model, "train": cfg, "steps": [0] * n_experts}
+    yield from _train_experts(run_dir, soma, corpora, workers, should_stop, device)
+    yield from _evaluate(run_dir, soma, heldout)
+
+
+def create_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
+                chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
+                top_k: int = 2) -> tuple[list[dict], int]:
+    """Cluster the corpus and write a new SOMA run folder, every expert at step 0 (nothing is
+    trained). Returns the clusters' report and the number of chunks."""
     run_dir = Path(run_dir)
     if (run_dir / SOMA).exists() or (run_dir / CHECKPOINT).exists():
         raise ConfigError(f"{run_dir} already holds a run: use --resume {run_dir} or another --run-dir")
     if loss not in LOSSES:
         raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if loss == "summed" and cfg.optimizer == "eggroll":
+        raise ConfigError("the summed-loss ablation shares SPSA central differences; use it with an SPSA optimizer")
     if chunk_size < cfg.seq_len + 1:
         raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
-    train_corpus, heldout = load_data(train_paths, heldout_paths)
+    train_corpus, _ = load_data(train_paths, heldout_paths)
     chunks = chunk(train_corpus, chunk_size)
     if n_experts > len(chunks):
         raise ConfigError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes")
@@ -87,11 +104,20 @@ def start_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: i
         Trainer(expert_dir(run_dir, i), model, cfg, BatchSampler(corpora[i], cfg.seq_len + 1),
                 new_state(model, cfg, expert=i), expert=i, extra={"data": data, "loss": loss}).checkpoint()
     write_json(run_dir / SOMA, soma)  # last: a folder without soma.json holds no run yet
-    yield {"event": "clusters", "report": report, "n_chunks": len(chunks), "chunk_size": chunk_size}
-    yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "experts": n_experts,
-           "loss_mode": loss, "data": train_corpus, "model": model, "train": cfg, "steps": [0] * n_experts}
-    yield from _train_experts(run_dir, soma, corpora, workers, should_stop, device)
-    yield from _evaluate(run_dir, soma, heldout)
+    return report, len(chunks)
+
+
+def open_soma(run_dir: Path) -> tuple[dict, Corpus, list[Corpus], Corpus | None]:
+    """A SOMA run folder's description, its training corpus, each expert's cluster of it, and the
+    held-out corpus; refuses training data that changed since the run started."""
+    soma = read_soma(run_dir)
+    data = soma["data"]
+    train_corpus, heldout = load_data(data["train"] or None, data["heldout"] or None)
+    if fingerprint(train_corpus) != data["fingerprint"]:
+        raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
+    chunks = chunk(train_corpus, soma["chunk_size"])
+    corpora = expert_corpora(chunks, np.asarray(soma["assignments"]), soma["experts"])
+    return soma, train_corpus, corpora, heldout
 
 
 def read_soma(run_dir: Path) -> dict:
@@ -118,14 +144,7 @@ def resume_soma(run_dir: Path, workers: int | None = None, should_stop: Callable
                 device: str = "cpu") -> Iterator[dict]:
     """Continue every expert of a SOMA run where it stopped, then evaluate."""
     run_dir = Path(run_dir)
-    soma = read_soma(run_dir)
-    data = soma["data"]
-    train_corpus, heldout = load_data(data["train"] or None, data["heldout"] or None)
-    if fingerprint(train_corpus) != data["fingerprint"]:
-        raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
-    chunks = chunk(train_corpus, soma["chunk_size"])
-    assignments = np.asarray(soma["assignments"])
-    corpora = expert_corpora(chunks, assignments, soma["experts"])
+    soma, train_corpus, corpora, heldout = open_soma(run_dir)
     ckpts = [read_checkpoint(expert_dir(run_dir, i)) for i in range(soma["experts"])]
     first = ckpts[0]
     yield {"event": "start", "run_dir": str(run_dir), "n_params": first.model.n_params(),
@@ -137,24 +156,30 @@ def resume_soma(run_dir: Path, workers: int | None = None, should_stop: Callable
 
 def _train_experts(run_dir, soma, corpora, workers, should_stop, device):
     if soma["loss"] == "summed":
-        yield from _train_lockstep(run_dir, soma, corpora, should_stop, device)
+        yield from train_lockstep(lockstep_trainers(run_dir, soma, corpora, device), should_stop)
     else:
         yield from _train_parallel(run_dir, soma, corpora, workers, should_stop, device)
 
 
-def _trainer(run_dir: Path, soma: dict, corpus: Corpus, i: int, step: int | None = None,
-             device: str = "cpu") -> Trainer:
+def expert_trainer(run_dir: Path, soma: dict, corpus: Corpus, i: int, step: int | None = None,
+                   device: str = "cpu") -> Trainer:
+    """Expert i's Trainer from its newest checkpoint (or the one at `step`)."""
     ckpt = read_checkpoint(expert_dir(run_dir, i), step)
     return Trainer(expert_dir(run_dir, i), ckpt.model, ckpt.train, BatchSampler(corpus, ckpt.train.seq_len + 1),
                    from_checkpoint(ckpt), expert=i, extra={"data": soma["data"], "loss": soma["loss"]},
                    device=device)
 
 
-def _train_lockstep(run_dir, soma, corpora, should_stop, device):
-    """The summed-loss ablation: every expert updated with the shared central differences."""
+def lockstep_trainers(run_dir: Path, soma: dict, corpora: list[Corpus], device: str = "cpu") -> list[Trainer]:
+    """Every expert's Trainer at the newest step that all of them have a checkpoint for."""
     n = soma["experts"]
     step = min(read_checkpoint(expert_dir(run_dir, i)).step for i in range(n))
-    trainers = [_trainer(run_dir, soma, corpora[i], i, step, device) for i in range(n)]
+    return [expert_trainer(run_dir, soma, corpora[i], i, step, device) for i in range(n)]
+
+
+def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict]:
+    """The summed-loss ablation: every expert updated with the shared central differences
+    sum_j (L_j(+) - L_j(-)) / (2 eps); records as `train` yields them."""
     eps = trainers[0].cfg.eps
     while not trainers[0].done:
         if should_stop():
@@ -182,7 +207,7 @@ def _init_worker(records, stop):
 
 
 def _run_expert(run_dir: str, soma: dict, corpus: Corpus, i: int, device: str) -> None:
-    trainer = _trainer(Path(run_dir), soma, corpus, i, device=device)
+    trainer = expert_trainer(Path(run_dir), soma, corpus, i, device=device)
     for record in train(trainer, should_stop=_stop.is_set):
         _queue.put(record)
 
@@ -192,7 +217,7 @@ def _train_parallel(run_dir, soma, corpora, workers, should_stop, device):
     workers = max(1, min(n, workers or os.cpu_count() or 1))
     if workers == 1:  # one after another in this process
         for i in range(n):
-            yield from train(_trainer(Path(run_dir), soma, corpora[i], i, device=device), should_stop)
+            yield from train(expert_trainer(Path(run_dir), soma, corpora[i], i, device=device), should_stop)
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")

@@ -87,7 +87,7 @@ def learning_rate(step: int, peak: float, total: int, warmup: int, schedule: str
 
 
 def init_state(kind: str, d: int) -> dict[str, np.ndarray]:
-    if kind == "sgd":
+    if kind in ("sgd", "eggroll"):  # stateless
         return {}
     if kind == "momentum":
         return {"m": np.zeros(d, np.float32)}

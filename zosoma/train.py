@@ -1,7 +1,8 @@
 """The SPSA training loop, written as a generator of progress records.
 
 Each step: draw the step's minibatch (a pure function of seed, expert and step), evaluate the 2P
-antithetic perturbations on it, turn the loss differences into the SPSA estimate, update. Batches
+antithetic perturbations on it, turn the losses into per-direction coefficients (SPSA: central
+differences; EGGROLL: z-scored fitness differences), update. Batches
 and noise are regenerated from counters, so a run resumed from a checkpoint takes exactly the steps
 an uninterrupted run would have taken.
 
@@ -117,12 +118,19 @@ class Trainer:
     def done(self) -> bool:
         return self.state.step >= self.cfg.steps
 
+    @property
+    def eggroll(self) -> bool:
+        return self.cfg.optimizer == "eggroll"
+
     def losses(self) -> tuple[np.ndarray, np.ndarray]:
-        """L(theta + eps delta_k) and L(theta - eps delta_k), k < P, on this step's minibatch."""
+        """L(theta + eps delta_k) and L(theta - eps delta_k), k < P, on this step's minibatch
+        (EGGROLL: L(theta + E_k) and L(theta - E_k) of its low-rank perturbations)."""
         t0 = time.perf_counter()
         cfg, step = self.cfg, self.state.step
         batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
         self.timings = {"data": time.perf_counter() - t0}
+        if self.eggroll:
+            return self._eggroll_losses(batch)
         args = (cfg.perturbations, cfg.eps, cfg.seed, self.expert, step, cfg.noise)
         if self.device == "cuda":  # the population is perturbed and evaluated on the device
             from . import gpu
@@ -133,15 +141,44 @@ class Trainer:
         return spsa_losses(self.state.theta, lambda thetas: population_loss(thetas, self.layout, batch),
                            *args, self.timings)
 
+    def _eggroll_losses(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        cfg = self.cfg
+        args = (self.layout, batch, cfg.eps, cfg.rank, cfg.seed, self.expert, self.state.step,
+                cfg.perturbations)
+        t0 = time.perf_counter()
+        if self.device == "cuda":
+            from .gpu import eggroll_population_loss as population
+        else:
+            from .eggroll import eggroll_population_loss as population
+        losses = population(self.state.theta, *args)
+        self.timings["forward"] = time.perf_counter() - t0  # noise factors included
+        return losses[0::2], losses[1::2]
+
+    def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
+        """Per-direction coefficients for `update` and the minibatch loss estimate at theta."""
+        if not self.eggroll:
+            return central_differences(plus, minus, self.cfg.eps)
+        loss = float(np.mean((plus + minus) / 2))
+        if not (np.all(np.isfinite(plus)) and np.all(np.isfinite(minus))):
+            return np.full(plus.shape, np.nan), loss  # a diverged member: the step is skipped
+        from .eggroll import zscore
+        fz = zscore(-np.stack([plus, minus], axis=1).ravel())  # fitness of members 2k (+), 2k+1 (-)
+        return fz[0::2] - fz[1::2], loss
+
     def update(self, coeffs: np.ndarray, loss: float) -> dict:
-        """Apply ghat = (1/P) sum_k coeffs[k] delta_k; a non-finite coefficient skips the step (a
-        NaN would poison theta and the optimizer state). Returns the step's record."""
+        """Apply ghat = (1/P) sum_k coeffs[k] delta_k (EGGROLL: theta += lr (2P)^-1/2 sum_k
+        coeffs[k] E_k); a non-finite coefficient skips the step (a NaN would poison theta and the
+        optimizer state). Returns the step's record."""
         t0 = time.perf_counter()
         cfg, state, step = self.cfg, self.state, self.state.step
         lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
         skipped = not np.all(np.isfinite(coeffs))
         theta, opt = state.theta, state.optimizer
-        if not skipped:
+        if not skipped and self.eggroll:
+            from .eggroll import eggroll_step
+            theta = eggroll_step(theta, self.layout, coeffs, lr, cfg.eps, cfg.rank, cfg.seed,
+                                 self.expert, step)
+        elif not skipped:
             ghat = spsa_gradient(coeffs, theta.size, cfg.seed, self.expert, step, cfg.noise)
             theta, opt = apply_update(cfg.optimizer, theta, ghat, opt, step, lr,
                                       cfg.momentum, cfg.beta2, cfg.weight_decay)
@@ -180,8 +217,7 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> 
             trainer.checkpoint()
             yield {"event": "stopped", "step": trainer.state.step, "expert": trainer.expert}
             return
-        coeffs, loss = central_differences(*trainer.losses(), trainer.cfg.eps)
-        yield trainer.update(coeffs, loss)
+        yield trainer.update(*trainer.coefficients(*trainer.losses()))
     yield {"event": "done", "step": trainer.state.step, "expert": trainer.expert}
 
 

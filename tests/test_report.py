@@ -1,0 +1,137 @@
+"""zosoma.report on synthetic results: summary statistics, the Markdown table, the CSV, the plots, the ablation."""
+
+import csv
+import sys
+
+import numpy as np
+import pytest
+
+from zosoma.errors import ConfigError
+from zosoma.report import (ablation_markdown, ablation_summary, markdown_table, plot_curves, summarise,
+                           write_csv, write_report)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+DOMAINS = ("code", "legal", "prose")
+
+
+def make_run(method, kind, seed, rng, wikitext=True, steps=(0, 250, 500)):
+    heldout = {d: float(rng.uniform(2, 3)) for d in DOMAINS}
+    heldout["overall"] = float(np.mean(list(heldout.values())))
+    return {
+        "method": method, "kind": kind, "seed": seed, "n_params": 99328, "steps": steps[-1],
+        "flops": 1.2e13 + seed * 1e11, "wall_s": 800.0 + 10 * seed, "heldout": heldout,
+        "wikitext103": float(rng.uniform(2, 3)) if wikitext else None,
+        "curve": [{"step": s, "flops": s * 2.4e10, "wall_s": s * 1.6 + seed, "heldout": 5.5 - s / 250 + seed * 0.1}
+                  for s in steps],
+    }
+
+
+@pytest.fixture
+def results():
+    rng = np.random.default_rng(0)
+    # Interleaved seeds check the order of first appearance; SPSA seed 2 has no WikiText-103.
+    return [make_run(method, kind, seed, rng, wikitext=not (kind == "spsa" and seed == 2))
+            for seed in range(3) for method, kind in (("SOMA N=2 P=64", "soma"), ("SPSA P=128", "spsa"))]
+
+
+def test_summary_matches_numpy(results):
+    rows = summarise(results)
+    assert [r["method"] for r in rows] == ["SOMA N=2 P=64", "SPSA P=128"]
+    for row in rows:
+        runs = [r for r in results if r["method"] == row["method"]]
+        overall = [r["heldout"]["overall"] for r in runs]
+        wiki = [r["wikitext103"] for r in runs if r["wikitext103"] is not None]
+        assert row["seeds"] == 3
+        assert row["heldout_mean"] == pytest.approx(np.mean(overall))
+        assert row["heldout_std"] == pytest.approx(np.std(overall, ddof=1))
+        assert row["wikitext_mean"] == pytest.approx(np.mean(wiki))
+        assert row["wikitext_std"] == pytest.approx(np.std(wiki, ddof=1))
+        assert row["flops"] == pytest.approx(np.mean([r["flops"] for r in runs]))
+        assert list(row["domains"]) == sorted(DOMAINS)
+        assert row["domains"]["code"] == pytest.approx(np.mean([r["heldout"]["code"] for r in runs]))
+
+
+def test_single_seed_and_no_wikitext():
+    rng = np.random.default_rng(1)
+    row, = summarise([make_run("EGGROLL", "eggroll", 0, rng, wikitext=False)])
+    assert row["heldout_std"] == 0.0
+    assert row["wikitext_mean"] is None and row["wikitext_std"] is None
+    assert "n/a" in markdown_table([row])
+
+
+def test_markdown_table(results):
+    rows = summarise(results)
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert lines[0].startswith("| method | params | seeds | steps | forward FLOPs | wall s |")
+    assert lines[0].rstrip(" |").endswith("| code | legal | prose")
+    soma = lines[2]
+    r = rows[0]
+    assert soma.startswith("| SOMA N=2 P=64 | 99328 | 3 | 500 | 1.21e13 | 810 |")
+    assert f"{r['heldout_mean']:.3f} ± {r['heldout_std']:.3f}" in soma
+    assert f"{r['wikitext_mean']:.3f} ± {r['wikitext_std']:.3f}" in soma
+    assert lines[3].startswith("| SPSA P=128 |")
+    assert "(2 of 3 seeds)" in lines[3] and "of 3 seeds" not in soma
+
+
+def test_csv_round_trip(results, tmp_path):
+    path = tmp_path / "results.csv"
+    write_csv(results, path)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(results)
+    assert list(rows[0])[:9] == ["method", "kind", "seed", "n_params", "steps", "flops", "wall_s",
+                                 "heldout_overall", "wikitext103"]
+    for row, run in zip(rows, results):
+        assert row["method"] == run["method"] and int(row["seed"]) == run["seed"]
+        assert float(row["flops"]) == run["flops"]
+        assert float(row["heldout_overall"]) == run["heldout"]["overall"]
+        assert float(row["heldout_legal"]) == run["heldout"]["legal"]
+        assert row["wikitext103"] == ("" if run["wikitext103"] is None else str(run["wikitext103"]))
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_plots_are_png(results, tmp_path):
+    # A seed that logged an extra step: only the steps every seed has are plotted.
+    results[0]["curve"].append({"step": 750, "flops": 1.8e13, "wall_s": 1200.0, "heldout": 2.0})
+    flops, wall = tmp_path / "f.png", tmp_path / "w.png"
+    plot_curves(results, flops, wall, title="synthetic")
+    for path in (flops, wall):
+        assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plots_without_matplotlib(results, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import now raises ImportError
+    with pytest.raises(ConfigError, match=r"zosoma\[plots\]"):
+        plot_curves(results, tmp_path / "f.png", tmp_path / "w.png")
+
+
+def test_ablation():
+    ind, summed = [2.40, 2.35, 2.50], [2.45, 2.40, 2.48]
+    pairs = [{"seed": s, "independent": {"heldout": i, "wikitext103": i + 0.2 if s else None},
+              "summed": {"heldout": j, "wikitext103": j + 0.3}} for s, (i, j) in enumerate(zip(ind, summed))]
+    summary = ablation_summary(pairs)
+    diffs = np.subtract(ind, summed)
+    held = summary["heldout"]
+    assert held["mean"] == pytest.approx(diffs.mean())
+    assert held["std"] == pytest.approx(diffs.std(ddof=1))
+    assert (held["min"], held["max"]) == pytest.approx((diffs.min(), diffs.max()))
+    wiki = summary["wikitext103"]  # seed 0 has no independent WikiText-103 value
+    assert [r["seed"] for r in wiki["per_seed"]] == [1, 2]
+    assert wiki["mean"] == pytest.approx(np.mean(diffs[1:] - 0.1))
+    lines = ablation_markdown(summary).splitlines()
+    assert len(lines) == 2 + 3 + 1
+    assert lines[2].startswith("| 0 | 2.400 | 2.450 | -0.050 | n/a | n/a | n/a |")
+    assert f"{held['mean']:.3f} ± {held['std']:.3f}" in lines[-1]
+
+
+def test_write_report(results, tmp_path):
+    pairs = [{"seed": 0, "independent": {"heldout": 2.4, "wikitext103": None},
+              "summed": {"heldout": 2.5, "wikitext103": None}}]
+    paths = write_report(results, pairs, tmp_path / "out", "Equal compute")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths.values())
+    text = paths["results.md"].read_text(encoding="utf-8")
+    assert text.startswith("# Equal compute\n")
+    assert "same segment protocol" in text and "| SPSA P=128 |" in text
+    assert "| 0 | 2.400 | 2.500 | -0.100 |" in text and "WikiText-103 independent" not in text
+    assert paths["nats_vs_wall.png"].read_bytes()[:8] == PNG_MAGIC

@@ -1,0 +1,441 @@
+"""The equal-compute comparison: SOMA against monolithic SPSA and EGGROLL at the same total
+parameter count and the same forward-FLOP budget, over several seeds; and the ablation of
+independent against summed expert losses.
+
+A comparison is a TOML file (the shipped ones are in zosoma/configs/: `zosoma compare cpu`):
+
+    title = "..."
+    seeds = [0, 1, 2]
+    flops = 1.5e13            # forward-FLOP budget of every run (all members of all experts)
+    curve_points = 8          # held-out evaluations along training (step 0 is added)
+    curve_bytes = 8192        # bytes of each held-out file scored at those points
+    train = {batch = 8, seq_len = 32}          # TrainConfig fields shared by every method
+
+    [[method]]
+    name = "SOMA N=2, P=64"
+    experts = 2                                # default 1: one monolithic model
+    model = {embed = 32, hidden = 64, layers = 1}
+    train = {perturbations = 64, lr = 0.15}    # the method's own TrainConfig fields
+
+    [ablation]                                 # optional: independent vs summed losses
+    seeds = [0, 1, 2]
+    experts = 4
+    steps = 1000
+    model = {...}
+    train = {...}
+
+Compute accounting. Forward FLOPs are the nominal ModelConfig.flops_per_token (every matmul of
+the LSTM and the output layer, multiply-add = 2) times the bytes pushed through forward passes,
+2P * B * T per step per expert; a method's steps are the budget divided by its FLOPs per step,
+rounded down. EGGROLL is charged the same dense FLOPs per member: its shared GEMM does that work,
+and its rank-r corrections are left out like the gate math. Wall time is training seconds (no
+evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours.
+
+Evaluation. Every method is scored by one protocol, the routed one of zosoma.routing: segments of
+`segment` predicted bytes, each after `context` bytes of warm-up (and, for SOMA, routing) context.
+A monolithic model is an ensemble of one expert with weight 1, which scores exactly as the model.
+
+Output folder:
+
+    OUT/runs/<method>-seed<s>/    one run folder per method and seed: a SOMA folder, or a single
+                                  model's (`zosoma eval`, `zosoma info` and `zosoma train
+                                  --resume` read both); plus curve.jsonl (the held-out curve)
+                                  and result.json (the final evaluation: the run is finished and
+                                  is never repeated)
+    OUT/runs/ablation-<loss>-seed<s>/
+    OUT/results.md, results.csv, nats_vs_flops.png, nats_vs_wall.png     (zosoma.report)
+
+Runs are independent jobs run by `jobs` worker processes (one BLAS thread each on a machine with
+as many cores); a killed comparison resumes every unfinished run from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import re
+import signal
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from .backend import child_threads
+from .cluster import load_clustering
+from .config import ModelConfig, TrainConfig
+from .corpus import BatchSampler, Corpus, load_text
+from .download import find_wikitext103
+from .errors import ConfigError, DataError
+from .experts import (ROUTER, create_soma, expert_trainer, lockstep_trainers, open_soma,
+                      train_lockstep)
+from .routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
+from .runs import fingerprint, load_data, write_json
+from .train import CHECKPOINT, Trainer, from_checkpoint, new_state, read_checkpoint, train
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CURVE = "curve.jsonl"
+RESULT = "result.json"
+
+
+# --------------------------------------------------------------------------------- configuration
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    model: ModelConfig
+    train: TrainConfig  # steps already set from the budget; seed set per run
+    experts: int = 1
+    loss: str = "independent"
+
+    @property
+    def kind(self) -> str:
+        if self.experts > 1:
+            return "soma"
+        return "eggroll" if self.train.optimizer == "eggroll" else "spsa"
+
+    def flops_per_step(self) -> float:
+        t = self.train
+        return self.experts * 2 * t.perturbations * t.batch * t.seq_len * self.model.flops_per_token()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    title: str
+    seeds: tuple[int, ...]
+    flops: float
+    methods: tuple[Method, ...]
+    ablation: tuple[Method, ...]  # (independent, summed), or () when the file has none
+    ablation_seeds: tuple[int, ...]
+    curve_points: int = 8
+    curve_bytes: int = 8192
+    segment: int = 256
+    context: int = 512
+    top_k: int = 2
+    chunk_size: int = 2048
+
+
+_TOP_KEYS = {"title", "seeds", "flops", "curve_points", "curve_bytes", "segment", "context", "top_k",
+             "chunk_size", "train", "method", "ablation"}
+
+
+def find_config(name: str) -> Path:
+    """A path, or the name of a shipped config (`cpu` -> zosoma/configs/cpu.toml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{name}.toml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"{name}: no such file, and not a shipped comparison ({names})")
+
+
+def load_comparison(path: Path) -> Comparison:
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    _known(raw, _TOP_KEYS, str(path))
+    try:
+        shared = dict(raw.get("train", {}))
+        budget = float(raw["flops"])
+        methods = tuple(_method(m, shared, budget=budget) for m in raw.get("method", []))
+        ablation, ablation_seeds = (), ()
+        if "ablation" in raw:
+            a = dict(raw["ablation"])
+            _known(a, {"seeds", "experts", "steps", "model", "train"}, f"{path} [ablation]")
+            ablation_seeds = tuple(int(s) for s in a.pop("seeds"))
+            ablation = tuple(_method({"name": f"ablation {loss}", "loss": loss, **a}, shared, steps=a["steps"])
+                             for loss in ("independent", "summed"))
+        cmp = Comparison(title=str(raw.get("title", Path(path).stem)), seeds=tuple(int(s) for s in raw["seeds"]),
+                         flops=budget, methods=methods, ablation=ablation, ablation_seeds=ablation_seeds,
+                         **{k: int(raw[k]) for k in ("curve_points", "curve_bytes", "segment", "context",
+                                                      "top_k", "chunk_size") if k in raw})
+    except KeyError as e:
+        raise ConfigError(f"{path}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not cmp.methods or not cmp.seeds:
+        raise ConfigError(f"{path}: needs at least one [[method]] and one seed")
+    names = [m.name for m in cmp.methods]
+    if len(set(map(slug, names))) != len(names):
+        raise ConfigError(f"{path}: method names must be distinct: {names}")
+    if cmp.curve_points < 1 or cmp.curve_bytes < 2:
+        raise ConfigError(f"{path}: curve_points must be >= 1 and curve_bytes >= 2")
+    return cmp
+
+
+def _known(table: dict, keys: set, where: str) -> None:
+    unknown = sorted(set(table) - keys)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(keys))})")
+
+
+def _method(raw: dict, shared: dict, budget: float | None = None, steps: int | None = None) -> Method:
+    _known(raw, {"name", "experts", "loss", "model", "train", "steps"}, f"method {raw.get('name', '?')}")
+    model = ModelConfig(**raw.get("model", {}))
+    fields = {**shared, **raw.get("train", {})}
+    for key in ("steps", "seed"):
+        if key in fields:
+            raise ConfigError(f"method {raw['name']}: train.{key} is set by the comparison, not the config")
+    method = Method(str(raw["name"]), model, TrainConfig(**fields), int(raw.get("experts", 1)),
+                    str(raw.get("loss", "independent")))
+    if steps is None:
+        steps = int(budget // method.flops_per_step())
+        if steps < 1:
+            raise ConfigError(f"method {method.name}: the budget of {budget:.3g} FLOPs is less than one step "
+                              f"({method.flops_per_step():.3g} FLOPs)")
+    train_cfg = dataclasses.replace(method.train, steps=int(steps), checkpoint_every=min(500, int(steps)))
+    return dataclasses.replace(method, train=train_cfg)
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+@dataclass(frozen=True)
+class Job:
+    run_dir: str
+    method: Method
+    seed: int
+    curve: bool  # the ablation needs final figures only
+
+
+def jobs(cmp: Comparison, out_dir: Path) -> list[Job]:
+    runs = Path(out_dir) / "runs"
+    out = [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, True) for s in cmp.seeds for m in cmp.methods]
+    out += [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, False) for s in cmp.ablation_seeds
+            for m in cmp.ablation]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+class _WholeWeight:
+    """The router of a one-expert ensemble: every segment goes to expert 0 with weight 1."""
+    n_experts = top_k = 1
+
+    def select(self, contexts):
+        return np.zeros((len(contexts), 1), np.int64), np.ones((len(contexts), 1), np.float32)
+
+
+class _Run:
+    """The trainers of one job's run folder (one, or one per expert) and how to score them."""
+
+    def __init__(self, job: Job, cmp: Comparison):
+        self.job, self.cmp, self.dir = job, cmp, Path(job.run_dir)
+        m = job.method
+        self.cfg = dataclasses.replace(m.train, seed=job.seed)
+        if m.experts > 1:
+            self._open_soma()
+        else:
+            self._open_single()
+
+    def _open_single(self):
+        m, cfg = self.job.method, self.cfg
+        train_corpus, self.heldout = load_data(None, None)
+        data = {"train": [], "heldout": [], "wikitext": None, "fingerprint": fingerprint(train_corpus)}
+        if (self.dir / CHECKPOINT).exists():
+            ckpt = read_checkpoint(self.dir)
+            self._same_config(ckpt.model, ckpt.train)
+            if ckpt.extra.get("data", {}).get("fingerprint") != data["fingerprint"]:
+                raise DataError(f"{self.dir}: the training data changed since the run started")
+            state = from_checkpoint(ckpt)
+        else:
+            state = None
+        sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
+        trainer = Trainer(self.dir, m.model, cfg, sampler, state or new_state(m.model, cfg),
+                          extra={"data": data})
+        if state is None:
+            trainer.checkpoint()  # step 0, as `zosoma train` leaves it
+        self.trainers, self.router = [trainer], _WholeWeight()
+
+    def _open_soma(self):
+        m, cfg = self.job.method, self.cfg
+        if not (self.dir / "soma.json").exists():
+            create_soma(self.dir, m.model, cfg, m.experts, m.loss, self.cmp.chunk_size, top_k=self.cmp.top_k)
+        soma, _, corpora, self.heldout = open_soma(self.dir)
+        if m.loss == "summed":
+            self.trainers = lockstep_trainers(self.dir, soma, corpora)
+        else:
+            self.trainers = [expert_trainer(self.dir, soma, corpora[i], i) for i in range(m.experts)]
+        for t in self.trainers:
+            self._same_config(t.model, t.cfg)
+        self.router = Router(load_clustering(self.dir / ROUTER), self.cmp.top_k)
+
+    def _same_config(self, model, cfg):
+        if model != self.job.method.model or cfg != self.cfg:
+            raise ConfigError(f"{self.dir} was started with another configuration; remove it or choose "
+                              "another output folder")
+
+    @property
+    def step(self) -> int:
+        return min(t.state.step for t in self.trainers)
+
+    def advance(self, target: int) -> None:
+        """Train every expert to step `target` (checkpointed there)."""
+        if self.job.method.loss == "summed":
+            _drain(train_lockstep(self.trainers, lambda: self.trainers[0].state.step >= target or _stopping()))
+        else:
+            for t in self.trainers:
+                _drain(train(t, lambda t=t: t.state.step >= target or _stopping()))
+        if _stopping():
+            raise Stopped(str(self.dir))
+
+    def totals(self) -> dict:
+        s = [t.state for t in self.trainers]
+        return {"step": self.step, "flops": float(sum(x.tokens for x in s)) * self.job.method.model.flops_per_token(),
+                "wall_s": sum(x.wall_s for x in s)}
+
+    def ensemble(self) -> Ensemble:
+        return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), self.router)
+
+    def score(self, corpus: Corpus) -> dict:
+        """Nats/byte of the (routed) model on each name of corpus, and "overall"."""
+        by = evaluate_routed_corpus(self.ensemble(), corpus, segment=self.cmp.segment, context=self.cmp.context)
+        return {name: r["routed"].nats_per_byte for name, r in by.items()}
+
+    def score_bytes(self, data: np.ndarray) -> float:
+        ens = self.ensemble()
+        return evaluate_routed(ens, data, segment=self.cmp.segment, context=self.cmp.context)["routed"].nats_per_byte
+
+
+def _drain(records: Iterator[dict]) -> None:
+    for _ in records:
+        pass
+
+
+def curve_steps(steps: int, points: int) -> list[int]:
+    """0 and `points` evenly spaced steps ending at `steps` (fewer when steps < points)."""
+    return sorted({0} | {math.ceil(steps * k / points) for k in range(1, points + 1)})
+
+
+def run_job(job: Job, cmp: Comparison, wikitext: str | None = None) -> dict:
+    """Train one run to its budget, recording the held-out curve, and evaluate it; a finished run
+    (result.json) is read back instead. Returns the result record of zosoma.report's schema."""
+    run_dir = Path(job.run_dir)
+    if (run_dir / RESULT).exists():
+        return json.loads((run_dir / RESULT).read_text())
+    run = _Run(job, cmp)
+    curve = _read_curve(run_dir / CURVE)
+    if job.curve:
+        subset = Corpus(run.heldout.names, tuple(d[:cmp.curve_bytes] for d in run.heldout.docs))
+        for target in curve_steps(run.cfg.steps, cmp.curve_points):
+            if run.step > target:
+                continue  # passed before a restart; its point was recorded then
+            run.advance(target)
+            if target not in {p["step"] for p in curve}:
+                point = {**run.totals(), "heldout": run.score(subset)["overall"]}
+                curve.append(point)
+                with open(run_dir / CURVE, "a") as f:
+                    f.write(json.dumps(point) + "\n")
+    else:
+        run.advance(run.cfg.steps)
+    wiki = find_wikitext103(wikitext)
+    m = job.method
+    result = {"method": m.name, "kind": m.kind, "seed": job.seed, "loss": m.loss, "experts": m.experts,
+              "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps, **run.totals(),
+              "heldout": run.score(run.heldout), "wikitext103": run.score_bytes(load_text(wiki)) if wiki else None,
+              "curve": sorted(curve, key=lambda p: p["step"]), "model": dataclasses.asdict(m.model),
+              "train": dataclasses.asdict(run.cfg)}
+    write_json(run_dir / RESULT, result)
+    return result
+
+
+def _read_curve(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            points.append(json.loads(line))
+        except ValueError:
+            break  # a line cut short by a kill: drop it and what follows
+    return points
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+class Stopped(Exception):
+    """A worker asked to stop: its run is checkpointed where it was."""
+
+
+_stop = None  # in worker processes: the Event the parent sets to ask every run to stop
+
+
+def _init_worker(stop) -> None:
+    global _stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the parent reacts to Ctrl-C
+    _stop = stop
+
+
+def _stopping() -> bool:
+    return _stop is not None and _stop.is_set()
+
+
+def run_comparison(cmp: Comparison, out_dir: Path, jobs_at_once: int = 1, wikitext: str | None = None,
+                   should_stop: Callable[[], bool] = lambda: False,
+                   on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
+    """Run every job not yet finished, `jobs_at_once` at a time in worker processes (one BLAS
+    thread each on a machine with that many cores), then write the report. on_result(job, result,
+    error) is called as each job ends. When should_stop() turns true every run checkpoints and
+    stops, and Stopped is raised. Returns the report's paths; raises ZosomaError when a job failed
+    (the others still run to the end, and the report is written from the finished ones)."""
+    from .report import write_report
+
+    out_dir = Path(out_dir)
+    todo = jobs(cmp, out_dir)
+    results: dict[str, dict] = {}
+    errors = []
+    threads = max(1, (os.cpu_count() or 1) // max(1, jobs_at_once))
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    with child_threads(threads), ProcessPoolExecutor(jobs_at_once, mp_context=ctx, initializer=_init_worker,
+                                                     initargs=(stop,)) as pool:
+        futures = {pool.submit(run_job, job, cmp, wikitext): job for job in todo}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            if should_stop() and not stop.is_set():
+                stop.set()
+                for f in pending:
+                    f.cancel()
+            for future in done:
+                job = futures[future]
+                if future.cancelled():
+                    continue
+                try:
+                    results[job.run_dir] = future.result()
+                    on_result(job, results[job.run_dir], None)
+                except Stopped:
+                    pass
+                except Exception as e:  # one failed run must not take the others with it
+                    errors.append(f"{job.run_dir}: {type(e).__name__}: {e}")
+                    on_result(job, None, errors[-1])
+    if stop.is_set():
+        raise Stopped(f"stopped: {len(results)} of {len(todo)} runs finished; the same command resumes the rest")
+    main = [results[j.run_dir] for j in todo if j.curve and j.run_dir in results]
+    pairs = ablation_pairs([results[j.run_dir] for j in todo if not j.curve and j.run_dir in results])
+    paths = write_report(main, pairs, out_dir, cmp.title) if main else {}
+    if errors:
+        raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
+    return paths
+
+
+def ablation_pairs(results: list[dict]) -> list[dict]:
+    """zosoma.report's ablation input: per seed, each loss mode's overall held-out and WikiText."""
+    by_seed: dict[int, dict] = {}
+    for r in results:
+        by_seed.setdefault(r["seed"], {"seed": r["seed"]})[r["loss"]] = {
+            "heldout": r["heldout"]["overall"], "wikitext103": r["wikitext103"]}
+    return [p for _, p in sorted(by_seed.items()) if "independent" in p and "summed" in p]
