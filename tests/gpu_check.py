@@ -9,15 +9,21 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    allocates) filled with NaN first, so an element a kernel skips shows up: Philox known answers;
    Rademacher noise, populations, estimates and fused updates bit-identical to zosoma.noise /
    zosoma.optim at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
-   log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream and
-   log_probs against the Numba forward and the NumPy reference. Each line prints its max abs and
+   log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream,
+   log_probs and population_nll against the Numba forward and the NumPy reference;
+   eggroll_population_loss against zosoma.eggroll's CPU forward. Each line prints its max abs and
    relative error.
 2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
    forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
    member, as a PyTorch user would evaluate SPSA perturbations, and (b) one cuDNN model on all M*B
    sequences at once (shared weights: the speed SPSA could reach if members cost nothing extra);
-   then the SPSA step (population build + forward + fused update) at P = 64, 256, 1024.
-   Everything in fp32: TF32 is off for torch, and CuPy uses fp32 GEMMs unless CUPY_TF32 is set.
+   EGGROLL's low-rank population forward (r = 1) at M = 64 and 1,024 members, whose "vs zosoma" is
+   its per-member speed-up over the dense forward; then the SPSA step (population build + forward +
+   fused update) at P = 64, 256, 1024. Everything in fp32: TF32 is off for torch, and CuPy uses
+   fp32 GEMMs unless CUPY_TF32 is set.
+3. Routed top-4 inference (zosoma.bench_route, as `zosoma bench route --device cuda`): tokens/s of
+   N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
+   same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
 
 The table is printed last and written to --out. Exit status: 0 every check passed (or --dry-run),
 1 a check failed, 2 no CUDA device (nothing checked). --dry-run only imports what the check needs
@@ -38,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import numpy as np  # noqa: E402
 
-from zosoma import backend, forward, gpu, reference  # noqa: E402
+from zosoma import backend, eggroll, forward, gpu, reference  # noqa: E402
 from zosoma.config import PRESETS, VOCAB, ModelConfig  # noqa: E402
 from zosoma.noise import noise  # noqa: E402
 from zosoma.optim import apply_update, perturbed, spsa_gradient, spsa_losses  # noqa: E402
@@ -233,6 +239,30 @@ def validate(cp, checks: Checks, rng):
     checks.compare("spsa_losses paper P=8 coefficients (L+ - L-)/2eps vs numba", (plus - minus) / 2e-3,
                    (cpu_plus - cpu_minus) / 2e-3, info=True)
 
+    print("routed inference and EGGROLL (vs the CPU code)", flush=True)
+    models = [thetas[m] for m in range(3)]  # E=24 H=40 L=3
+    shared = rng.integers(0, VOCAB, (4, 151), dtype=np.uint8)
+    want = np.stack([forward.nll_stream(t, small, shared[:, :-1], shared[:, 1:])[0] for t in models])
+    checks.compare("population_nll 3 models, shared rows vs numba nll_stream",
+                   gpu.population_nll(models, small, shared[:, :-1], shared[:, 1:]), want, atol=1e-4)
+    own = per_member[:3, :, :200]
+    want = np.stack([forward.nll_stream(t, small, b[:, :-1], b[:, 1:])[0] for t, b in zip(models, own)])
+    checks.compare("population_nll 3 models, one batch each vs numba nll_stream",
+                   gpu.population_nll(cp.asarray(np.stack(models)), small, own[..., :-1], own[..., 1:]), want,
+                   atol=1e-4)
+    args = (0.3, 2, 2**33 + 1, 1, 7, 3)  # sigma, r, seed, expert, step, n_pairs
+    theta64 = theta_small.astype(np.float64)
+    checks.compare("eggroll_population_loss E=24 H=40 L=3 r=2 vs float64 CPU",
+                   gpu.eggroll_population_loss(theta_small, small, per_member[0], *args),
+                   eggroll.eggroll_population_loss(theta64, small, per_member[0], *args), rtol=1e-5)
+    theta_s = theta * np.float32(3.0)  # saturated gates, as for population_loss above
+    for r in (1, 4):
+        batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
+        args = (1e-2, r, 5, 0, 3, 4)
+        checks.compare(f"eggroll_population_loss paper init*3 r={r} M=8 vs CPU float32",
+                       gpu.eggroll_population_loss(theta_s, paper, batch, *args),
+                       eggroll.eggroll_population_loss(theta_s, paper, batch, *args), rtol=2e-5)
+
 
 def _timed(fn, sync, repeats=3):
     """Median seconds of fn() after one warm-up, synchronising the device around each call."""
@@ -247,7 +277,7 @@ def _timed(fn, sync, repeats=3):
     return float(np.median(times))
 
 
-def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024)):
+def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggroll_members=(64, 1024)):
     config = PRESETS["paper"][0]
     layout = Layout(config)
     sync = cp.cuda.runtime.deviceSynchronize
@@ -298,7 +328,14 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024)):
         torch.cuda.empty_cache()
     elif torch is not None:
         rows.append(("torch has no CUDA device", None, None, None))
-    del thetas
+    thetas = None  # frees the population's device memory
+
+    for members in eggroll_members:
+        print(f"timing: EGGROLL population forward M={members} r=1", flush=True)
+        s = _timed(lambda: gpu.eggroll_population_loss(theta, layout, batch, 1e-3, 1, 0, 0, 0, members // 2), sync)
+        tokens_e = members * B * T
+        rows.append((f"zosoma gpu.eggroll_population_loss r=1, M={members} ({s / members * 1e3:.2f} ms/member)",
+                     tokens_e / s, s, tokens_e / s / base))
 
     for P in perturbations:
         print(f"timing: SPSA step P={P}", flush=True)
@@ -315,7 +352,20 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024)):
         rows.append((f"SPSA step P={P} (2P={2 * P} forwards, fused update {u * 1e3:.1f} ms)", tokens / s, s, None))
 
 
-def table(device_line: str, checks: Checks, rows: list) -> str:
+def routed_timing(checks: Checks) -> str:
+    """bench_route on the CPU and the GPU (same ensembles and windows): its table, and a check that
+    the GPU's nats/byte match the CPU's."""
+    from zosoma.bench_route import bench_route, format_route
+
+    print("timing: routed top-4 inference, N=8 vs N=256, cpu and cuda", flush=True)
+    records = bench_route(repeats=2, devices=("cpu", "cuda"))
+    nats = {(r["n_experts"], r["device"]): r["nats_per_byte"] for r in records if r["name"] != "ratio"}
+    for N in sorted({N for N, _ in nats}):
+        checks.compare(f"routed top-4 N={N} nats/byte, cuda vs cpu", nats[N, "cuda"], nats[N, "cpu"], rtol=1e-5)
+    return format_route(records)
+
+
+def table(device_line: str, checks: Checks, rows: list, routed: str = "") -> str:
     lines = [f"zosoma gpu_check  {time.strftime('%Y-%m-%d %H:%M')}  {device_line}", "",
              f"validation: {len(checks.rows) - len(checks.failed)} of {len(checks.rows)} passed",
              f"  {'check':<66} {'max abs':>9} {'max rel':>9}  result"]
@@ -331,6 +381,8 @@ def table(device_line: str, checks: Checks, rows: list) -> str:
             s_s = f"{s:>9.4f}" if s else f"{'-':>9}"
             r_s = f"{ratio:>9.3f}" if ratio else f"{'':>9}"
             lines.append(f"  {name:<66} {tps_s} {s_s} {r_s}")
+    if routed:
+        lines += ["", routed]
     return "\n".join(lines) + "\n"
 
 
@@ -359,9 +411,11 @@ def main(argv=None) -> int:
     with poisoned_allocations(cp):
         validate(cp, checks, np.random.default_rng(2024))
     print(f"validation took {time.perf_counter() - start:.0f} s", flush=True)
+    routed = ""
     if not args.skip_timing:
         timing(cp, rows)
-    text = table(device_line, checks, rows)
+        routed = routed_timing(checks)
+    text = table(device_line, checks, rows, routed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print("\n" + text + f"(written to {args.out})")

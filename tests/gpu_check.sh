@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device check for zosoma's CUDA backend (tests/gpu_check.py): validates every kernel against
-# the CPU code on fresh random inputs, then times the paper-size forward and SPSA step against
-# PyTorch's cuDNN LSTM. Needs an NVIDIA GPU with CuPy, Numba and PyTorch (CUDA) installed; installs
-# nothing; about 2-4 minutes. The table goes to $1, else $OUT/gpu_check.txt, else ./gpu_check.txt.
+# the CPU code on fresh random inputs, then times the paper-size forward (dense and EGGROLL) and
+# SPSA step against PyTorch's cuDNN LSTM, and routed top-4 inference on the CPU and the GPU. Needs an
+# NVIDIA GPU with CuPy, Numba and PyTorch (CUDA) installed; installs nothing; about 3-6 minutes.
+# The table goes to $1, else $OUT/gpu_check.txt, else ./gpu_check.txt.
 # Exit status: 0 all checks passed, 1 a check failed, 2 no CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,12 +25,14 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma import backend, forward, gpu, reference
+from zosoma import backend, eggroll, forward, gpu, reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import ConfigError
-from zosoma.noise import add_noise, noise
+from zosoma.noise import KINDS, add_noise, noise
 from zosoma.optim import apply_update, perturbed, spsa_gradient, spsa_losses
 from zosoma.params import Layout, init_params
+from zosoma.routing import Ensemble, Router, cut_segments, evaluate_routed, run_selected
+from zosoma.sample import sample
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATE_H = gpu.KERNEL_DIR / "emulate.h"
@@ -170,7 +172,7 @@ def _poisoned(rt, shape):
 def test_philox_known_answers(rt):
     counters = np.array([c + k for c, k, _ in PHILOX_KAT], np.uint32)  # (n, 6)
     out = rt.xp.zeros((len(PHILOX_KAT), 4), np.uint32)
-    gpu._launch("philox_blocks", len(PHILOX_KAT), gpu._device(counters, np.uint32), out, len(PHILOX_KAT))
+    gpu._launch("philox_blocks", len(PHILOX_KAT), gpu.to_device(counters, np.uint32), out, len(PHILOX_KAT))
     assert [tuple(int(w) for w in row) for row in _host(out)] == [e for _, _, e in PHILOX_KAT]
 
 
@@ -195,7 +197,7 @@ def test_gaussian_noise_matches_within_float32(rt, seed, expert, step, member, n
 def test_add_noise_in_place_matches_cpu(rt, kind):
     base = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     want = add_noise(np.empty_like(base), base, -0.013, 2**33 + 1, 3, 4, 5, kind)
-    x = gpu._device(base.copy())
+    x = gpu.to_device(base.copy())
     assert gpu.add_noise(x, x, -0.013, 2**33 + 1, 3, 4, 5, kind) is x
     if kind == "rademacher":
         np.testing.assert_array_equal(_host(x), want)
@@ -253,7 +255,7 @@ def test_fused_spsa_update_matches_cpu(rt, kind, weight_decay):
     want, _ = apply_update("sgd", theta, ghat, {}, 8, 0.03, 0.9, 0.999, weight_decay)
     out = _poisoned(rt, d)
     got = _host(gpu.spsa_update(theta, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=out))
-    x = gpu._device(theta.copy())  # in place (a copy: on the emulated runtime _device does not copy)
+    x = gpu.to_device(theta.copy())  # in place (a copy: on the emulated runtime to_device does not copy)
     gpu.spsa_update(x, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=x)
     if kind == "rademacher":
         np.testing.assert_array_equal(got, want)
@@ -276,7 +278,7 @@ def test_lstm_cell_embed_matches_reference(rt, shared_tokens):
     c0 = rng.standard_normal((M, B, H)).astype(np.float32)
     tokens = rng.integers(0, VOCAB, (1 if shared_tokens else M, B, T + 1), dtype=np.uint8)
     tt = 5  # absolute time of this step in tokens
-    d = gpu._device
+    d = gpu.to_device
     c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
     tok = d(tokens, np.uint8)[..., :-1]  # a strided view, as population_loss passes
     sm, sb = gpu._byte_strides(tok, M)
@@ -298,7 +300,7 @@ def test_lstm_cell_proj_matches_reference(rt):
     gates, xproj = (rng.standard_normal(s).astype(np.float32) * 2 for s in [(M, B, G), (M, Tc, B, G)])
     bias = rng.standard_normal((M, G)).astype(np.float32)
     c0 = rng.standard_normal((M, B, H)).astype(np.float32)
-    d = gpu._device
+    d = gpu.to_device
     c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
     gpu._launch("lstm_cell_proj", M * B * H, d(gates), d(xproj), d(bias), c, h, hs, M, B, H, Tc, t)
     want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + xproj[:, t] + bias[:, None],
@@ -315,7 +317,7 @@ def test_log_softmax_nll_matches_reference(rt):
     logits[0, 0, 0, 7] = 60.0  # a confident row
     bias = rng.standard_normal((M, VOCAB)).astype(np.float32)
     targets = rng.integers(0, VOCAB, (M, B, T + 1), dtype=np.uint8)
-    d = gpu._device
+    d = gpu.to_device
     tgt = d(targets, np.uint8)[..., 1:]
     sm, sb = gpu._byte_strides(tgt, M)
     nll, logp = _poisoned(rt, (M, B, T)), _poisoned(rt, (M, B, T, VOCAB))
@@ -423,6 +425,137 @@ def test_nll_stream_carries_state_and_log_probs_match(rt):
         gpu.nll_stream(theta, layout, tokens, targets[:, :5])
 
 
+def test_population_nll_runs_many_models_at_once(rt):
+    theta, layout = _model(6, 10, 2)
+    thetas = _population(theta, 3, seed=4)
+    shared, own = _bytes(6, (2, 12)), _bytes(7, (3, 2, 12))
+    got = gpu.population_nll(list(thetas), layout, shared[:, :-1], shared[:, 1:])
+    assert got.shape == (3, 2, 11) and got.dtype == np.float32
+    for m in range(3):
+        assert_close(got[m], forward.nll_stream(thetas[m], layout, shared[:, :-1], shared[:, 1:])[0],
+                     atol=NLL_ATOL, name="shared rows")
+    got = gpu.population_nll(thetas, layout, own[..., :-1], own[..., 1:], workspace_bytes=1)  # 1 by 1
+    for m in range(3):
+        assert_close(got[m], forward.nll_stream(thetas[m], layout, own[m, :, :-1], own[m, :, 1:])[0],
+                     atol=NLL_ATOL, name="one batch per model")
+    with pytest.raises(ValueError, match="tokens must be"):
+        gpu.population_nll(thetas, layout, own[:2, :, :-1], own[:2, :, 1:])
+    with pytest.raises(ValueError, match="must match"):
+        gpu.population_nll(thetas, layout, shared[:, :-1], shared[:, 2:])
+
+
+@pytest.mark.parametrize("embed, hidden, layers, r, B, T, rows_per_chunk", [
+    (8, 12, 2, 1, 3, 10, 1024),
+    (6, 8, 3, 3, 2, 9, 4),  # time chunks of 2 steps, the last one short
+])
+def test_eggroll_population_loss_matches_cpu(rt, monkeypatch, embed, hidden, layers, r, B, T, rows_per_chunk):
+    monkeypatch.setattr(gpu, "ROWS_PER_CHUNK", rows_per_chunk)
+    theta, layout = _model(embed, hidden, layers, scale=2.0)
+    batch = _bytes(7, (B, T + 1))
+    args = (0.3, r, 2**33 + 7, 2, 5, 3)  # sigma, r, seed, expert, step, n_pairs
+    want = eggroll.eggroll_population_loss(theta.astype(np.float64), layout, batch, *args)
+    got = gpu.eggroll_population_loss(theta, layout, batch, *args)
+    assert got.shape == (6,) and got.dtype == np.float64
+    assert_close(got, want, rtol=LOSS_RTOL, name="eggroll population loss vs CPU (float64)")
+    assert np.ptp(want) > 1e-3  # the perturbations change the losses
+    one_pair_at_a_time = gpu.eggroll_population_loss(theta, layout, batch, *args, workspace_bytes=1)
+    assert_close(one_pair_at_a_time, got, rtol=1e-6, name="pair chunks")
+
+
+def test_eggroll_factors_are_the_cpu_slices(rt):
+    theta, layout = _model(5, 6, 2)
+    r, pairs = 2, 3
+    n = eggroll.noise_length(layout, r)
+    z = _poisoned(rt, (pairs, n))
+    gpu._perturb(z, rt.xp.zeros(n, np.float32), 1.0, 0, 11, 1, 4, 0, pairs, False, KINDS["gaussian"])
+    low = gpu._LowRank(gpu.to_device(theta), layout, z, 0.5, r)
+    want = eggroll.population_factors(layout, r, 11, 1, 4, pairs, np.float64)
+    for e in layout.entries:
+        if len(e.shape) == 2:
+            a, b = want[e.name]
+            assert_close(_host(low.a[e.name]), a, atol=GAUSSIAN_ATOL, name=f"A of {e.name}")
+            bs = _host(low.bs[e.name]).reshape(pairs, 2, r, -1)
+            c = 0.5 / np.sqrt(r)
+            assert_close(bs[:, 0], c * b.transpose(0, 2, 1), atol=GAUSSIAN_ATOL, name=f"+B^T of {e.name}")
+            assert_close(bs[:, 1], -c * b.transpose(0, 2, 1), atol=GAUSSIAN_ATOL, name=f"-B^T of {e.name}")
+        else:
+            v = _host(low.vector(e.name)).reshape(pairs, 2, -1)
+            base = layout.view(theta, e.name)
+            assert_close(v[:, 0], base + 0.5 * want[e.name], atol=GAUSSIAN_ATOL, name=f"+{e.name}")
+            assert_close(v[:, 1], base - 0.5 * want[e.name], atol=GAUSSIAN_ATOL, name=f"-{e.name}")
+    with pytest.raises(ValueError, match="n_pairs"):
+        gpu.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 1, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="rank"):
+        gpu.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 0, 0, 0, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def routed_setup():
+    """A 4-expert ensemble of two sizes (experts of one size run together on the device) routed
+    over three synthetic byte domains, and text that switches between them."""
+    from zosoma.cluster import ClusterConfig, fit_clusters
+    from zosoma.corpus import Corpus
+
+    rng = np.random.default_rng(0)
+    alphabets = (b"abcdefghij ", b"0123456789 ", b"!?.,;:-+*/ ")
+    docs = tuple(np.frombuffer(a, np.uint8)[rng.integers(0, len(a), 200)] for a in alphabets for _ in range(8))
+    config = ClusterConfig(n_clusters=4, n_features=2**10, svd_dim=8, svd_oversample=4, seed=3)
+    clustering, _ = fit_clusters(Corpus(tuple(str(i // 8) for i in range(len(docs))), docs), config)
+    layouts = (Layout(ModelConfig(embed=8, hidden=16, layers=1)), Layout(ModelConfig(embed=6, hidden=8, layers=2)))
+    experts = tuple(((init_params(layouts[i % 2].config, 5, i) * 3).astype(np.float32), layouts[i % 2])
+                    for i in range(4))
+    return Ensemble(experts, Router(clustering, 2)), np.concatenate(docs[::5])
+
+
+def test_routed_inference_on_the_device_matches_the_cpu(rt, routed_setup):
+    """--device cuda for SOMA runs: routed evaluation (every expert on every segment), the top-k
+    path (batches of all experts of one size in one forward) and sampling agree with the CPU."""
+    ensemble, text = routed_setup
+    data = text[:900]
+    cpu = evaluate_routed(ensemble, data, segment=100, context=60, batch=4)
+    dev = evaluate_routed(ensemble, data, segment=100, context=60, batch=4, device="cuda")
+    assert list(dev) == list(cpu)
+    for key in cpu:
+        assert dev[key].n_bytes == cpu[key].n_bytes
+        assert_close(dev[key].nats, cpu[key].nats, rtol=LOSS_RTOL, name=f"evaluate_routed {key}")
+    segs = cut_segments(data, 100, 60)
+    chosen, _ = ensemble.router.select(segs.contexts)
+    want = run_selected(ensemble, segs, chosen, batch=3)
+    got = run_selected(ensemble.on("cuda"), segs, chosen, batch=3, device="cuda")
+    mask = segs.mask()[:, None]  # the scored columns (past a row's stop is padding)
+    assert_close(np.where(mask, got, 0), np.where(mask, want, 0), atol=NLL_ATOL, name="run_selected")
+    args = dict(n_bytes=40, seed=1, reroute_every=8, context=32)
+    assert sample(ensemble, b"abc 0123", device="cuda", **args) == sample(ensemble, b"abc 0123", **args)
+
+
+def test_bench_forward_on_the_device(rt, monkeypatch):
+    """bench forward --device cuda: the gpu.py forward timed beside torch and the GEMM peak."""
+    from zosoma import bench
+
+    if rt.xp is np:  # emulated: NumPy stands in for CuPy, and a small peak GEMM for the GPU's
+        monkeypatch.setattr(backend, "require_cupy", lambda: np)
+        monkeypatch.setattr(bench, "_PEAK_N_CUDA", 64)
+    monkeypatch.setattr(bench, "_PAUSE_S", 0.0)
+    records = bench.bench_forward(embed=8, hidden=8, layers=2, batch=2, seq_len=5, repeats=1, device="cuda")
+    names = [r["name"] for r in records]
+    assert names[1] == "cupy gpu.population_loss M=1" and names[2] == "torch cuDNN nn.LSTM no_grad"
+    assert records[1]["tokens_per_s"] > 0 and "numpy reference" not in " ".join(names)
+    assert "cupy gpu.population_loss" in bench.format_records(records)
+
+
+@pytest.mark.parametrize("args", [["sample", "no-such-run"], ["bench", "forward"], ["bench", "route"]])
+def test_cli_device_cuda_without_a_gpu_is_one_line_error(args):
+    if backend.cuda_device_count():
+        pytest.skip("a CUDA device is present")
+    from click.testing import CliRunner
+    from zosoma.cli.main import cli
+
+    result = CliRunner().invoke(cli, args + ["--device", "cuda"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip().splitlines() == [result.output.strip()]
+    assert result.output.startswith("Error: --device cuda: no CUDA device (")
+
+
 # --- backend.py -----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -501,8 +634,8 @@ def test_gpu_check_dry_run():
 
 
 def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
-    """--device cuda: the Trainer's population losses and streaming evaluation run on the device
-    (here the runtime of the `rt` fixture) and agree with the CPU path."""
+    """--device cuda: the Trainer's population losses (SPSA and EGGROLL) and streaming evaluation
+    run on the device (here the runtime of the `rt` fixture) and agree with the CPU path."""
     from zosoma.config import TrainConfig
     from zosoma.corpus import BatchSampler, Corpus
     from zosoma.evaluate import evaluate_bytes
@@ -516,6 +649,11 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     dev = Trainer(tmp_path / "dev", model, cfg, sampler, new_state(model, cfg), device="cuda")
     for a, b in zip(cpu.losses(), dev.losses()):
         assert_close(b, a, rtol=1e-5, name="device vs cpu losses")
+    egg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3, optimizer="eggroll", rank=2)
+    cpu_e = Trainer(tmp_path / "cpu_e", model, egg, sampler, new_state(model, egg))
+    dev_e = Trainer(tmp_path / "dev_e", model, egg, sampler, new_state(model, egg), device="cuda")
+    for a, b in zip(cpu_e.losses(), dev_e.losses()):
+        assert_close(b, a, rtol=1e-5, name="EGGROLL device vs cpu losses")
     theta = cpu.state.theta
     assert_close(evaluate_bytes(theta, Layout(model), text, streams=3, segment=50, device="cuda").nats,
                  evaluate_bytes(theta, Layout(model), text, streams=3, segment=50).nats, rtol=1e-5, name="eval")

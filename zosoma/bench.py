@@ -13,6 +13,11 @@ Timed paths run in interleaved rounds (one run of each path per round), so a loa
 goes on a shared machine hits every path alike, with a short pause between paths: each BLAS
 (NumPy's OpenBLAS, SciPy's OpenBLAS behind Numba, torch's OpenMP pool) has threads that spin for a
 while after a call, and would steal the cores from the next path.
+
+On device "cuda" the paths are zosoma.gpu's population forward (CuPy) and torch's cuDNN nn.LSTM on
+the same GPU, in fp32 (TF32 off for torch; CuPy uses TF32 only when CUPY_TF32 is set), beside the
+GPU's fp32 GEMM peak. Every timed call ends by reading a result back to the host, so it includes
+the device's work.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from typing import Callable
 
 import numpy as np
 
+from . import backend
 from .config import VOCAB, ModelConfig
 from .params import Layout, init_params
 
 _PAUSE_S = 0.3  # lets the previous path's BLAS threads stop spinning (OpenBLAS: about 0.1 s)
 _PEAK_N = 2048  # matmul size for the fp32 peak
+_PEAK_N_CUDA = 8192  # on a GPU: large enough that the launch is negligible (~1.1 TFLOP)
 
 
 def blas_threads() -> int:
@@ -60,27 +67,39 @@ def time_interleaved(paths: dict[str, Callable[[], object]], repeats: dict[str, 
     return times
 
 
-def matmul_peak_gflops(n: int = _PEAK_N, repeats: int = 5) -> float:
-    """Median fp32 GFLOP/s of an n x n x n np.matmul: the machine's practical peak."""
+def matmul_peak_gflops(n: int = _PEAK_N, repeats: int = 5, xp=np) -> float:
+    """Median fp32 GFLOP/s of an n x n x n matmul of array module xp (NumPy, or CuPy for the GPU):
+    the machine's practical peak."""
     rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    out = np.empty((n, n), np.float32)
-    np.matmul(a, b, out=out)
-    seconds = [_time_once(lambda: np.matmul(a, b, out=out)) for _ in range(repeats)]
+    a, b = (xp.asarray(rng.standard_normal((n, n), dtype=np.float32)) for _ in range(2))
+    out = xp.empty((n, n), np.float32)
+
+    def run():
+        xp.matmul(a, b, out=out)
+        float(out[0, 0])  # reading an element back waits for the device
+
+    run()
+    seconds = [_time_once(run) for _ in range(repeats)]
     return 2 * n ** 3 / float(np.median(seconds)) / 1e9
 
 
-def _torch_forward(config: ModelConfig, batch: np.ndarray, threads: int):
-    """torch's CPU path for the same model shape: nn.Embedding + nn.LSTM(batch_first) + nn.Linear
-    + cross_entropy under no_grad (its own random weights: speed does not depend on them)."""
+def _torch_forward(config: ModelConfig, batch: np.ndarray, threads: int, device: str = "cpu"):
+    """torch's path for the same model shape: nn.Embedding + nn.LSTM(batch_first) + nn.Linear
+    + cross_entropy under no_grad (its own random weights: speed does not depend on them); on
+    "cuda", cuDNN's LSTM in fp32."""
     import torch
 
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ImportError("torch has no CUDA device")
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    embed = torch.nn.Embedding(VOCAB, config.embed)
-    lstm = torch.nn.LSTM(config.embed, config.hidden, config.layers, batch_first=True)
-    out = torch.nn.Linear(config.hidden, VOCAB)
-    data = torch.from_numpy(batch.astype(np.int64))
+    embed = torch.nn.Embedding(VOCAB, config.embed).to(device)
+    lstm = torch.nn.LSTM(config.embed, config.hidden, config.layers, batch_first=True).to(device)
+    out = torch.nn.Linear(config.hidden, VOCAB).to(device)
+    data = torch.from_numpy(batch.astype(np.int64)).to(device)
     inputs, targets = data[:, :-1], data[:, 1:].reshape(-1)
 
     def run():
@@ -104,10 +123,12 @@ def _record(name: str, config: ModelConfig, tokens: int, seconds: list[float], p
 
 def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: int = 64,
                   seq_len: int = 256, repeats: int = 5, seed: int = 0,
-                  include_numpy: bool = True) -> list[dict]:
+                  include_numpy: bool = True, device: str = "cpu") -> list[dict]:
     """Forward + mean loss (no gradient) of one model on a (batch, seq_len + 1) byte batch:
     the NumPy reference, the Numba `population_loss` with M = 1, and torch's nn.LSTM, timed in
-    interleaved rounds, plus the fp32 matmul peak measured in the same run."""
+    interleaved rounds, plus the fp32 matmul peak measured in the same run. device "cuda":
+    zosoma.gpu.population_loss with M = 1 and torch's cuDNN nn.LSTM on the GPU, beside the GPU's
+    peak (no NumPy reference)."""
     from . import forward, reference
 
     config = ModelConfig(embed=embed, hidden=hidden, layers=layers)
@@ -118,28 +139,41 @@ def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: i
     tokens = batch * seq_len
     threads = blas_threads()
     shape = f"E={embed} H={hidden} L={layers} B={batch} T={seq_len}"
+    on_gpu = device == "cuda"
 
-    paths = {"numba": lambda: forward.population_loss(theta[None], layout, data)}
-    counts = {"numba": repeats}
+    if on_gpu:
+        from . import gpu
+        xp = backend.require_cupy()
+        thetas, data_d = gpu.to_device(theta[None]), gpu.to_device(data, np.uint8)
+        main = ("cupy gpu.population_loss M=1", "cuda: cuBLAS + raw kernels")
+        paths = {"main": lambda: gpu.population_loss(thetas, layout, data_d)}
+    else:
+        xp = np
+        main = ("numba population_loss M=1", f"blas={threads}, kernels serial")
+        paths = {"main": lambda: forward.population_loss(theta[None], layout, data)}
+    counts = {"main": repeats}
+    torch_name = "torch cuDNN nn.LSTM no_grad" if on_gpu else "torch nn.LSTM no_grad"
     try:
-        paths["torch"] = _torch_forward(config, data, threads)
+        paths["torch"] = _torch_forward(config, data, threads, device)
         counts["torch"] = repeats
         import torch
-        torch_threads = torch.get_num_threads()
-    except ImportError:
-        torch_threads = None
+        torch_threads = "cuda" if on_gpu else f"torch={torch.get_num_threads()}"
+    except ImportError as e:  # torch missing, or (on "cuda") built without CUDA
+        torch_missing = "torch not installed" if isinstance(e, ModuleNotFoundError) else str(e)
     numpy_repeats = min(repeats, 2)  # minutes per run at the full-size model
+    include_numpy = include_numpy and not on_gpu
     if include_numpy:
         paths["numpy"] = lambda: reference.loss(theta, layout, data)
         counts["numpy"] = numpy_repeats
 
     times = time_interleaved(paths, counts)
     time.sleep(_PAUSE_S)
-    peak = matmul_peak_gflops()
+    peak_n = _PEAK_N_CUDA if on_gpu else _PEAK_N
+    peak = matmul_peak_gflops(peak_n, xp=xp)
 
-    records = [{"name": f"fp32 matmul peak (numpy, {_PEAK_N}^3)", "tokens_per_s": None,
+    records = [{"name": f"fp32 matmul peak ({xp.__name__}, {peak_n}^3)", "tokens_per_s": None,
                 "gflops": peak, "fraction_of_peak": 1.0, "ratio_vs_torch": None, "repeats": 5,
-                "threads": f"blas={threads}"}]
+                "threads": "cuda" if on_gpu else f"blas={threads}"}]
     if include_numpy:
         records.append(_record("numpy reference forward+loss", config, tokens, times["numpy"],
                                peak, threads=f"blas={threads}",
@@ -147,21 +181,20 @@ def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: i
     # The table lookup replaces layer 0's input GEMM (2*E*4H per token) by embed @ w_ih once.
     executed = (config.flops_per_token() - 8 * embed * hidden
                 + 8 * VOCAB * embed * hidden / tokens) / config.flops_per_token()
-    records.append(_record("numba population_loss M=1", config, tokens, times["numba"], peak,
-                           threads=f"blas={threads}, kernels serial",
+    records.append(_record(main[0], config, tokens, times["main"], peak, threads=main[1],
                            note=f"{shape}; layer-0 input by table lookup: executes "
                                 f"{executed:.0%} of the nominal FLOPs"))
     if "torch" in times:
-        records.append(_record("torch nn.LSTM no_grad", config, tokens, times["torch"], peak,
-                               threads=f"torch={torch_threads}", note=shape))
+        records.append(_record(torch_name, config, tokens, times["torch"], peak,
+                               threads=torch_threads, note=shape))
         torch_rate = records[-1]["tokens_per_s"]
         for record in records:
             if record["tokens_per_s"] is not None:
                 record["ratio_vs_torch"] = record["tokens_per_s"] / torch_rate
     else:
-        records.append({"name": "torch nn.LSTM no_grad", "tokens_per_s": None, "gflops": None,
+        records.append({"name": torch_name, "tokens_per_s": None, "gflops": None,
                         "fraction_of_peak": None, "ratio_vs_torch": None, "repeats": 0,
-                        "note": "torch not installed"})
+                        "note": torch_missing})
     return records
 
 

@@ -68,7 +68,7 @@ def start_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: i
     yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "experts": n_experts,
            "loss_mode": loss, "data": train_corpus, "model": model, "train": cfg, "steps": [0] * n_experts}
     yield from _train_experts(run_dir, soma, corpora, workers, should_stop, device)
-    yield from _evaluate(run_dir, soma, heldout)
+    yield from _evaluate(run_dir, soma, heldout, device)
 
 
 def create_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
@@ -151,7 +151,7 @@ def resume_soma(run_dir: Path, workers: int | None = None, should_stop: Callable
            "experts": soma["experts"], "loss_mode": soma["loss"], "data": train_corpus, "model": first.model,
            "train": first.train, "steps": [c.step for c in ckpts]}
     yield from _train_experts(run_dir, soma, corpora, workers, should_stop, device)
-    yield from _evaluate(run_dir, soma, heldout)
+    yield from _evaluate(run_dir, soma, heldout, device)
 
 
 def _train_experts(run_dir, soma, corpora, workers, should_stop, device):
@@ -244,11 +244,11 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def _evaluate(run_dir, soma, heldout):
+def _evaluate(run_dir, soma, heldout, device="cpu"):
     ckpts = [read_checkpoint(expert_dir(run_dir, i)) for i in range(soma["experts"])]
     if any(c.step < c.train.steps for c in ckpts):
         return  # stopped or failed experts: nothing to evaluate yet
-    results = evaluate_soma(run_dir, heldout, soma["data"].get("wikitext"), top_k=soma["top_k"])
+    results = evaluate_soma(run_dir, heldout, soma["data"].get("wikitext"), top_k=soma["top_k"], device=device)
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
                    wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts))
@@ -257,17 +257,17 @@ def _evaluate(run_dir, soma, heldout):
 
 
 def evaluate_soma(run_dir: Path, heldout: Corpus | None, wikitext=None, top_k: int = 2,
-                  temperature: float = 0.1, segment: int = 256, context: int = 512) -> dict:
+                  temperature: float = 0.1, segment: int = 256, context: int = 512, device: str = "cpu") -> dict:
     """Routed ensemble, each expert alone and oracle routing, in nats/byte: per held-out domain
     ({"heldout": {name: {"routed": x, "expert0": y, ..., "oracle": z}}}) and on WikiText-103."""
-    ensemble = load_ensemble(run_dir, top_k, temperature)
+    ensemble = load_ensemble(run_dir, top_k, temperature).on(device)
     kw = dict(segment=segment, context=context)
     out: dict = {"heldout": None, "wikitext103": None, "top_k": top_k, "temperature": temperature, **kw}
     if heldout is not None:
         out["heldout"] = {name: {k: r.nats_per_byte for k, r in by.items()}
-                          for name, by in evaluate_routed_corpus(ensemble, heldout, **kw).items()}
+                          for name, by in evaluate_routed_corpus(ensemble, heldout, device=device, **kw).items()}
     wiki = find_wikitext103(wikitext)
     if wiki is not None:
-        out["wikitext103"] = {k: r.nats_per_byte for k, r in evaluate_routed(ensemble, load_text(wiki), **kw).items()}
+        out["wikitext103"] = {k: r.nats_per_byte for k, r in evaluate_routed(ensemble, load_text(wiki), device=device, **kw).items()}
         out["wikitext103_path"] = str(wiki)
     return out

@@ -5,6 +5,8 @@ tests/gpu_check.py):
 
     population_loss(thetas, layout, batch)            zosoma.forward.population_loss
     nll_stream / log_probs                             zosoma.forward.nll_stream / log_probs
+    population_nll(thetas, layout, tokens, targets)    nll_stream of M models at once, from zero state
+    eggroll_population_loss(theta, layout, batch, ...) zosoma.eggroll.eggroll_population_loss
     add_noise(out, base, scale, seed, ...)             zosoma.noise.add_noise (bit-identical signs)
     perturbed(theta, eps, members, seed, ...)          zosoma.optim.perturbed
     spsa_gradient(coeffs, d, seed, ...)                zosoma.optim.spsa_gradient
@@ -12,8 +14,8 @@ tests/gpu_check.py):
     spsa_losses(theta, layout, batch, P, eps, ...)     optim.spsa_losses with population_loss
 
 Inputs may be NumPy or CuPy arrays (NumPy ones are copied to the device on each call, so keep theta
-on the device across steps); array results stay on the device, except the per-member losses,
-nll_stream and log_probs, which return NumPy like their CPU twins.
+on the device across steps: `to_device`); array results stay on the device, except the per-member
+losses, nll_stream, log_probs and population_nll, which return NumPy like their CPU twins.
 
 The forward (shapes: M members, B batch, T time, E embed, H hidden, G = 4H, V = 256, L layers):
 every member has its own weights, so every GEMM is batched over members (cuBLAS strided-batched
@@ -31,6 +33,12 @@ through cupy.matmul) and the rest is two raw kernels from kernels/lstm.cu:
 The recurrent GEMM reads every member's w_hh at every step, so the forward is bound by memory
 bandwidth at small B; batching members amortises the kernel launches, not those reads.
 
+EGGROLL's population (eggroll_population_loss) shares one theta: members 2i, 2i+1 use
+W +/- c A_i B_i^T, so each product above becomes ONE GEMM of all members' rows with the shared W
+plus two skinny batched GEMMs for the rank-r corrections (x @ A_i, then @ B_i^T); the same kernels
+do the rest. The factors are sliced from each pair's Gaussian stream, generated on the device by
+the perturb kernel.
+
 Noise (kernels/noise.cu) is a pure function of (seed, expert, step, member, index), the Philox
 counter layout of zosoma.noise, so the GPU regenerates exactly the CPU's directions: Rademacher
 noise, perturbed populations, estimates and ZO-SGD updates are bit-identical to the CPU's;
@@ -43,6 +51,7 @@ checked against them, so a Python scalar is always passed at the width the kerne
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -167,8 +176,9 @@ def _launch(name: str, work: int, *args, rows: int = 1) -> None:
     rt.launch(file, name, grid, (BLOCK, 1, 1), tuple(converted))
 
 
-def _device(x, dtype=np.float32):
-    """x as a C-contiguous device array of dtype (copied only when needed)."""
+def to_device(x, dtype=np.float32):
+    """x as a C-contiguous device array of dtype (copied only when needed): keep weights that are
+    used again on the device, so that calls do not copy them each time."""
     xp = runtime().xp
     return xp.ascontiguousarray(xp.asarray(x), dtype=dtype)
 
@@ -195,20 +205,28 @@ def add_noise(out, base, scale: float, seed: int, expert: int, step: int, member
     """out = base + scale * delta, delta = noise(seed, expert, step, member)[start:start+n], as
     zosoma.noise.add_noise. out: device float32 (n,), may be base (in place); base (n,). `start` must
     be a multiple of 128 (Rademacher) or 4 (Gaussian). Returns out."""
-    k0, k1 = stream_key(seed)
+    stream_key(seed)  # a bad seed is reported before anything else
     code = _kind_code(kind)
     align = 128 if kind == "rademacher" else 4
     if start % align:
         raise ValueError(f"start must be a multiple of {align} for {kind} noise")
     n = out.shape[0] if getattr(out, "ndim", 0) == 1 else None
     _check_out(out, (n,))
-    base = _device(base)
+    base = to_device(base)
     if base.shape != (n,):
         raise ValueError(f"base has shape {base.shape}, out has {(n,)}")
-    groups = -(-n // 4)
-    _launch("perturb", groups, out, base, n, scale, start // 4, k0, k1, expert & _U32, step & _U32,
-            member & _U32, 1, 0, code)
+    _perturb(out, base, scale, start, seed, expert, step, member, 1, False, code)
     return out
+
+
+def _perturb(out, base, scale: float, start: int, seed: int, expert: int, step: int, member0: int,
+             count: int, antithetic: bool, code: int) -> None:
+    """The perturb kernel over `count` directions from member0: out rows = base + scale * delta
+    (antithetic: row pairs base +/- scale * delta). base (n,) device; start a multiple of 4."""
+    k0, k1 = stream_key(seed)
+    n = base.shape[0]
+    _launch("perturb", -(-n // 4), out, base, n, scale, start // 4, k0, k1, expert & _U32, step & _U32,
+            member0 & _U32, count, int(antithetic), code, rows=count)
 
 
 def _member_range(members) -> tuple[int, int]:
@@ -225,22 +243,20 @@ def perturbed(theta, eps: float, members: range, seed: int, expert: int, step: i
     """The antithetic population for directions `members`, as zosoma.optim.perturbed: rows 2j and
     2j+1 are theta + eps*delta_k and theta - eps*delta_k for k = members[j]. theta (d,); returns
     a device (2*len(members), d) float32 array (out, when given)."""
-    theta = _device(theta)
+    theta = to_device(theta)
     d = theta.size
     member0, count = _member_range(members)
-    k0, k1 = stream_key(seed)
     code = _kind_code(kind)
     out = runtime().xp.empty((2 * count, d), np.float32) if out is None else _check_out(out, (2 * count, d))
     if count:
-        _launch("perturb", -(-d // 4), out, theta, d, eps, 0, k0, k1, expert & _U32, step & _U32,
-                member0 & _U32, count, 1, code, rows=count)
+        _perturb(out, theta, eps, 0, seed, expert, step, member0, count, True, code)
     return out
 
 
 def _coefficients(coeffs):
     """coeffs[k] / P as float32, computed in float64 as zosoma.optim.spsa_gradient does."""
     c = np.asarray(backend.to_numpy(coeffs), np.float64).ravel()
-    return _device((c / len(c)).astype(np.float32)), len(c)
+    return to_device((c / len(c)).astype(np.float32)), len(c)
 
 
 def spsa_gradient(coeffs, d: int, seed: int, expert: int, step: int, kind: str):
@@ -260,7 +276,7 @@ def spsa_update(theta, coeffs, lr: float, seed: int, expert: int, step: int, kin
     spsa_gradient, without materialising ghat or any direction: the same numbers as
     optim.apply_update("sgd", theta, spsa_gradient(...), ...). theta (d,); coeffs (P,). Returns a
     device (d,) float32 array: out, which may be theta itself (in place), or a new one."""
-    theta = _device(theta)
+    theta = to_device(theta)
     d = theta.size
     out = runtime().xp.empty_like(theta) if out is None else _check_out(out, (d,))
     coef, P = _coefficients(coeffs)
@@ -295,19 +311,92 @@ def _byte_strides(tokens, M: int) -> tuple[int, int]:
     return (0 if tokens.shape[0] == 1 and M > 1 else tokens.strides[0]), tokens.strides[1]
 
 
-def _forward(thetas, layout: Layout, tokens, targets, h, c, want_logp: bool = False):
-    """The population forward. thetas (M, d) float32 device, C-contiguous; tokens, targets
+class _Dense:
+    """Every member's own weights, thetas (M, d): each product is one GEMM per member, batched over
+    members (cuBLAS strided-batched through cupy.matmul)."""
+
+    def __init__(self, thetas, layout: Layout):
+        xp = runtime().xp
+        self.M = thetas.shape[0]
+        # contiguous per-member copies: cupy.matmul would copy a strided operand at every call
+        self.w = {e.name: xp.ascontiguousarray(layout.view(thetas, e.name)) for e in layout.entries}
+
+    def embed(self):
+        """(M, V, E) every member's embedding."""
+        return self.w["embed"]
+
+    def vector(self, name: str):
+        """(M, k) every member's vector `name` (a bias)."""
+        return self.w[name]
+
+    def matmul(self, x, name: str, out=None):
+        """x (M, R, K) @ each member's matrix `name` (K, N) -> (M, R, N), into out when given."""
+        return runtime().xp.matmul(x, self.w[name], out=out)
+
+
+class _LowRank:
+    """EGGROLL's population around one theta (zosoma.eggroll): members 2i and 2i+1 use the matrices
+    W + s c A_i B_i^T (s = +1, -1; c = sigma / sqrt(r)) and the vectors v + s sigma e_i. A product
+    splits into the dense part, ONE GEMM over all members' rows with the shared W, and each
+    member's rank-r correction, two skinny batched GEMMs:
+        x_m @ (W + s c A_i B_i^T) = x_m @ W + (x_m @ A_i) @ (s c B_i^T)
+    z (P, n): each pair's Gaussian stream, sliced as the zosoma.eggroll docstring specifies."""
+
+    def __init__(self, theta, layout: Layout, z, sigma: float, r: int):
+        xp = runtime().xp
+        P = z.shape[0]
+        self.M = 2 * P
+        sign = xp.asarray([1.0, -1.0], np.float32)[None, :, None, None]  # (1, 2, 1, 1): member 2i, 2i+1
+        c = np.float32(sigma / math.sqrt(r))
+        self.w, self.a, self.bs, self.v = {}, {}, {}, {}
+        pos = 0
+        for e in layout.entries:
+            w = layout.view(theta, e.name)
+            if len(e.shape) == 2:  # A_i = next m*r values as (m, r), then B_i = next n*r as (n, r)
+                m, n = e.shape
+                self.w[e.name] = xp.ascontiguousarray(w)
+                self.a[e.name] = xp.ascontiguousarray(z[:, pos:pos + m * r].reshape(P, m, r))
+                bt = z[:, pos + m * r:pos + (m + n) * r].reshape(P, n, r).transpose(0, 2, 1)  # (P, r, n)
+                self.bs[e.name] = (sign * (c * bt)[:, None]).reshape(self.M, r, n)  # s c B_i^T
+                pos += (m + n) * r
+            else:  # e_i = next k values, full rank
+                noise = z[:, None, pos:pos + e.size] * np.float32(sigma)  # (P, 1, k)
+                self.v[e.name] = (w + sign[..., 0] * noise).reshape(self.M, e.size)
+                pos += e.size
+
+    def embed(self):
+        """(M, V, E): W_e + s c A_i B_i^T of every member (layer 0 needs its product with w_ih)."""
+        xp = runtime().xp
+        P, V, r = self.a["embed"].shape
+        low = xp.matmul(self.a["embed"][:, None], self.bs["embed"].reshape(P, 2, r, -1))  # (P, 2, V, E)
+        return (low + self.w["embed"]).reshape(self.M, V, -1)
+
+    def vector(self, name: str):
+        return self.v[name]
+
+    def matmul(self, x, name: str, out=None):
+        """x (M, R, K) @ (W + s c A_i B_i^T) of each member -> (M, R, N), into out when given."""
+        xp = runtime().xp
+        M, R, K = x.shape
+        w = self.w[name]
+        y = xp.matmul(x.reshape(M * R, K), w, out=None if out is None else out.reshape(M * R, w.shape[1]))
+        xa = xp.matmul(x.reshape(M // 2, 2 * R, K), self.a[name])  # (P, 2R, r): a pair shares A_i
+        y = y.reshape(M, R, w.shape[1])
+        y += xp.matmul(xa.reshape(M, R, -1), self.bs[name])
+        return y
+
+
+def _forward(weights, layout: Layout, tokens, targets, h, c, want_logp: bool = False):
+    """The population forward of the M members of `weights` (_Dense or _LowRank). tokens, targets
     (1 or M, B, T) uint8 device views (the kernels take their strides); h, c (L, M, B, H) float32
     initial state, updated in place to the final state. Returns nll (M, B, T) float32 and, when
     want_logp, logp (M, B, T, V)."""
     xp = runtime().xp
     cfg = layout.config
     H, G, L, V = cfg.hidden, 4 * cfg.hidden, cfg.layers, VOCAB
-    M = thetas.shape[0]
+    M = weights.M
     B, T = tokens.shape[1], tokens.shape[2]
-    # contiguous per-member copies: cupy.matmul would copy a strided operand at every call
-    w = {e.name: xp.ascontiguousarray(layout.view(thetas, e.name)) for e in layout.entries}
-    table = xp.matmul(w["embed"], w["lstm0.w_ih"])  # (M, V, G)
+    table = weights.matmul(weights.embed(), "lstm0.w_ih")  # (M, V, G)
     tok_sm, tok_sb = _byte_strides(tokens, M)
     tgt_sm, tgt_sb = _byte_strides(targets, M)
     nll = xp.empty((M, B, T), np.float32)
@@ -318,12 +407,12 @@ def _forward(thetas, layout: Layout, tokens, targets, h, c, want_logp: bool = Fa
         n = min(Tc, T - t0)
         below = None  # (M, n, B, H): the layer below's outputs over the chunk
         for layer in range(L):
-            w_hh, bias = w[f"lstm{layer}.w_hh"], w[f"lstm{layer}.bias"]
+            bias = weights.vector(f"lstm{layer}.bias")
             hs = xp.empty((M, n, B, H), np.float32)
             if layer > 0:
-                xproj = xp.matmul(below.reshape(M, n * B, H), w[f"lstm{layer}.w_ih"])  # (M, n*B, G)
+                xproj = weights.matmul(below.reshape(M, n * B, H), f"lstm{layer}.w_ih")  # (M, n*B, G)
             for t in range(n):
-                xp.matmul(h[layer], w_hh, out=gates)  # (M, B, G)
+                weights.matmul(h[layer], f"lstm{layer}.w_hh", out=gates)  # (M, B, G)
                 if layer == 0:
                     _launch("lstm_cell_embed", M * B * H, gates, table, tokens, tok_sm, tok_sb, t0 + t,
                             bias, c[layer], h[layer], hs, M, B, H, n, t)
@@ -331,14 +420,23 @@ def _forward(thetas, layout: Layout, tokens, targets, h, c, want_logp: bool = Fa
                     _launch("lstm_cell_proj", M * B * H, gates, xproj, bias, c[layer], h[layer], hs,
                             M, B, H, n, t)
             below = hs
-        logits = xp.matmul(below.reshape(M, n * B, H), w["out.w"])  # (M, n*B, V)
-        _launch("log_softmax_nll", M * n * B, logits, w["out.b"], targets, tgt_sm, tgt_sb, nll, logp,
-                int(want_logp), M, B, T, t0, n)
+        logits = weights.matmul(below.reshape(M, n * B, H), "out.w")  # (M, n*B, V)
+        _launch("log_softmax_nll", M * n * B, logits, weights.vector("out.b"), targets, tgt_sm, tgt_sb,
+                nll, logp, int(want_logp), M, B, T, t0, n)
     return nll, (logp if want_logp else None)
 
 
+def _nll(weights, layout: Layout, tokens, targets):
+    """nll (M, B, T) on the device of the members of `weights`, from zero state."""
+    xp = runtime().xp
+    cfg = layout.config
+    h = xp.zeros((cfg.layers, weights.M, tokens.shape[1], cfg.hidden), np.float32)
+    nll, _ = _forward(weights, layout, tokens, targets, h, xp.zeros_like(h))
+    return nll
+
+
 def _check_thetas(thetas, layout: Layout, ndim: int):
-    thetas = _device(thetas)
+    thetas = to_device(thetas)
     if thetas.ndim != ndim or thetas.shape[-1] != layout.size:
         want = "(M, d)" if ndim == 2 else "(d,)"
         raise ValueError(f"theta must have shape {want} with d={layout.size}, got {thetas.shape}")
@@ -353,30 +451,61 @@ def _check_bytes(tokens, name: str, ndim: int):
     return xp.ascontiguousarray(tokens)
 
 
+def _per_member_bytes(x, name: str, M: int):
+    """x (B, T) read by all M members, or (M, B, T) one per member, as a (1 or M, B, T) device
+    uint8 array."""
+    x = runtime().xp.asarray(x)
+    x = _check_bytes(x[None] if x.ndim == 2 else x, name, 3)
+    if x.shape[0] not in (1, M):
+        raise ValueError(f"{name} must be (B, T) or (M={M}, B, T), got {x.shape}")
+    return x
+
+
+def _member_chunks(M: int, per_member: int, workspace_bytes: int):
+    """(m0, m1) ranges of members whose work buffers, per_member bytes each, fit workspace_bytes."""
+    per = max(1, workspace_bytes // per_member)
+    return [(m0, min(M, m0 + per)) for m0 in range(0, M, per)]
+
+
 def population_loss(thetas, layout: Layout, batch, workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
     """Mean nats per predicted byte of each member, from zero state, as
     zosoma.forward.population_loss. thetas (M, d) float32; batch (B, T+1) uint8 shared by all
     members, or (M, B, T+1) one per member. Members run in chunks whose work buffers fit
     workspace_bytes. Returns (M,) float64 NumPy."""
-    xp = runtime().xp
     thetas = _check_thetas(thetas, layout, 2)
-    batch = xp.asarray(batch)
-    batches = _check_bytes(batch[None] if batch.ndim == 2 else batch, "batch", 3)
     M = thetas.shape[0]
-    if batches.shape[0] not in (1, M) or batches.shape[2] < 2:
-        raise ValueError(f"batch must be (B, T+1) or (M={M}, B, T+1) with T >= 1, got {batch.shape}")
-    cfg = layout.config
+    batches = _per_member_bytes(batch, "batch", M)
+    if batches.shape[2] < 2:
+        raise ValueError(f"batch must hold T+1 >= 2 bytes per row, got {batches.shape}")
     B, T = batches.shape[1], batches.shape[2] - 1
-    per = max(1, workspace_bytes // member_bytes(layout, B, T))
     sums = np.empty(M, np.float64)
-    for m0 in range(0, M, per):
-        m1 = min(M, m0 + per)
+    for m0, m1 in _member_chunks(M, member_bytes(layout, B, T), workspace_bytes):
         sub = batches if batches.shape[0] == 1 else batches[m0:m1]
-        h = xp.zeros((cfg.layers, m1 - m0, B, cfg.hidden), np.float32)
-        c = xp.zeros_like(h)
-        nll, _ = _forward(thetas[m0:m1], layout, sub[..., :-1], sub[..., 1:], h, c)
+        nll = _nll(_Dense(thetas[m0:m1], layout), layout, sub[..., :-1], sub[..., 1:])
         sums[m0:m1] = backend.to_numpy(nll.sum(axis=(1, 2), dtype=np.float64))
     return sums / (B * T)
+
+
+def population_nll(thetas, layout: Layout, tokens, targets,
+                   workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
+    """Nats of each target byte under each of M models of one Layout, from zero state: the models
+    of a batch of routed inference (zosoma.routing) in one forward. thetas (M, d) float32, or a
+    sequence of M (d,) arrays; tokens, targets (B, T) uint8 read by every model, or (M, B, T) one
+    batch per model. Returns (M, B, T) float32 NumPy."""
+    if not hasattr(thetas, "ndim"):
+        thetas = runtime().xp.stack([to_device(t) for t in thetas])
+    thetas = _check_thetas(thetas, layout, 2)
+    M = thetas.shape[0]
+    tokens = _per_member_bytes(tokens, "tokens", M)
+    targets = _per_member_bytes(targets, "targets", M)
+    if targets.shape[1:] != tokens.shape[1:]:
+        raise ValueError(f"targets {targets.shape} must match tokens {tokens.shape}")
+    B, T = tokens.shape[1], tokens.shape[2]
+    out = np.empty((M, B, T), np.float32)
+    for m0, m1 in _member_chunks(M, member_bytes(layout, B, T), workspace_bytes):
+        tok, tgt = (x if x.shape[0] == 1 else x[m0:m1] for x in (tokens, targets))
+        out[m0:m1] = backend.to_numpy(_nll(_Dense(thetas[m0:m1], layout), layout, tok, tgt))
+    return out
 
 
 def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, expert: int, step: int,
@@ -399,6 +528,43 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     return plus, minus
 
 
+def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, seed: int, expert: int,
+                            step: int, n_pairs: int, workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
+    """Mean nats/byte of the N = 2*n_pairs EGGROLL members theta +/- E_i (member 2i is +E_i, 2i+1 is
+    -E_i), from zero state, on the shared (B, T+1) uint8 batch, as
+    zosoma.eggroll.eggroll_population_loss. Pair i's Gaussian stream is regenerated on the device
+    (the Philox counters of zosoma.noise, member = i: within float32 rounding of the CPU's); no
+    member's weights are ever built (_LowRank). Pairs run in chunks whose work buffers fit
+    workspace_bytes. Returns (N,) float64 NumPy."""
+    from .eggroll import noise_length
+
+    xp = runtime().xp
+    theta = _check_thetas(theta, layout, 1)
+    batch = _check_bytes(batch, "batch", 2)
+    if batch.shape[1] < 2:
+        raise ValueError(f"batch must hold T+1 >= 2 bytes per row, got {batch.shape}")
+    if n_pairs < 1:
+        raise ValueError(f"n_pairs must be at least 1, got {n_pairs}")
+    if int(r) < 1:
+        raise ValueError(f"EGGROLL rank r must be at least 1, got {r}")
+    r = int(r)
+    B, T = batch.shape[0], batch.shape[1] - 1
+    n = noise_length(layout, r)
+    zeros = xp.zeros(n, np.float32)
+    sums = np.empty(2 * n_pairs, np.float64)
+    # a pair: its z, and two members' work buffers: no weight copies but their embedding, and the
+    # temporaries of the rank-r corrections (a second table, a chunk's input projection and logits)
+    G, rows = 4 * layout.config.hidden, _chunk_steps(B, T) * B
+    per_member = member_bytes(layout, B, T) + 4 * (VOCAB * (layout.config.embed + G) + rows * (G + VOCAB)
+                                                   - layout.size)
+    for p0, p1 in _member_chunks(n_pairs, 2 * per_member + 4 * n, workspace_bytes):
+        z = xp.empty((p1 - p0, n), np.float32)
+        _perturb(z, zeros, 1.0, 0, seed, expert, step, p0, p1 - p0, False, KINDS["gaussian"])
+        nll = _nll(_LowRank(theta, layout, z, sigma, r), layout, batch[None, :, :-1], batch[None, :, 1:])
+        sums[2 * p0:2 * p1] = backend.to_numpy(nll.sum(axis=(1, 2), dtype=np.float64))
+    return sums / (B * T)
+
+
 def _stream(theta, layout: Layout, tokens, targets, state, want_logp: bool):
     xp = runtime().xp
     cfg = layout.config
@@ -415,7 +581,7 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_logp: bool):
             raise ValueError(f"state must hold {cfg.layers} (h, c) pairs, got {len(state)}")
         for layer, (h_l, c_l) in enumerate(state):
             h[layer, 0], c[layer, 0] = xp.asarray(h_l), xp.asarray(c_l)  # broadcasting checks (B, H)
-    nll, logp = _forward(theta[None], layout, tokens[None], targets[None], h, c, want_logp)
+    nll, logp = _forward(_Dense(theta[None], layout), layout, tokens[None], targets[None], h, c, want_logp)
     state = [(backend.to_numpy(h[layer, 0]), backend.to_numpy(c[layer, 0])) for layer in range(cfg.layers)]
     return nll[0], logp, state
 

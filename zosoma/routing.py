@@ -33,6 +33,10 @@ streams one model statefully over a whole file:
 Segments are batched: row s of the batch is the segment's context followed by its inputs,
 right-padded with zeros to the longest row. The LSTM is causal and every row starts from zero
 state at column 0, so padding after a row's last scored column changes nothing before it.
+
+With device="cuda" the experts' forwards run on the GPU (zosoma.gpu), experts of one size
+together; routing and mixing stay on the CPU. The nats agree with the CPU's within float32
+rounding.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import backend
 from .cluster import Clustering, load_clustering
 from .corpus import Corpus
 from .errors import CheckpointError, ConfigError, DataError
@@ -123,8 +128,8 @@ class Ensemble:
     router: Router
 
     def __post_init__(self):
-        object.__setattr__(self, "experts", tuple((np.ascontiguousarray(t, np.float32), lay)
-                                                  for t, lay in self.experts))
+        object.__setattr__(self, "experts", tuple(
+            (backend.get_array_module(t).ascontiguousarray(t, np.float32), lay) for t, lay in self.experts))
         if len(self.experts) != self.router.n_experts:
             raise ConfigError(f"{len(self.experts)} experts for a router of "
                               f"{self.router.n_experts} clusters")
@@ -144,6 +149,24 @@ class Ensemble:
     @property
     def n_params(self) -> int:
         return sum(layout.size for _, layout in self.experts)
+
+    def on(self, device: str) -> "Ensemble":
+        """This ensemble with every expert's weights on `device` ("cpu" or "cuda"), copied once
+        (no copy when they are there already), so that the forwards do not copy them each call."""
+        if device == "cuda":
+            from .gpu import to_device as move
+        else:
+            move = backend.to_numpy
+        return Ensemble(tuple((move(theta), layout) for theta, layout in self.experts), self.router)
+
+    def by_size(self, items, expert=lambda item: item) -> list[tuple[Layout, list]]:
+        """items grouped by the ModelConfig of their expert (expert(item), an index), in order of
+        first appearance: [(layout, [items])]. Experts of one size run together on the GPU."""
+        groups: dict = {}
+        for item in items:
+            layout = self.experts[expert(item)][1]
+            groups.setdefault(layout.config, (layout, []))[1].append(item)
+        return list(groups.values())
 
 
 def load_ensemble(run_dir, top_k: int, temperature: float = 0.1) -> Ensemble:
@@ -254,29 +277,66 @@ def mix_nll(nll: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return -(m + np.log(np.exp(x - m[:, None]).sum(axis=1)))
 
 
-def run_selected(ensemble: Ensemble, segs: Segments, experts: np.ndarray,
-                 batch: int = 256) -> np.ndarray:
+def run_selected(ensemble: Ensemble, segs: Segments, experts: np.ndarray, batch: int = 256,
+                 device: str = "cpu") -> np.ndarray:
     """(S, K, T) float32 nats of each segment's selected experts, running only those: rows are
     grouped by expert and each expert scores its rows in batches of at most `batch` (the top-k
     inference path; experts[s] (K,) are the expert indices of segment s). Columns past a row's
-    stop are not computed and hold 0."""
+    stop are padding: 0, or the nats of padding bytes. device "cuda": the batches of all experts
+    of one size run as one population forward on the GPU (zosoma.gpu.population_nll; keep the
+    weights there with Ensemble.on)."""
     S, K = experts.shape
     T = segs.tokens.shape[1]
     out = np.zeros((S, K, T), np.float32)
+    jobs = []  # (expert, rows, slots): a batch of at most `batch` rows of one expert
     order = np.argsort(experts, axis=None, kind="stable")  # (S*K,) grouped by expert
     flat = experts.reshape(-1)[order]
-    bounds = np.flatnonzero(np.diff(flat)) + 1
-    for group in np.split(order, bounds):
+    for group in np.split(order, np.flatnonzero(np.diff(flat)) + 1):
         if group.size == 0:
             continue
-        theta, layout = ensemble.experts[int(experts.reshape(-1)[group[0]])]
+        expert = int(experts.reshape(-1)[group[0]])
         rows, slots = np.divmod(group, K)
-        for a in range(0, rows.size, batch):
-            r, k = rows[a:a + batch], slots[a:a + batch]
-            Tb = int(segs.stop[r].max())
-            nll, _ = nll_stream(theta, layout, segs.tokens[r, :Tb], segs.targets[r, :Tb])
-            out[r, k, :Tb] = nll
+        jobs += [(expert, rows[a:a + batch], slots[a:a + batch]) for a in range(0, rows.size, batch)]
+    if device == "cuda":
+        _run_jobs_on_device(ensemble, segs, jobs, out)
+        return out
+    for expert, r, k in jobs:
+        theta, layout = ensemble.experts[expert]
+        Tb = int(segs.stop[r].max())
+        nll, _ = nll_stream(theta, layout, segs.tokens[r, :Tb], segs.targets[r, :Tb])
+        out[r, k, :Tb] = nll
     return out
+
+
+def _run_jobs_on_device(ensemble: Ensemble, segs: Segments, jobs: list, out: np.ndarray) -> None:
+    """run_selected's batches on the GPU: those of experts of one size as ONE population forward,
+    a member per batch, its rows padded with zeros to the largest batch's (a forward per batch
+    would be bound by kernel launches: a small expert does little work per step)."""
+    from .gpu import population_nll
+
+    for layout, group in ensemble.by_size(jobs, expert=lambda job: job[0]):
+        B = max(r.size for _, r, _ in group)
+        T = int(max(segs.stop[r].max() for _, r, _ in group))
+        tokens = np.zeros((len(group), B, T), np.uint8)
+        targets = np.zeros_like(tokens)
+        for j, (_, r, _) in enumerate(group):
+            tokens[j, :r.size], targets[j, :r.size] = segs.tokens[r, :T], segs.targets[r, :T]
+        nll = population_nll([ensemble.experts[e][0] for e, _, _ in group], layout, tokens, targets)
+        for j, (_, r, k) in enumerate(group):
+            out[r, k, :T] = nll[j, :r.size]
+
+
+def _every_expert_nll(ensemble: Ensemble, tokens: np.ndarray, targets: np.ndarray, device: str):
+    """(i, nll (S, T) float32) of every expert i on the same rows from zero state: one forward per
+    expert on the CPU; on "cuda", one population forward per group of experts of one size."""
+    if device != "cuda":
+        for i, (theta, layout) in enumerate(ensemble.experts):
+            yield i, nll_stream(theta, layout, tokens, targets)[0]
+        return
+    from .gpu import population_nll
+
+    for layout, ids in ensemble.by_size(range(ensemble.n_experts)):
+        yield from zip(ids, population_nll([ensemble.experts[i][0] for i in ids], layout, tokens, targets))
 
 
 def segment_sums(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -288,7 +348,7 @@ def segment_sums(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
 # --- routed evaluation ---------------------------------------------------------------------------
 
 def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, context: int = 512,
-                    batch: int = _BATCH) -> dict[str, EvalResult]:
+                    batch: int = _BATCH, device: str = "cpu") -> dict[str, EvalResult]:
     """Nats of every predicted byte of one file (uint8) by the protocol of the module docstring,
     for:
         "routed"   the top-k mixture p = sum_i w_i p_i, nats -log sum_i w_i exp(-nll_i)
@@ -296,10 +356,12 @@ def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, co
                    segment, so these come at no extra cost)
         "oracle"   per segment, the single expert with the lowest total nats on that segment:
                    an ORACLE, it peeks at the targets, an upper bound on hard (top-1) routing
-    Segments are scored `batch` at a time by each expert."""
+    Segments are scored `batch` at a time by each expert; on device "cuda" by all experts of one
+    size at once."""
     segs = cut_segments(data, segment, context)
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ConfigError(f"batch must be a positive number of segments, got {batch!r}")
+    ensemble = ensemble.on(device)
     experts, weights = ensemble.router.select(segs.contexts)  # (S, K) each
     S, N = len(segs), ensemble.n_experts
     per_expert = np.empty((N, S))  # nats of each segment under each expert alone
@@ -310,8 +372,7 @@ def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, co
         mask = segs.mask(rows, T)
         chosen = experts[rows]
         selected = np.zeros((chosen.shape[0], chosen.shape[1], T), np.float32)  # (S', K, T)
-        for i, (theta, layout) in enumerate(ensemble.experts):
-            nll, _ = nll_stream(theta, layout, segs.tokens[rows, :T], segs.targets[rows, :T])
+        for i, nll in _every_expert_nll(ensemble, segs.tokens[rows, :T], segs.targets[rows, :T], device):
             per_expert[i, rows] = segment_sums(nll, mask)
             r, k = np.nonzero(chosen == i)
             selected[r, k] = nll[r]
@@ -323,13 +384,15 @@ def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, co
     return out
 
 
-def evaluate_routed_corpus(ensemble: Ensemble, corpus: Corpus, **kwargs) -> dict[str, dict[str, EvalResult]]:
+def evaluate_routed_corpus(ensemble: Ensemble, corpus: Corpus, device: str = "cpu",
+                           **kwargs) -> dict[str, dict[str, EvalResult]]:
     """evaluate_routed of every document, pooled per document name, plus "overall":
     {name: {"routed": EvalResult, "expert0": ..., "oracle": ...}}. The oracle pools each
     segment's best expert, so it stays per segment."""
+    ensemble = ensemble.on(device)  # once for all documents
     results: dict[str, dict[str, EvalResult]] = {}
     for name, doc in zip(corpus.names, corpus.docs):
-        by = evaluate_routed(ensemble, doc, **kwargs)
+        by = evaluate_routed(ensemble, doc, device=device, **kwargs)
         prev = results.setdefault(name, {})
         for key, r in by.items():
             p = prev.get(key, EvalResult(0.0, 0))

@@ -17,7 +17,9 @@ zosoma.routing (equal weights on the broadest clusters) until text exists at the
 
 Randomness: one generator, np.random.default_rng([seed, 0x5A4]), one uniform draw per byte, so
 the same ensemble, prompt and seed give the same bytes on any machine with the same float32
-arithmetic.
+arithmetic. With device="cuda" the experts run on the GPU (zosoma.gpu.log_probs), whose float32
+rounding differs from the CPU's in the last bits: a draw that falls on a boundary of the
+cumulative distribution can then pick another byte.
 """
 
 from __future__ import annotations
@@ -51,19 +53,26 @@ def _check(n_bytes, temperature, reroute_every, context) -> float:
 class _Active:
     """One selected expert: its recurrent state and its log-probabilities (V,) of the next byte."""
 
-    def __init__(self, theta, layout, history: np.ndarray):
+    def __init__(self, theta, layout, history: np.ndarray, log_probs):
+        self.theta, self.layout, self.log_probs = theta, layout, log_probs
         logp, self.state = log_probs(theta, layout, history[None])  # warm-up from zero state
-        self.theta, self.layout, self.logp = theta, layout, logp[0, -1]
+        self.logp = logp[0, -1]
 
     def feed(self, byte: int) -> None:
-        logp, self.state = log_probs(self.theta, self.layout, np.array([[byte]], np.uint8), self.state)
+        logp, self.state = self.log_probs(self.theta, self.layout, np.array([[byte]], np.uint8), self.state)
         self.logp = logp[0, -1]
 
 
 def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
-           seed: int = 0, reroute_every: int = 64, context: int = 512) -> bytes:
-    """The n_bytes generated after `prompt` (the prompt itself is not repeated)."""
+           seed: int = 0, reroute_every: int = 64, context: int = 512, device: str = "cpu") -> bytes:
+    """The n_bytes generated after `prompt` (the prompt itself is not repeated); the experts run
+    on `device` ("cpu" or "cuda")."""
     temperature = _check(n_bytes, temperature, reroute_every, context)
+    if device == "cuda":
+        from .gpu import log_probs as model_log_probs
+    else:
+        model_log_probs = log_probs
+    ensemble = ensemble.on(device)  # weights copied to the device once, not at every byte
     prompt = bytes(prompt)
     rng = np.random.default_rng([seed, _STREAM])
     text = bytearray(prompt)  # what the router sees
@@ -80,7 +89,7 @@ def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperat
                 del active[i]
         for i in chosen:
             if i not in active:
-                active[i] = _Active(*ensemble.experts[i], history)
+                active[i] = _Active(*ensemble.experts[i], history, model_log_probs)
         weights.clear()
         weights.update(chosen)
 

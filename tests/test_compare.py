@@ -1,0 +1,189 @@
+"""The equal-compute harness: configs, budgets, resumable runs, one evaluation protocol."""
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from zosoma import compare
+from zosoma.compare import Job, curve_steps, find_config, jobs, load_comparison, run_job
+from zosoma.errors import ConfigError
+from zosoma.evaluate import EvalResult
+from zosoma.forward import nll_stream
+from zosoma.routing import cut_segments
+
+MINI = """
+title = "mini"
+seeds = [0, 1]
+flops = 4e9
+curve_points = 2
+curve_bytes = 1024
+train = {batch = 2, seq_len = 8}
+
+[[method]]
+name = "SOMA N=2"
+experts = 2
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 0.1}
+
+[[method]]
+name = "SPSA P=2"
+model = {embed = 6, hidden = 11, layers = 1}
+train = {perturbations = 2, lr = 0.05}
+
+[ablation]
+seeds = [0]
+experts = 2
+steps = 3
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2}
+"""
+
+
+@pytest.fixture
+def mini(tmp_path):
+    path = tmp_path / "mini.toml"
+    path.write_text(MINI)
+    return load_comparison(path)
+
+
+def test_budget_sets_each_methods_steps(mini):
+    soma, spsa = mini.methods
+    for m in (soma, spsa):
+        assert m.train.steps == int(mini.flops // m.flops_per_step())
+        assert m.flops_per_step() * m.train.steps <= mini.flops < m.flops_per_step() * (m.train.steps + 1)
+    assert soma.flops_per_step() == 2 * 2 * 2 * 2 * 8 * soma.model.flops_per_token()  # N * 2P * B * T
+    assert [m.loss for m in mini.ablation] == ["independent", "summed"]
+    assert all(m.train.steps == 3 for m in mini.ablation)
+    assert len(jobs(mini, "out")) == 2 * 2 + 2
+
+
+def test_shipped_configs_load():
+    cpu = load_comparison(find_config("cpu"))
+    assert {m.kind for m in cpu.methods} == {"soma", "spsa", "eggroll"}
+    assert len(cpu.seeds) >= 3 and len(cpu.ablation_seeds) >= 3
+    sizes = [m.experts * m.model.n_params() for m in cpu.methods]
+    assert max(sizes) / min(sizes) < 1.02  # the same total parameter count, within 2%
+    spent = [m.flops_per_step() * m.train.steps for m in cpu.methods]
+    assert max(spent) <= cpu.flops and min(spent) > 0.98 * cpu.flops
+    load_comparison(find_config("lr-sweep"))
+
+
+@pytest.mark.parametrize("text, message", [
+    (MINI.replace("curve_points", "curve_pionts"), "unknown key"),
+    (MINI.replace('flops = 4e9', ''), "missing key 'flops'"),
+    (MINI.replace('flops = 4e9', 'flops = 10'), "less than one step"),
+    (MINI.replace('train = {perturbations = 2, lr = 0.1}', 'train = {steps = 5}'), "set by the comparison"),
+    (MINI.replace('"SPSA P=2"', '"SOMA N=2"'), "distinct"),
+    (MINI.replace("layers = 1}", "layers = 0}", 1), "layers must be at least 1"),
+    ("title = [", "bad.toml"),
+])
+def test_bad_configs_are_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_comparison(path)
+
+
+def test_curve_steps():
+    assert curve_steps(100, 4) == [0, 25, 50, 75, 100]
+    assert curve_steps(10, 3) == [0, 4, 7, 10]
+    assert curve_steps(2, 8) == [0, 1, 2]
+
+
+def test_single_model_scored_by_the_segment_protocol(mini, tmp_path):
+    """A monolithic model is a one-expert ensemble: its score is the model's own segment nats."""
+    job = Job(str(tmp_path / "run"), mini.methods[1], 0, True)
+    run = compare._Run(job, mini)
+    data = run.heldout.docs[0][:3000]
+    segs = cut_segments(data, mini.segment, mini.context)
+    t = run.trainers[0]
+    nll, _ = nll_stream(t.state.theta, t.layout, segs.tokens, segs.targets)
+    expected = EvalResult(float(np.where(segs.mask(), nll.astype(np.float64), 0).sum()), segs.n_bytes)
+    assert run.score_bytes(data) == pytest.approx(expected.nats_per_byte, rel=1e-12)
+
+
+class _StopAfter:
+    """Stands in for the parent's stop Event: set from its n-th poll on (one poll per step)."""
+
+    def __init__(self, n):
+        self.polls, self.n = 0, n
+
+    def is_set(self):
+        self.polls += 1
+        return self.polls > self.n
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_run_resumed_midway_equals_an_uninterrupted_one(mini, tmp_path, which, monkeypatch):
+    method = mini.methods[which]
+    whole = run_job(Job(str(tmp_path / "whole"), method, 1, True), mini)
+    part = Job(str(tmp_path / "part"), method, 1, True)
+    with monkeypatch.context() as m:  # the parent asks every run to stop, a third of the way in
+        m.setattr(compare, "_stop", _StopAfter(method.train.steps // 3))
+        with pytest.raises(compare.Stopped):
+            run_job(part, mini)
+    assert 0 < len(compare._read_curve(tmp_path / "part" / "curve.jsonl")) < mini.curve_points + 1
+    resumed = run_job(part, mini)
+    for key in ("heldout", "wikitext103", "steps", "flops", "n_params"):
+        assert resumed[key] == whole[key]
+    assert [p["heldout"] for p in resumed["curve"]] == [p["heldout"] for p in whole["curve"]]
+    assert [p["step"] for p in whole["curve"]] == curve_steps(method.train.steps, mini.curve_points)
+    assert whole["curve"][0]["heldout"] > whole["curve"][-1]["heldout"]  # it learned
+    assert whole["kind"] == ("soma" if which == 0 else "spsa")
+    assert set(whole["heldout"]) == {"drama", "scripture", "legal", "code_python", "code_c", "tech_docs",
+                                     "dictionary", "multilingual", "overall"}
+
+
+def test_a_finished_run_is_not_repeated(mini, tmp_path):
+    job = Job(str(tmp_path / "run"), mini.methods[1], 0, True)
+    first = run_job(job, mini)
+    ckpt = tmp_path / "run" / "checkpoint.h5"
+    stamp = ckpt.stat().st_mtime_ns
+    assert run_job(job, mini) == json.loads((tmp_path / "run" / "result.json").read_text()) == first
+    assert ckpt.stat().st_mtime_ns == stamp
+
+
+def test_a_changed_config_is_refused(mini, tmp_path):
+    job = Job(str(tmp_path / "run"), mini.methods[1], 0, True)
+    compare._Run(job, mini).advance(1)
+    other = load_comparison_text(tmp_path, MINI.replace("lr = 0.05", "lr = 0.07"))
+    with pytest.raises(ConfigError, match="another configuration"):
+        run_job(Job(str(tmp_path / "run"), other.methods[1], 0, True), other)
+
+
+def load_comparison_text(tmp_path, text):
+    path = tmp_path / "other.toml"
+    path.write_text(text)
+    return load_comparison(path)
+
+
+def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
+    runs = [compare._Run(Job(str(tmp_path / m.loss), m, 0, False), mini) for m in mini.ablation]
+    for a, b in zip(runs[0].trainers, runs[1].trainers):
+        np.testing.assert_array_equal(a.state.theta, b.state.theta)
+        np.testing.assert_array_equal(a.sampler.batch(0, a.expert, 2, 2), b.sampler.batch(0, b.expert, 2, 2))
+        np.testing.assert_array_equal(a.losses()[0], b.losses()[0])
+
+
+def test_compare_command_end_to_end(tmp_path):
+    """Writes the table, CSV and plots; a second invocation repeats nothing."""
+    (tmp_path / "mini.toml").write_text(MINI.replace("seeds = [0, 1]", "seeds = [0]"))
+    wiki = tmp_path / "wiki.test.raw"
+    wiki.write_bytes(b" = Valkyria Chronicles III = \n Senj\xc5\x8d no Valkyria 3 is a tactical role playing game .\n" * 60)
+    cmd = [shutil.which("zosoma"), "compare", "mini.toml", "--out", "out", "--jobs", "2", "--wikitext", str(wiki)]
+    first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "finished spsa-p-2-seed0" in first.stdout
+    out = tmp_path / "out"
+    table = (out / "results.md").read_text()
+    assert "| SOMA N=2 |" in table and "| SPSA P=2 |" in table and "Ablation" in table
+    assert (out / "nats_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((out / "results.csv").read_text().splitlines()) == 1 + 2
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "4 already finished" in again.stdout
+    bad = subprocess.run([shutil.which("zosoma"), "compare", "missing.toml"], cwd=tmp_path, capture_output=True,
+                         text=True)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "missing.toml" in bad.stderr
