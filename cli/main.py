@@ -483,13 +483,31 @@ def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, de
                                         n_segments=segments, repeats=repeats, devices=devices)))
 
 
+@bench.command("eggroll")
+@click.option("--embed", type=int, default=52, show_default=True, callback=_positive)
+@click.option("--hidden", type=int, default=100, show_default=True, callback=_positive)
+@click.option("--layers", type=int, default=1, show_default=True, callback=_positive)
+@click.option("--batch", type=int, default=8, show_default=True, callback=_positive)
+@click.option("--seq-len", type=int, default=32, show_default=True, callback=_positive)
+@click.option("--pairs", type=int, default=64, show_default=True, callback=_positive, help="Antithetic pairs: 2x members.")
+@click.option("--rank", type=int, default=1, show_default=True, callback=_positive)
+@click.option("--repeats", type=int, default=3, show_default=True, callback=_positive)
+def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeats):
+    """Forward seconds per population member: EGGROLL's shared-GEMM low-rank population vs
+    full-rank SPSA's dense perturbed copies, same model and batch (defaults: the CPU comparison's
+    monolithic model)."""
+    from zosoma.bench_eggroll import bench_eggroll, format_eggroll
+    click.echo(format_eggroll([bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
+                                             pairs=pairs, rank=rank, repeats=repeats)]))
+
 @cli.command()
 @click.argument("config")
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: results/<config name>).")
 @click.option("--jobs", type=int, callback=_positive, help="Runs trained at once, one process each (default: the machine's cores).")
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
 @click.option("--plan", is_flag=True, help="Print the runs, their steps and FLOPs, and exit.")
-def compare(config, out, jobs, wikitext, plan):
+@device_option
+def compare(config, out, jobs, wikitext, plan, device):
     """Equal-compute comparison: SOMA vs monolithic SPSA and EGGROLL (and the independent vs summed
     ablation) as CONFIG describes, over its seeds; writes results.md, results.csv and plots.
 
@@ -513,6 +531,7 @@ def compare(config, out, jobs, wikitext, plan):
     click.echo(f"{len(todo)} runs, {finished} already finished")
     if plan:
         return
+    device = _resolve(device)
 
     def report(job, result, error):
         name = Path(job.run_dir).name
@@ -524,8 +543,8 @@ def compare(config, out, jobs, wikitext, plan):
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training")
 
     try:
-        paths = run_comparison(cmp, out, jobs or os.cpu_count() or 1, wikitext,
-                               should_stop=_install_stop_handler(), on_result=report)
+        paths = run_comparison(cmp, out, jobs or (1 if device == "cuda" else os.cpu_count() or 1), wikitext,
+                               device, should_stop=_install_stop_handler(), on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
         sys.exit(130)

@@ -69,6 +69,8 @@ def test_shipped_configs_load():
     spent = [m.flops_per_step() * m.train.steps for m in cpu.methods]
     assert max(spent) <= cpu.flops and min(spent) > 0.98 * cpu.flops
     load_comparison(find_config("lr-sweep"))
+    paper = load_comparison(find_config("paper"))
+    assert abs(paper.methods[0].experts * paper.methods[0].model.n_params() / 8.44e6 - 1) < 0.001
 
 
 @pytest.mark.parametrize("text, message", [

@@ -1,5 +1,6 @@
-"""EGGROLL (zosoma.eggroll): the low-rank shared-GEMM population forward and the update against
-explicitly materialised dense perturbations run through the NumPy reference (float64)."""
+"""EGGROLL (zosoma.eggroll): the low-rank shared-GEMM population forward (float64 NumPy path and
+float32 compiled path) and the update against explicitly materialised dense perturbations run
+through the NumPy reference (float64); the EGGROLL-vs-SPSA bench's records."""
 
 import math
 
@@ -8,6 +9,7 @@ import pytest
 
 from helpers import assert_close
 from zosoma import eggroll, reference
+from zosoma.bench_eggroll import bench_eggroll, format_eggroll
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.params import Layout, init_params
 
@@ -21,30 +23,44 @@ def _bytes(seed, shape):
     return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("r", [1, 3])
-def test_population_losses_match_dense_reference(r, fused, monkeypatch):
-    # fused: x @ [W | A_0..A_P-1] as one GEMM; unfused: x @ W plus a batched x_j @ A_i per pair
-    monkeypatch.setattr(eggroll, "_FUSE_MAX_FRACTION", 1.0 if fused else 0.0)
-    theta, layout = _model()
-    batch = _bytes(1, (3, 13))
-    sigma, seed, expert, step, pairs = 0.3, 7, 2, 5, 3
-    losses = eggroll.eggroll_population_loss(theta, layout, batch, sigma, r, seed, expert, step,
-                                             pairs)
-    assert losses.shape == (2 * pairs,) and losses.dtype == np.float64
-    want = []
+def _dense_losses(theta, layout, batch, sigma, r, seed, expert, step, pairs):
+    """reference.loss of each materialised member theta +/- E_i, in float64."""
+    theta = theta.astype(np.float64)
+    out = []
     for i in range(pairs):
         e = eggroll.materialise(layout, sigma, r, seed, expert, step, i)
-        want += [reference.loss(theta + e, layout, batch), reference.loss(theta - e, layout, batch)]
-    want = np.array(want)
-    assert_close(losses, want, rtol=1e-5, name="eggroll population loss")
+        out += [reference.loss(theta + e, layout, batch), reference.loss(theta - e, layout, batch)]
+    return np.array(out)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("r", [1, 3])
+def test_population_losses_match_dense_reference(r, layers):
+    theta, layout = _model(layers=layers)
+    batch = _bytes(1, (3, 13))
+    args = (0.3, r, 7, 2, 5, 3)  # sigma, r, seed, expert, step, pairs
+    want = _dense_losses(theta, layout, batch, *args)
     assert np.ptp(want) > 1e-3  # the perturbations actually change the losses
-    # float32 agrees within float32 rounding, with the compiled cell/softmax and without
-    for numba_cell in (True, False):
-        monkeypatch.setattr(eggroll, "_USE_NUMBA_CELL", numba_cell)
-        l32 = eggroll.eggroll_population_loss(theta.astype(np.float32), layout, batch, sigma, r,
-                                              seed, expert, step, pairs)
-        assert_close(l32, want, rtol=1e-4, name=f"float32 eggroll loss (numba={numba_cell})")
+    # float64: the NumPy path, to float64 rounding
+    losses = eggroll.eggroll_population_loss(theta, layout, batch, *args)
+    assert losses.shape == (6,) and losses.dtype == np.float64
+    assert_close(losses, want, rtol=1e-12, name="float64 (NumPy) eggroll loss")
+    # float32: the compiled path (rational tanh, float32 arithmetic)
+    l32 = eggroll.eggroll_population_loss(theta.astype(np.float32), layout, batch, *args)
+    assert l32.dtype == np.float64
+    assert_close(l32, want, rtol=1e-5, name="float32 (compiled) eggroll loss")
+
+
+@pytest.mark.parametrize("rows", [3, 12])
+def test_member_groups_give_the_same_losses(rows, monkeypatch):
+    # B=3: groups of one member, and of four members with a partial last group (6 = 4 + 2)
+    theta, layout = _model(dtype=np.float32)
+    batch = _bytes(2, (3, 9))
+    args = (0.3, 2, 1, 0, 4, 3)
+    whole = eggroll.eggroll_population_loss(theta, layout, batch, *args)
+    monkeypatch.setattr(eggroll, "_ROWS_PER_GROUP", rows)
+    grouped = eggroll.eggroll_population_loss(theta, layout, batch, *args)
+    assert_close(grouped, whole, rtol=1e-6, name=f"groups of {rows // 3} members")
 
 
 def test_materialised_perturbation_is_low_rank_and_scaled():
@@ -105,6 +121,26 @@ def test_update_matches_dense_formula():
                  name="custom shaping")
 
 
+def test_step_applies_given_coefficients():
+    # eggroll_step: theta + lr N^-1/2 sum_i coef_i E_i (N = 2P); eggroll_update is zscore + step
+    theta, layout = _model()
+    r, sigma, lr, seed, expert, step = 1, 0.2, 0.3, 4, 0, 2
+    coef = np.array([0.5, -1.0, 2.0])
+    new = eggroll.eggroll_step(theta, layout, coef, lr, sigma, r, seed, expert, step)
+    want = sum(coef[i] * eggroll.materialise(layout, sigma, r, seed, expert, step, i)
+               for i in range(3))
+    assert_close(new - theta, lr / math.sqrt(6) * want, atol=1e-12, rtol=1e-9, name="step")
+    losses = np.random.default_rng(1).normal(3.0, 0.2, 6)
+    fz = eggroll.zscore(-losses)
+    np.testing.assert_array_equal(
+        eggroll.eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step),
+        eggroll.eggroll_step(theta, layout, fz[0::2] - fz[1::2], lr, sigma, r, seed, expert,
+                             step))
+    new32 = eggroll.eggroll_step(theta.astype(np.float32), layout, coef, lr, sigma, r, seed,
+                                 expert, step)
+    assert new32.dtype == np.float32
+
+
 def test_equal_losses_give_zero_update():
     theta, layout = _model(dtype=np.float32)
     assert np.all(eggroll.zscore(np.full(6, 0.1 * 3)) == 0)
@@ -128,11 +164,17 @@ def test_short_optimisation_lowers_loss():
     assert after < before - 0.3, (before, after)
 
 
-def test_bench_returns_per_member_seconds():
-    res = eggroll.bench_eggroll_vs_spsa(ModelConfig(embed=8, hidden=16, layers=1), B=2, T=8,
-                                        members=4, repeats=1)
-    assert res["eggroll_s_per_member"] > 0 and res["dense_s_per_member"] > 0
-    assert res["members"] == 4
+def test_bench_records_and_table():
+    rec = bench_eggroll(8, 16, 1, batch=2, seq_len=8, pairs=2, rank=1, repeats=1)
+    assert rec["members"] == 4 and rec["params"] == Layout(ModelConfig(8, 16, 1)).size
+    for key in ("eggroll_s_per_member", "dense_s_per_member", "dense_with_noise_s_per_member"):
+        assert rec[key] > 0
+    assert rec["dense_with_noise_s_per_member"] >= rec["dense_s_per_member"]
+    assert rec["speedup"] == pytest.approx(rec["dense_s_per_member"] / rec["eggroll_s_per_member"])
+    table = format_eggroll([rec, rec])
+    lines = table.splitlines()
+    assert "EGGROLL ms/member" in lines[0] and "dense+noise ms/member" in lines[0]
+    assert len(lines) == 4 and lines[1] == lines[2]  # header, two rows, the settings line
 
 
 def test_bad_arguments():
@@ -144,3 +186,7 @@ def test_bad_arguments():
         eggroll.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 0, 0, 0, 0, 2)
     with pytest.raises(ValueError):
         eggroll.eggroll_update(theta, layout, np.ones(3), 0.1, 0.1, 1, 0, 0, 0)
+    with pytest.raises(ValueError):
+        eggroll.eggroll_step(theta, layout, np.ones((2, 2)), 0.1, 0.1, 1, 0, 0, 0)
+    with pytest.raises(ValueError):
+        eggroll.eggroll_step(theta[:-1], layout, np.ones(2), 0.1, 0.1, 1, 0, 0, 0)

@@ -168,3 +168,47 @@ def test_checkpoint_rotation_keeps_the_previous_and_survives_a_damaged_latest(tm
     (tmp_path / PREVIOUS).unlink()
     with pytest.raises(CheckpointError, match="checkpoint.h5"):
         read_checkpoint(tmp_path)
+
+
+# --- EGGROLL as the trainer's optimizer ----------------------------------------------------------
+
+EGG = dict(optimizer="eggroll", rank=1, eps=0.01, batch=4, seq_len=16, perturbations=4, warmup=2)
+
+
+def test_eggroll_step_is_the_zscored_low_rank_update(tmp_path):
+    """One trainer step equals eggroll_update on the same members' losses, which in turn moves
+    theta by lr * N^-1/2 * sum_j f~_j E_j with the materialised perturbations."""
+    from zosoma.eggroll import eggroll_population_loss, eggroll_update, materialise, zscore
+
+    cfg = TrainConfig(steps=1, lr=0.5, **EGG)
+    layout = Layout(MODEL)
+    sampler = BatchSampler(small_corpus(), cfg.seq_len + 1)
+    theta0 = new_state(MODEL, cfg).theta
+    state, _ = run_steps(tmp_path, cfg)
+    batch = sampler.batch(cfg.seed, 0, 0, cfg.batch)
+    losses = eggroll_population_loss(theta0, layout, batch, cfg.eps, 1, cfg.seed, 0, 0, cfg.perturbations)
+    lr = learning_rate(0, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
+    expected = eggroll_update(theta0, layout, losses, lr, cfg.eps, 1, cfg.seed, 0, 0)
+    assert_close(state.theta, expected, rtol=1e-5, atol=1e-7)
+    fz = zscore(-losses)
+    dense = sum((fz[2 * i] - fz[2 * i + 1]) * materialise(layout, cfg.eps, 1, cfg.seed, 0, 0, i)
+                for i in range(cfg.perturbations))
+    assert_close(state.theta - theta0, lr / np.sqrt(2 * cfg.perturbations) * dense, rtol=1e-3, atol=1e-7)
+
+
+def test_eggroll_training_lowers_the_loss_and_resumes_exactly(tmp_path):
+    cfg = TrainConfig(steps=40, lr=3.0, checkpoint_every=15, **{**EGG, "perturbations": 8})
+    full, records = run_steps(tmp_path / "full", cfg)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2
+    part, _ = run_steps(tmp_path / "part", cfg, stop_at=17)
+    resumed, _ = run_steps(tmp_path / "part", cfg, state=from_checkpoint(read_checkpoint(tmp_path / "part")))
+    assert np.array_equal(resumed.theta, full.theta)
+
+
+def test_summed_losses_need_spsa(tmp_path):
+    from zosoma.errors import ConfigError
+    from zosoma.experts import create_soma
+
+    with pytest.raises(ConfigError, match="SPSA"):
+        create_soma(tmp_path, MODEL, TrainConfig(**EGG), 2, "summed")

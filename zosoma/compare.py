@@ -209,12 +209,13 @@ class Job:
     method: Method
     seed: int
     curve: bool  # the ablation needs final figures only
+    device: str = "cpu"  # where forward passes run (training and evaluation); results do not move
 
 
-def jobs(cmp: Comparison, out_dir: Path) -> list[Job]:
+def jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job]:
     runs = Path(out_dir) / "runs"
-    out = [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, True) for s in cmp.seeds for m in cmp.methods]
-    out += [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, False) for s in cmp.ablation_seeds
+    out = [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, True, device) for s in cmp.seeds for m in cmp.methods]
+    out += [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, False, device) for s in cmp.ablation_seeds
             for m in cmp.ablation]
     return out
 
@@ -255,7 +256,7 @@ class _Run:
             state = None
         sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
         trainer = Trainer(self.dir, m.model, cfg, sampler, state or new_state(m.model, cfg),
-                          extra={"data": data})
+                          extra={"data": data}, device=self.job.device)
         if state is None:
             trainer.checkpoint()  # step 0, as `zosoma train` leaves it
         self.trainers, self.router = [trainer], _WholeWeight()
@@ -266,9 +267,10 @@ class _Run:
             create_soma(self.dir, m.model, cfg, m.experts, m.loss, self.cmp.chunk_size, top_k=self.cmp.top_k)
         soma, _, corpora, self.heldout = open_soma(self.dir)
         if m.loss == "summed":
-            self.trainers = lockstep_trainers(self.dir, soma, corpora)
+            self.trainers = lockstep_trainers(self.dir, soma, corpora, self.job.device)
         else:
-            self.trainers = [expert_trainer(self.dir, soma, corpora[i], i) for i in range(m.experts)]
+            self.trainers = [expert_trainer(self.dir, soma, corpora[i], i, device=self.job.device)
+                             for i in range(m.experts)]
         for t in self.trainers:
             self._same_config(t.model, t.cfg)
         self.router = Router(load_clustering(self.dir / ROUTER), self.cmp.top_k)
@@ -302,12 +304,13 @@ class _Run:
 
     def score(self, corpus: Corpus) -> dict:
         """Nats/byte of the (routed) model on each name of corpus, and "overall"."""
-        by = evaluate_routed_corpus(self.ensemble(), corpus, segment=self.cmp.segment, context=self.cmp.context)
+        by = evaluate_routed_corpus(self.ensemble(), corpus, segment=self.cmp.segment, context=self.cmp.context,
+                                    device=self.job.device)
         return {name: r["routed"].nats_per_byte for name, r in by.items()}
 
     def score_bytes(self, data: np.ndarray) -> float:
-        ens = self.ensemble()
-        return evaluate_routed(ens, data, segment=self.cmp.segment, context=self.cmp.context)["routed"].nats_per_byte
+        return evaluate_routed(self.ensemble(), data, segment=self.cmp.segment, context=self.cmp.context,
+                               device=self.job.device)["routed"].nats_per_byte
 
 
 def _drain(records: Iterator[dict]) -> None:
@@ -384,7 +387,7 @@ def _stopping() -> bool:
 
 
 def run_comparison(cmp: Comparison, out_dir: Path, jobs_at_once: int = 1, wikitext: str | None = None,
-                   should_stop: Callable[[], bool] = lambda: False,
+                   device: str = "cpu", should_stop: Callable[[], bool] = lambda: False,
                    on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
     """Run every job not yet finished, `jobs_at_once` at a time in worker processes (one BLAS
     thread each on a machine with that many cores), then write the report. on_result(job, result,
@@ -394,7 +397,7 @@ def run_comparison(cmp: Comparison, out_dir: Path, jobs_at_once: int = 1, wikite
     from .report import write_report
 
     out_dir = Path(out_dir)
-    todo = jobs(cmp, out_dir)
+    todo = jobs(cmp, out_dir, device)
     results: dict[str, dict] = {}
     errors = []
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs_at_once))

@@ -22,21 +22,32 @@ theta + E_i, member 2i+1 uses theta - E_i, so a population has N = 2 * n_pairs m
 Population forward (shared GEMM)
 --------------------------------
 x @ (W + s E_i) = x @ W + s (sigma/sqrt(r)) (x @ A_i) @ B_i^T: the dense product is one GEMM over
-all N members' rows stacked, and each member adds a rank-r correction (two skinny products, done
-for both members of a pair in one batched matmul since they share A_i, B_i). Layer 0 goes further:
-every member sees the same bytes, so its dense input projection is the shared table
-embed @ w_ih (V, 4H), and the embedding perturbation enters through r-wide tables:
-(embed + s E_e)[tok] @ (w_ih + s E_ih) expands exactly into gathers of embed @ w_ih,
-embed @ A_ih, and small (r, .) products B_e^T @ w_ih, B_e^T @ A_ih (s^2 = 1).
-Per timestep and layer: h @ [w_hh | A_0 .. A_{P-1}] is ONE GEMM over all N*B rows (the x_j @ A_i
-are its block-diagonal columns; unfused when P*r is large next to 4H), then one batched rank-k
-product per pair adds every member term (recurrent, input and bias noise) at once. The output
-layer is one GEMM over all N*B*T rows, then per pair (in cache) a rank-(r+2) correction and the
-log-softmax. Float32 populations use zosoma.forward's compiled LSTM cell and log-softmax
-kernels; float64 runs the NumPy equivalents (the tests compare both with zosoma.reference).
+all members' rows stacked (row m*B + b is member m's sequence b), and each row adds a rank-k
+correction u @ V_i: u holds the row's scaled skinny products (x @ A_i, r values per matrix) and
+V_i stacks its pair's B_i^T; the vector noise s sigma e_i is folded into per-member biases. Layer 0
+goes further: every member sees the same bytes, so its dense input projection is the shared table
+embed @ w_ih (V, 4H), and the embedding perturbation enters through r-wide per-member tables
+indexed by the byte (c = sigma/sqrt(r)): (embed + s c A_e B_e^T)[tok] @ (w_ih + s c A_ih B_ih^T)
+expands exactly (s^2 = 1) into
 
-Update (convention: the reference code's, WITHOUT 1/sigma)
-----------------------------------------------------------
+    embed @ w_ih + s c A_e[tok] (B_e^T w_ih)
+                 + [s c (embed @ A_ih)[tok] + c^2 A_e[tok] (B_e^T A_ih)] B_ih^T
+
+Per timestep and layer: gates = h @ w_hh (+ x @ w_ih above layer 0), one GEMM each over the rows
+of a group of members (up to 1,024 rows), then member by member the rank-k correction and the
+LSTM cell while the rows are in cache; the output layer likewise per step (GEMM, correction,
+log-softmax + NLL). Against SPSA's dense copies (zosoma.forward, one member at a time) this saves
+each member's table embed @ w_ih, and its GEMMs have N*B rows instead of B, which BLAS runs faster
+(weights reused across rows, both threads busy). The recurrent and output products, the gate math
+and the log-softmax stay per-member work, so at small H the saving is the table's share.
+
+Float32 runs this as one compiled loop (`_population_sums`) around BLAS with zosoma.forward's cell
+and log-softmax kernels; other dtypes (float64 in the tests) run `_population_sums_numpy`, the
+same algebra in plain NumPy with zosoma.reference's cell, the readable version. The tests compare
+both with zosoma.reference on materialised perturbations.
+
+Update (`eggroll_update`, `eggroll_step`; the reference code's convention, WITHOUT 1/sigma)
+-------------------------------------------------------------------------------------------
 Fitness f_j = -loss_j, shaped by a pure function (default `zscore`, zero when all are equal), then
 
     theta <- theta + lr * N^(-1/2) * sum_j f~_j E_j
@@ -44,7 +55,8 @@ Fitness f_j = -loss_j, shaped by a pure function (default `zscore`, zero when al
 where E_j = +E_i for j = 2i and -E_i for j = 2i+1, and E_i includes its sigma (so the step size
 scales with lr * sigma; no division by sigma). Per matrix this is
 (sigma/sqrt(r)) * [A_0 c_0 | ... | A_{P-1} c_{P-1}] (m, r*P) @ [B_0 | ... | B_{P-1}]^T (r*P, n)
-with c_i = f~_{2i} - f~_{2i+1}; vectors add sigma * sum_i c_i e_i.
+with c_i = f~_{2i} - f~_{2i+1} (the coefficients `eggroll_step` takes); vectors add
+sigma * sum_i c_i e_i.
 
 Everything follows theta's dtype (float32 for training, float64 in the tests).
 """
@@ -52,13 +64,16 @@ Everything follows theta's dtype (float32 for training, float64 in the tests).
 from __future__ import annotations
 
 import math
-import time
+from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
+from . import reference
 from .config import VOCAB
+from .forward import JIT_OPTIONS, lstm_cell_rows, output_rows
 from .noise import noise
-from .params import Layout, init_params
+from .params import Layout
 
 
 # --------------------------------------------------------------------------------------- noise
@@ -76,39 +91,40 @@ def _check_rank(r: int) -> int:
     return r
 
 
+def _split(z, layout: Layout, r: int) -> dict:
+    """Slice noise streams z (..., noise_length) into contiguous name -> (A (..., m, r),
+    B (..., n, r)) for matrices and name -> (..., k) for vectors."""
+    lead = z.shape[:-1]
+    out, pos = {}, 0
+    for e in layout.entries:
+        shapes = [(e.shape[0], r), (e.shape[1], r)] if len(e.shape) == 2 else [e.shape]
+        parts = []
+        for shape in shapes:
+            size = math.prod(shape)
+            parts.append(np.ascontiguousarray(z[..., pos:pos + size]).reshape(lead + shape))
+            pos += size
+        out[e.name] = tuple(parts) if len(e.shape) == 2 else parts[0]
+    return out
+
+
 def pair_factors(layout: Layout, r: int, seed: int, expert: int, step: int, member: int,
                  dtype=np.float32) -> dict:
     """The unscaled noise of pair `member`: name -> (A (m, r), B (n, r)) for matrices, name -> (k,)
     standard Gaussian for vectors (callers apply the sigma and sigma/sqrt(r) scales)."""
     r = _check_rank(r)
-    z = noise(noise_length(layout, r), seed, expert, step, member, kind="gaussian").astype(dtype)
-    out, pos = {}, 0
-    for e in layout.entries:
-        if len(e.shape) == 2:
-            m, n = e.shape
-            a = z[pos:pos + m * r].reshape(m, r)
-            pos += m * r
-            b = z[pos:pos + n * r].reshape(n, r)
-            pos += n * r
-            out[e.name] = (a, b)
-        else:
-            out[e.name] = z[pos:pos + e.size]
-            pos += e.size
-    return out
+    z = noise(noise_length(layout, r), seed, expert, step, member, kind="gaussian")
+    return _split(z.astype(dtype), layout, r)
 
 
 def population_factors(layout: Layout, r: int, seed: int, expert: int, step: int, n_pairs: int,
                        dtype=np.float32) -> dict:
     """All pairs' factors stacked: name -> (A (P, m, r), B (P, n, r)) or (P, k)."""
-    pairs = [pair_factors(layout, r, seed, expert, step, i, dtype) for i in range(n_pairs)]
-    out = {}
-    for e in layout.entries:
-        if len(e.shape) == 2:
-            out[e.name] = (np.stack([p[e.name][0] for p in pairs]),
-                           np.stack([p[e.name][1] for p in pairs]))
-        else:
-            out[e.name] = np.stack([p[e.name] for p in pairs])
-    return out
+    r = _check_rank(r)
+    n = noise_length(layout, r)
+    z = np.empty((n_pairs, n), dtype)
+    for i in range(n_pairs):
+        z[i] = noise(n, seed, expert, step, i, kind="gaussian")
+    return _split(z, layout, r)
 
 
 def materialise(layout: Layout, sigma: float, r: int, seed: int, expert: int, step: int,
@@ -127,61 +143,215 @@ def materialise(layout: Layout, sigma: float, r: int, seed: int, expert: int, st
 
 # ----------------------------------------------------------------------------- population forward
 
-def _sigmoid(x):
-    return 0.5 * (1.0 + np.tanh(0.5 * x))  # = 1/(1+exp(-x)), without overflow
+@njit(**JIT_OPTIONS)
+def _dot(a, b):
+    """a @ b of 2-D arrays through Numba's np.dot, i.e. SciPy's OpenBLAS, the BLAS that the kernels
+    (here and in zosoma.forward) call. NumPy's `@` would call NumPy's own OpenBLAS, whose threads
+    keep spinning for a while after a call and halve the speed of the next kernel's GEMMs."""
+    return np.dot(a, b)
 
 
-_FUSE_MAX_FRACTION = 0.25  # fuse x @ [W | A_0..A_P-1] while P*r <= this fraction of W's columns
+def _concat_pairs(a):
+    """(P, m, r) -> (m, P*r), column i*r + k = a[i, :, k]: all pairs' factors side by side."""
+    P, m, r = a.shape
+    return np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(m, P * r)
 
 
-def _fast_cell() -> bool:
-    """Whether float32 populations use zosoma.forward's compiled kernels (numba) for the LSTM gate
-    math and the log-softmax + NLL; the NumPy path (always used for float64) is the readable
-    equivalent, and the tests check both."""
-    return _USE_NUMBA_CELL
+class _Terms(NamedTuple):
+    """What the population forward needs, in theta's dtype. M = 2P members (member m of pair m//2,
+    sign s = +1 for even m, -1 for odd), G = 4H gate columns, c = sigma/sqrt(r). Each rank-k
+    correction u @ V_i lists its V_i here; `_population_sums` builds the row's u. The vector noise
+    s sigma e_i is folded into per-member biases. Arrays of layers above 0 are empty when L = 1."""
+    sc: np.ndarray  # (M,) s c, the scale of every x @ A_i
+    table: np.ndarray  # (V, G) embed @ lstm0.w_ih, shared by all members
+    u_tok: np.ndarray  # (M, V, 2r) layer 0's input u per byte, from the docstring's expansion:
+    #                    [s c A_e | s c embed A_ih + c^2 A_e B_e^T A_ih]
+    w_hh: np.ndarray  # (L, H, G)
+    bias: np.ndarray  # (L, M, G) each member's gate bias: bias + s sigma e_bias
+    at_hh: np.ndarray  # (L, P, r, H) A_hh^T
+    v0: np.ndarray  # (P, 3r, G) layer 0's V: [B_hh^T; B_e^T w_ih; B_ih^T]
+    w_ih: np.ndarray  # (L-1, H, G) layers above 0
+    at_ih: np.ndarray  # (L-1, P, r, H) A_ih^T, layers above 0
+    v_up: np.ndarray  # (L-1, P, 2r, G) V of layers above 0: [B_hh^T; B_ih^T]
+    out_w: np.ndarray  # (H, V)
+    out_b: np.ndarray  # (M, V) each member's output bias: out.b + s sigma e_out.b
+    at_o: np.ndarray  # (P, r, H) A_out^T
+    bt_o: np.ndarray  # (P, r, V) the output layer's V: B_out^T
 
 
-_USE_NUMBA_CELL = True
+def _terms(theta, layout: Layout, sigma: float, r: int, seed: int, expert: int, step: int,
+           P: int) -> _Terms:
+    dt = theta.dtype
+    cfg = layout.config
+    L, H = cfg.layers, cfg.hidden
+    M = 2 * P
+    c = sigma / math.sqrt(r)
+    sign = np.tile(np.array([1.0, -1.0], dt), P)
+    sc, ss = sign * dt.type(c), sign * dt.type(sigma)
+    pair = np.arange(M) // 2  # the pair of each member
+    p = layout.views(theta)
+    f = population_factors(layout, r, seed, expert, step, P, dt)
+
+    def at(name):  # A_i^T (P, r, m)
+        return np.swapaxes(f[name][0], 1, 2)
+
+    def bt(name):  # B_i^T (P, r, n)
+        return np.swapaxes(f[name][1], 1, 2)
+
+    def member_bias(name):  # (M, n): b + s sigma e_i
+        return p[name] + ss[:, None] * f[name][pair]
+
+    def stack(arrays, shape):  # np.stack that allows no arrays (no layers above 0)
+        return np.stack(arrays) if arrays else np.empty((0,) + shape, dt)
+
+    w_e, w_ih0 = p["embed"], p["lstm0.w_ih"]
+    a_e, a_ih = f["embed"][0], f["lstm0.w_ih"][0]  # (P, V, r), (P, E, r)
+    bt_e = bt("embed")  # (P, r, E)
+    E = w_ih0.shape[0]
+    e_a = _dot(w_e, _concat_pairs(a_ih)).reshape(VOCAB, P, r).transpose(1, 0, 2)  # embed A_ih
+    a_b_a = np.einsum("pvr,prs->pvs", a_e, np.einsum("pre,pes->prs", bt_e, a_ih))
+    scale = sc[:, None, None]
+    u_tok = np.concatenate([scale * a_e[pair], scale * e_a[pair] + (c * c) * a_b_a[pair]], axis=-1)
+    b_w = _dot(np.ascontiguousarray(bt_e).reshape(P * r, E), w_ih0).reshape(P, r, 4 * H)
+    layers, above = range(L), [f"lstm{layer}" for layer in range(1, L)]
+    terms = _Terms(
+        sc=sc, table=_dot(w_e, w_ih0), u_tok=u_tok,
+        w_hh=np.stack([p[f"lstm{layer}.w_hh"] for layer in layers]),
+        bias=np.stack([member_bias(f"lstm{layer}.bias") for layer in layers]),
+        at_hh=np.stack([at(f"lstm{layer}.w_hh") for layer in layers]),
+        v0=np.concatenate([bt("lstm0.w_hh"), b_w, bt("lstm0.w_ih")], axis=1),
+        w_ih=stack([p[f"{n}.w_ih"] for n in above], (H, 4 * H)),
+        at_ih=stack([at(f"{n}.w_ih") for n in above], (P, r, H)),
+        v_up=stack([np.concatenate([bt(f"{n}.w_hh"), bt(f"{n}.w_ih")], axis=1) for n in above],
+                   (P, 2 * r, 4 * H)),
+        out_w=p["out.w"], out_b=member_bias("out.b"), at_o=at("out.w"), bt_o=bt("out.w"))
+    return _Terms(*(np.ascontiguousarray(a) for a in terms))
 
 
-def _lstm_cell(*args):
-    from .forward import _lstm_cell as cell  # compiled on first use
-    return cell(*args)
+# Members evaluated together: their rows (group * B) make each step's GEMMs, big enough to be
+# efficient and to use BLAS's threads, and bound the work buffers (zosoma.forward's chunk size).
+_ROWS_PER_GROUP = 1024
 
 
-def _output_rows(*args):
-    from .forward import _output_rows as rows  # compiled on first use
-    return rows(*args)
+@njit(**JIT_OPTIONS)
+def _low_rank(x, at, scale, u, k0):
+    """u[:, k0:k0+r] = scale * (x @ A) for a block of rows x (B, n), at = A^T (r, n)."""
+    for b in range(x.shape[0]):
+        for k in range(at.shape[0]):
+            s = np.float32(0.0)
+            for j in range(x.shape[1]):
+                s += x[b, j] * at[k, j]
+            u[b, k0 + k] = scale * s
 
 
-class _Projector:
-    """x @ W for all members' rows stacked, plus each member's x_j @ A_i (its pair's factor).
+@njit(**JIT_OPTIONS)
+def _add_rank_k(rows, u, v):
+    """rows += u[:, :K] @ v for a block of rows (B, n), v (K, n)."""
+    for b in range(rows.shape[0]):
+        for k in range(v.shape[0]):
+            ubk = u[b, k]
+            for j in range(rows.shape[1]):
+                rows[b, j] += ubk * v[k, j]
 
-    When P*r is small next to W's width, both come from ONE GEMM x @ [W | A_0 | ... | A_{P-1}] and
-    the block-diagonal x_j @ A_i are picked out (the off-diagonal P*r columns are wasted, cheaply);
-    otherwise x @ W is one GEMM and x_j @ A_i a batched matmul per pair."""
 
-    def __init__(self, w, a):  # w (m, n); a (P, m, r)
-        self.P, m, self.r = a.shape
-        self.n = w.shape[1]
-        self.a = a
-        self.fused = self.P * self.r <= _FUSE_MAX_FRACTION * self.n
-        if self.fused:
-            self.w = np.ascontiguousarray(
-                np.concatenate([w, a.transpose(1, 0, 2).reshape(m, self.P * self.r)], axis=1))
-        else:
-            self.w = w
-        self.pick = np.arange(self.P)
+@njit(**JIT_OPTIONS)
+def _group_sums(tokens, targets, m0, mg, sc, table, u_tok, w_hh, bias, at_hh, v0, w_ih, at_ih,
+                v_up, out_w, out_b, at_o, bt_o):
+    """Summed nll (mg,) float64 of members m0 .. m0+mg-1, float32 throughout. tokens (T, B) intp
+    and targets (T, B) uint8: the bytes of step t; the rest as _Terms. Row (m-m0)*B + b is member
+    m's sequence b. The helpers take whole member blocks: a view per row would cost more than its
+    arithmetic."""
+    T, B = tokens.shape
+    R = mg * B
+    L, H, G = w_hh.shape
+    r = at_hh.shape[2]
+    h = np.zeros((L, R, H), np.float32)
+    c = np.zeros((L, R, H), np.float32)
+    gates = np.empty((R, G), np.float32)
+    xproj = np.empty((R if L > 1 else 0, G), np.float32)  # x @ w_ih above layer 0
+    logits = np.empty((R, out_w.shape[1]), np.float32)
+    nll = np.empty(B, np.float32)
+    fold = np.empty(out_w.shape[1] // 2, np.float32)
+    u = np.empty((B, 3 * r), np.float32)  # a member block's rows u, the widest being layer 0's
+    row_ids = np.arange(R)  # lstm_cell_rows' input rows above layer 0: xproj's own
+    sums = np.zeros(mg, np.float64)
+    for t in range(T):
+        for layer in range(L):
+            np.dot(h[layer], w_hh[layer], gates)  # one GEMM over all the group's rows
+            if layer > 0:
+                np.dot(h[layer - 1], w_ih[layer - 1], xproj)
+            for g in range(mg):  # member by member: correction, then the cell, rows still in cache
+                m = m0 + g
+                i = m // 2
+                blk = slice(g * B, (g + 1) * B)
+                _low_rank(h[layer, blk], at_hh[layer, i], sc[m], u, 0)  # s c h A_hh
+                if layer == 0:
+                    for b in range(B):
+                        for k in range(2 * r):
+                            u[b, r + k] = u_tok[m, tokens[t, b], k]
+                    _add_rank_k(gates[blk], u, v0[i])
+                    lstm_cell_rows(gates[blk], table, tokens[t], bias[0, m], c[0, blk], h[0, blk])
+                else:
+                    _low_rank(h[layer - 1, blk], at_ih[layer - 1, i], sc[m], u, r)  # s c x A_ih
+                    _add_rank_k(gates[blk], u, v_up[layer - 1, i])
+                    lstm_cell_rows(gates[blk], xproj, row_ids[blk], bias[layer, m],
+                                   c[layer, blk], h[layer, blk])
+        np.dot(h[L - 1], out_w, logits)
+        for g in range(mg):
+            m = m0 + g
+            blk = slice(g * B, (g + 1) * B)
+            _low_rank(h[L - 1, blk], at_o[m // 2], sc[m], u, 0)
+            _add_rank_k(logits[blk], u, bt_o[m // 2])
+            sums[g] += output_rows(logits[blk], out_b[m], targets[t], nll, False, fold)
+    return sums
 
-    def __call__(self, x):
-        """x (P, 2, R, m) -> dense (P, 2, R, n), xa (P, 2, R, r)."""
-        P, _, R, m = x.shape
-        y = (x.reshape(-1, m) @ self.w).reshape(P, 2, R, -1)
-        if self.fused:
-            ext = y[..., self.n:].reshape(P, 2, R, P, self.r)
-            return y[..., :self.n], ext[self.pick, :, :, self.pick, :]  # (P, 2, R, r)
-        xa = np.matmul(x.reshape(P, 2 * R, m), self.a).reshape(P, 2, R, self.r)
-        return y, xa
+
+@njit(**JIT_OPTIONS)
+def _population_sums(tokens, targets, group, sc, table, u_tok, w_hh, bias, at_hh, v0, w_ih, at_ih,
+                     v_up, out_w, out_b, at_o, bt_o):
+    """Summed nll (M,) float64 of every member, `group` members at a time."""
+    M = sc.shape[0]
+    sums = np.empty(M, np.float64)
+    for m0 in range(0, M, group):
+        mg = min(group, M - m0)
+        sums[m0:m0 + mg] = _group_sums(tokens, targets, m0, mg, sc, table, u_tok, w_hh, bias,
+                                       at_hh, v0, w_ih, at_ih, v_up, out_w, out_b, at_o, bt_o)
+    return sums
+
+
+def _population_sums_numpy(tokens, targets, sc, table, u_tok, w_hh, bias, at_hh, v0, w_ih, at_ih,
+                           v_up, out_w, out_b, at_o, bt_o):
+    """_population_sums in plain NumPy, in theta's dtype, with zosoma.reference's cell and NLL."""
+    T, B = tokens.shape
+    M = sc.shape[0]
+    L, H, _ = w_hh.shape
+    member = np.repeat(np.arange(M), B)  # the member of each row
+    pair = member // 2
+
+    def low_rank(x, at):  # every row's s c (x @ A_i), (R, r)
+        return sc[member, None] * np.einsum("rn,rkn->rk", x, at[pair])
+
+    def rank_k(u, v):  # every row's u @ V_i, (R, n)
+        return np.einsum("rk,rkn->rn", u, v[pair])
+
+    h = np.zeros((L, M * B, H), sc.dtype)
+    c = np.zeros((L, M * B, H), sc.dtype)
+    sums = np.zeros(M)
+    for t in range(T):
+        tok = np.tile(tokens[t], M)
+        for layer in range(L):
+            if layer == 0:
+                u = np.concatenate([low_rank(h[0], at_hh[0]), u_tok[member, tok]], axis=1)
+                gates = table[tok] + h[0] @ w_hh[0] + rank_k(u, v0)
+            else:
+                x = h[layer - 1]
+                u = np.concatenate([low_rank(h[layer], at_hh[layer]),
+                                    low_rank(x, at_ih[layer - 1])], axis=1)
+                gates = x @ w_ih[layer - 1] + h[layer] @ w_hh[layer] + rank_k(u, v_up[layer - 1])
+            h[layer], c[layer] = reference.lstm_cell(gates + bias[layer, member], c[layer])
+        logits = h[-1] @ out_w + out_b[member] + rank_k(low_rank(h[-1], at_o), bt_o)
+        sums += reference.nll(logits, np.tile(targets[t], M)).reshape(M, B).sum(axis=1)
+    return sums
 
 
 def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, seed: int,
@@ -190,8 +360,8 @@ def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, 
     +E_i, 2i+1 is -E_i), from zero state, on the shared (B, T+1) uint8 batch. Returns (N,) float64.
     Equal (to rounding) to zosoma.reference.loss of the materialised theta +/- E_i.
 
-    Per LSTM step and layer the work is one dense GEMM over all N*B rows, (h @ [w_hh | A's]), and
-    one batched rank-k product per pair [s c h A_hh | input and bias terms] @ [B_hh^T; ...]."""
+    Per LSTM step and layer the work is one dense GEMM over all N*B rows (two above layer 0) and
+    a rank-k correction per row; float32 runs compiled, other dtypes in NumPy (module docstring)."""
     theta = np.asarray(theta)
     if theta.ndim != 1 or theta.shape[0] != layout.size:
         raise ValueError(f"theta must be ({layout.size},), got {theta.shape}")
@@ -202,103 +372,15 @@ def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, 
     if n_pairs < 1:
         raise ValueError(f"n_pairs must be at least 1, got {n_pairs}")
     r = _check_rank(r)
-    dt = theta.dtype
-    P, M = n_pairs, 2 * n_pairs
-    cfg = layout.config
-    H, L = cfg.hidden, cfg.layers
-    tokens = batch[:, :-1].astype(np.intp)
-    B, T = tokens.shape
-    p = layout.views(theta)
-    f = population_factors(layout, r, seed, expert, step, P, dt)
-    c = dt.type(sigma / math.sqrt(r))
-    sgn = np.array([1.0, -1.0], dt)[None, :, None, None]  # member sign, broadcast (1, 2, 1, 1)
-    sig = np.broadcast_to(sgn * dt.type(sigma), (P, 2, 1, 1))  # coefficient of the vector noise
-
-    def bt(name):  # (P, r, n)
-        return np.swapaxes(f[name][1], 1, 2)
-
-    # ---- layer 0 input: every member reads the same bytes, so the dense part is the shared table
-    # (embed @ w_ih + bias)[tok]; the member part is rank (2r+1) through per-pair (V, .) tables:
-    # (W_e + s c A_e B_e^T)(W_ih + s c A_ih B_ih^T)
-    #   = W_e W_ih + s c A_e (B_e^T W_ih) + [s c W_e A_ih + c^2 A_e (B_e^T A_ih)] B_ih^T   (s^2 = 1)
-    w_e, w_ih = p["embed"], p["lstm0.w_ih"]
-    a_e, _ = f["embed"]  # (P, V, r)
-    a_ih, _ = f["lstm0.w_ih"]  # (P, E, r)
-    bt_e = bt("embed")  # (P, r, E)
-    table = w_e @ w_ih + p["lstm0.bias"]  # (V, 4H)
-    dense_in = table[tokens.T][:, None, None]  # (T, 1, 1, B, 4H), shared by all members
-    g = np.matmul(w_e[None], a_ih)  # (P, V, r)
-    aek = np.matmul(a_e, bt_e @ a_ih)  # (P, V, r)
-    u_tab = np.concatenate([
-        np.broadcast_to(sgn * c * a_e[:, None], (P, 2) + a_e.shape[1:]),
-        sgn * c * g[:, None] + (c * c) * aek[:, None],
-        np.broadcast_to(sig, (P, 2, VOCAB, 1))], axis=-1)  # (P, 2, V, 2r+1)
-    u_in = np.ascontiguousarray(np.moveaxis(u_tab[:, :, tokens.T], 2, 0))  # (T, P, 2, B, 2r+1)
-    v_in = np.concatenate([bt_e @ w_ih, bt("lstm0.w_ih"), f["lstm0.bias"][:, None]], axis=1)
-
-    fast_cell = dt == np.float32 and _fast_cell()
-    zero_x = np.zeros((1, 4 * H), dt)
-    zero_rows = np.zeros(M * B, np.intp)
-    hs = None
-    for layer in range(L):
-        if layer > 0:  # input projection of all members' rows: one GEMM, plus the A_ih picks
-            x = hs.reshape(P, 2, T * B, H)  # hs is time-major per member: (P, 2, T, B, H)
-            d, xa = _Projector(p[f"lstm{layer}.w_ih"], f[f"lstm{layer}.w_ih"][0])(x)
-            dense_in = np.moveaxis((d + p[f"lstm{layer}.bias"]).reshape(P, 2, T, B, 4 * H), 2, 0)
-            xa = np.moveaxis(xa.reshape(P, 2, T, B, r), 2, 0)
-            u_in = np.concatenate([sgn * c * xa, np.broadcast_to(sig[None], (T, P, 2, B, 1))],
-                                  axis=-1)  # (T, P, 2, B, r+1)
-            v_in = np.concatenate([bt(f"lstm{layer}.w_ih"), f[f"lstm{layer}.bias"][:, None]],
-                                  axis=1)
-        proj_hh = _Projector(p[f"lstm{layer}.w_hh"], f[f"lstm{layer}.w_hh"][0])
-        v_all = np.ascontiguousarray(np.concatenate([bt(f"lstm{layer}.w_hh"), v_in], axis=1))
-        h = np.zeros((P, 2, B, H), dt)
-        cell = np.zeros((P, 2, B, H), dt)
-        hs = np.empty((P, 2, T, B, H), dt)
-        for t in range(T):
-            gates, xa = proj_hh(h)  # one GEMM over all N*B rows
-            u = np.concatenate([(sgn * c) * xa, u_in[t]], axis=-1)  # (P, 2, B, k)
-            gates = gates + dense_in[t]
-            gates += np.matmul(u.reshape(P, 2 * B, -1), v_all).reshape(P, 2, B, 4 * H)
-            if fast_cell:  # the Numba cell of zosoma.forward (float32, rational tanh)
-                h = np.empty((P, 2, B, H), dt)
-                _lstm_cell(gates.reshape(M * B, 4 * H), zero_x, zero_rows, zero_x[0],
-                           cell.reshape(M * B, H), h.reshape(M * B, H))
-            else:
-                i, fg = _sigmoid(gates[..., :H]), _sigmoid(gates[..., H:2 * H])
-                gg, o = np.tanh(gates[..., 2 * H:3 * H]), _sigmoid(gates[..., 3 * H:])
-                cell = fg * cell + i * gg
-                h = o * np.tanh(cell)
-            hs[:, :, t] = h
-
-    # ---- output layer: one dense GEMM over all members' rows; then, pair by pair while the block
-    # is in cache, the rank-(r+2) member part [s c x A_o | s sigma | 1] @ [B_o^T; e_out.b; out.b]
-    # and the log-softmax + NLL
-    x = hs.reshape(P, 2 * T * B, H)
-    logits = (x.reshape(-1, H) @ p["out.w"]).reshape(P, 2 * T * B, VOCAB)
-    xa = np.matmul(x, f["out.w"][0]).reshape(P, 2, T * B, r)
-    ones = np.ones((2, T * B, 1), dt)
-    v_out = np.concatenate([bt("out.w"), f["out.b"][:, None],
-                            np.broadcast_to(p["out.b"], (P, 1, VOCAB))], axis=1)  # (P, r+2, V)
-    tgt8 = np.ascontiguousarray(batch[:, 1:].T).reshape(-1)  # time-major, like the rows
-    tgt = tgt8.astype(np.intp)
-    losses = np.empty(M, np.float64)
-    if fast_cell:
-        nll = np.empty(T * B, dt)
-        fold, zero_b = np.empty(VOCAB // 2, dt), np.zeros(VOCAB, dt)
-    for i in range(P):
-        u = np.concatenate([(sgn[0] * c) * xa[i], sig[i] * ones, ones], axis=-1)  # (2, TB, r+2)
-        block = logits[i]  # (2*T*B, V), contiguous
-        block += u.reshape(2 * T * B, -1) @ v_out[i]
-        for k in range(2):
-            rows = block[k * T * B:(k + 1) * T * B]
-            if fast_cell:  # zosoma.forward's compiled log-softmax + NLL
-                losses[2 * i + k] = _output_rows(rows, zero_b, tgt8, nll, False, fold) / (T * B)
-            else:
-                shifted = rows - rows.max(axis=-1, keepdims=True)
-                lse = np.log(np.exp(shifted).sum(axis=-1))
-                losses[2 * i + k] = np.mean(lse - shifted[np.arange(T * B), tgt], dtype=np.float64)
-    return losses
+    terms = _terms(theta, layout, sigma, r, seed, expert, step, n_pairs)
+    tokens = np.ascontiguousarray(batch[:, :-1].T).astype(np.intp)  # (T, B): step t's bytes
+    targets = np.ascontiguousarray(batch[:, 1:].T)
+    if theta.dtype == np.float32:
+        group = max(1, _ROWS_PER_GROUP // batch.shape[0])
+        sums = _population_sums(tokens, targets, group, *terms)
+    else:
+        sums = _population_sums_numpy(tokens, targets, *terms)
+    return sums / targets.size
 
 
 # ---------------------------------------------------------------------------------------- update
@@ -317,82 +399,43 @@ def zscore(fitness) -> np.ndarray:
     return (f - f.mean()) / std
 
 
-def eggroll_update(theta, layout: Layout, losses, lr: float, sigma: float, r: int, seed: int,
-                   expert: int, step: int, shaping=zscore) -> np.ndarray:
-    """New theta = theta + lr * N^(-1/2) * sum_j shaping(-losses)_j E_j (no 1/sigma: E_j carries
-    sigma, the reference code's convention). losses (2*n_pairs,) from eggroll_population_loss with
-    the same (sigma, r, seed, expert, step). Returns a new array of theta's dtype."""
+def eggroll_step(theta, layout: Layout, coef, lr: float, sigma: float, r: int, seed: int,
+                 expert: int, step: int) -> np.ndarray:
+    """New theta = theta + lr * N^(-1/2) * sum_i coef_i E_i over the P = len(coef) pairs, N = 2P;
+    coef_i = f~_{2i} - f~_{2i+1} from shaped fitness. Regenerates the factors and accumulates in
+    float64 (products through `_dot`, so the next forward's BLAS runs undisturbed); returns a new
+    array of theta's dtype."""
     theta = np.asarray(theta)
-    losses = np.asarray(losses, np.float64)
-    if losses.ndim != 1 or losses.size < 2 or losses.size % 2:
-        raise ValueError(f"losses must be (2*n_pairs,), got {losses.shape}")
+    if theta.ndim != 1 or theta.shape[0] != layout.size:
+        raise ValueError(f"theta must be ({layout.size},), got {theta.shape}")
+    coef = np.asarray(coef, np.float64)
+    if coef.ndim != 1 or coef.size < 1:
+        raise ValueError(f"coef must be (n_pairs,), got {coef.shape}")
     r = _check_rank(r)
-    N = losses.size
-    P = N // 2
-    fz = np.asarray(shaping(-losses), np.float64)
-    coef = fz[0::2] - fz[1::2]  # (P,): +E_i weighted by fz_2i, -E_i by fz_2i+1
-    scale = lr / math.sqrt(N)
+    P = coef.size
+    scale = lr / math.sqrt(2 * P)
     f = population_factors(layout, r, seed, expert, step, P, np.float64)
     new = theta.astype(np.float64)
     c = sigma / math.sqrt(r)
     for e in layout.entries:
         block = new[e.offset:e.offset + e.size]
-        if len(e.shape) == 2:
+        if len(e.shape) == 2:  # sum_i coef_i A_i B_i^T as one (m, P*r) @ (P*r, n) GEMM
             a, b = f[e.name]  # (P, m, r), (P, n, r)
-            m, n = e.shape
-            a_cat = (a * coef[:, None, None]).transpose(1, 0, 2).reshape(m, P * r)
-            b_cat = b.transpose(1, 0, 2).reshape(n, P * r)
-            block += (scale * c) * (a_cat @ b_cat.T).ravel()
+            bt_cat = np.ascontiguousarray(b.transpose(0, 2, 1)).reshape(P * r, e.shape[1])
+            block += (scale * c) * _dot(_concat_pairs(a * coef[:, None, None]), bt_cat).ravel()
         else:
-            block += (scale * sigma) * (coef @ f[e.name])
+            block += (scale * sigma) * _dot(coef[None], f[e.name])[0]
     return new.astype(theta.dtype)
 
 
-# ----------------------------------------------------------------------------------------- bench
-
-def bench_eggroll_vs_spsa(model, B: int = 8, T: int = 64, members: int = 16, sigma: float = 1e-2,
-                          r: int = 1, repeats: int = 3, seed: int = 0) -> dict:
-    """Per-member forward seconds: EGGROLL's shared-GEMM population forward (all `members` at once)
-    vs full-rank SPSA's, i.e. `members` dense perturbed copies evaluated one by one by
-    zosoma.forward.population_loss: `dense_s_per_member` times the forward alone (copies built
-    beforehand), `dense_with_noise_s_per_member` also regenerates the copies (Rademacher, as SPSA
-    trains). EGGROLL's time includes regenerating its factors. Best of `repeats` after one
-    warm-up; speedup = dense forward / EGGROLL. `model` is a ModelConfig or Layout. Returns a
-    dict."""
-    from . import forward  # numba-compiled; imported lazily
-    from .noise import add_noise
-
-    layout = model if isinstance(model, Layout) else Layout(model)
-    if members < 2 or members % 2:
-        raise ValueError(f"members must be even and >= 2, got {members}")
-    theta = init_params(layout.config, seed)
-    batch = np.random.default_rng(seed).integers(0, VOCAB, (B, T + 1), dtype=np.uint8)
-    thetas = np.empty((members, layout.size), np.float32)
-    for j in range(members):
-        add_noise(thetas[j], theta, (1 - 2 * (j % 2)) * sigma, seed, 0, 0, j // 2)
-
-    def best(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    t_egg = best(lambda: eggroll_population_loss(theta, layout, batch, sigma, r, seed, 0, 0,
-                                                 members // 2))
-    t_dense = best(lambda: forward.population_loss(thetas, layout, batch))
-
-    def dense_with_noise():  # SPSA as trained: regenerate each perturbed copy, then evaluate
-        for j in range(members):
-            add_noise(thetas[j], theta, (1 - 2 * (j % 2)) * sigma, seed, 0, 0, j // 2)
-        forward.population_loss(thetas, layout, batch)
-
-    t_dense_noise = best(dense_with_noise)
-    cfg = layout.config
-    return {"embed": cfg.embed, "hidden": cfg.hidden, "layers": cfg.layers, "params": layout.size,
-            "batch": B, "seq_len": T, "members": members, "rank": r,
-            "eggroll_s_per_member": t_egg / members, "dense_s_per_member": t_dense / members,
-            "dense_with_noise_s_per_member": t_dense_noise / members,
-            "speedup": t_dense / t_egg}
+def eggroll_update(theta, layout: Layout, losses, lr: float, sigma: float, r: int, seed: int,
+                   expert: int, step: int, shaping=zscore) -> np.ndarray:
+    """New theta = theta + lr * N^(-1/2) * sum_j shaping(-losses)_j E_j (no 1/sigma: E_j carries
+    sigma, the reference code's convention). losses (2*n_pairs,) from eggroll_population_loss with
+    the same (sigma, r, seed, expert, step). Returns a new array of theta's dtype."""
+    losses = np.asarray(losses, np.float64)
+    if losses.ndim != 1 or losses.size < 2 or losses.size % 2:
+        raise ValueError(f"losses must be (2*n_pairs,), got {losses.shape}")
+    fz = np.asarray(shaping(-losses), np.float64)
+    coef = fz[0::2] - fz[1::2]  # (P,): +E_i weighted by fz_2i, -E_i by fz_2i+1
+    return eggroll_step(theta, layout, coef, lr, sigma, r, seed, expert, step)

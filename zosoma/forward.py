@@ -8,9 +8,10 @@ overhead per step) does, per chunk of Tc timesteps:
     layer 0:   x_t @ w_ih is a row of the table embed @ w_ih (V, 4H), computed once per member and
                gathered (an exact identity; 256*E*4H multiply-adds instead of B*T*E*4H)
     layer l>0: the input projection of all Tc steps as one (Tc*B, H) @ (H, 4H) GEMM
-    each step: gates = h @ w_hh (BLAS), then `_lstm_cell` adds the input projection and bias and
-               applies the gate and cell math in one vectorised pass (rational tanh, no libm calls)
-    output:    logits = h @ out.w (one GEMM), then `_output_rows`: log-softmax + NLL per row in
+    each step: gates = h @ w_hh (BLAS), then `lstm_cell_rows` adds the input projection and bias
+               and applies the gate and cell math in one vectorised pass (rational tanh, no libm
+               calls)
+    output:    logits = h @ out.w (one GEMM), then `output_rows`: log-softmax + NLL per row in
                float32 with a vectorisable exp, the loss sum accumulated in float64
 
 Members run one after another with their own dense weights, so each member's weights stay in
@@ -18,6 +19,7 @@ cache (PERF_NOTES: stacking members' weights into one batched matmul streams the
 BLAS is called through Numba's np.dot (SciPy's OpenBLAS), keeping its two threads; the kernels
 are serial on purpose (PERF_NOTES: numba threads beside BLAS threads are 10-40x slower).
 Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=1.
+`lstm_cell_rows` and `output_rows` are public: zosoma.eggroll's population forward reuses them.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from .params import Layout
 
 # fastmath without nnan/ninf: reductions and FMAs may reassociate, but a diverged model still
 # yields inf/nan losses that the trainer can see. error_model="numpy" drops the division checks
-# that would otherwise stop the gate loop from vectorising.
-_JIT = dict(cache=True, error_model="numpy",
-            fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
+# that would otherwise stop the gate loop from vectorising. Public: zosoma.eggroll's kernels use it.
+JIT_OPTIONS = dict(cache=True, error_model="numpy",
+                   fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
 
 _ROWS_PER_CHUNK = 1024  # target Tc*B: big enough for an efficient GEMM, small enough for cache
 
@@ -64,7 +66,7 @@ _POW2_STEPS = tuple((_F(2 ** i), _F(2.0 ** -(2 ** i))) for i in range(6, -1, -1)
 _ZERO = _F(0.0)
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT_OPTIONS)
 def _tanh(x):
     x = min(max(x, -_TANH_CLAMP), _TANH_CLAMP)
     x2 = x * x
@@ -73,12 +75,12 @@ def _tanh(x):
     return p / q
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT_OPTIONS)
 def _sigmoid(x):
     return _HALF + _HALF * _tanh(_HALF * x)
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT_OPTIONS)
 def _pow2_neg(k):
     """2**-k for an integral float32 k in [0, 127], exactly: one factor per binary digit."""
     s = _ONE
@@ -89,7 +91,7 @@ def _pow2_neg(k):
     return s
 
 
-@njit(inline="always", **_JIT)
+@njit(inline="always", **JIT_OPTIONS)
 def _exp_nonpos(d):
     """exp(d) for d <= 0, float32, vectorisable."""
     d = max(d, _EXP_FLOOR)
@@ -99,8 +101,8 @@ def _exp_nonpos(d):
     return p * _pow2_neg(k)
 
 
-@njit(**_JIT)
-def _lstm_cell(gates, xsrc, rows, bias, c, h_out):
+@njit(**JIT_OPTIONS)
+def lstm_cell_rows(gates, xsrc, rows, bias, c, h_out):
     """One LSTM step for B rows, in place. gates (B, 4H) = h_prev @ w_hh; the input projection of
     row b is xsrc[rows[b]] (4H,); bias (4H,); c (B, H) updated; h_out (B, H) written."""
     B, H = c.shape
@@ -119,7 +121,7 @@ def _lstm_cell(gates, xsrc, rows, bias, c, h_out):
             hb[j] = o * _tanh(cn)
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _row_max(z, fold):
     """max of z (V,), V a power of two, by halving folds: elementwise maxima vectorise where a
     running-max loop does not (LLVM needs no-NaN semantics for that). fold (V/2,) scratch."""
@@ -136,8 +138,8 @@ def _row_max(z, fold):
     return m
 
 
-@njit(**_JIT)
-def _output_rows(logits, bias, targets, nll, to_logp, fold):
+@njit(**JIT_OPTIONS)
+def output_rows(logits, bias, targets, nll, to_logp, fold):
     """Log-softmax + NLL per row. logits (R, V) = h @ out.w, bias not yet added; bias (V,);
     targets (R,) bytes; fold (V/2,) scratch. Writes nll (R,) float32 and returns its float64 sum;
     with to_logp, overwrites logits with the log-probabilities."""
@@ -160,7 +162,7 @@ def _output_rows(logits, bias, targets, nll, to_logp, fold):
     return total
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _workspace(E, H, B, T, rows_per_chunk):
     """Work buffers for one member's forward, reused across members and timesteps."""
     Tc = max(1, min(T, (rows_per_chunk + B - 1) // B))
@@ -176,7 +178,7 @@ def _workspace(E, H, B, T, rows_per_chunk):
     return table, xproj, gates, hs, logits, rows, row_targets, row_nll, fold
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_out, want_logp,
                     logp_out, ws):
     """One model over one batch, time loop inside. theta (d,) float32; offsets (2 + 3L + 2,) of
@@ -214,18 +216,18 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
                 if layer == 0:
                     for b in range(B):
                         rows[b] = tokens[b, t0 + t]
-                    _lstm_cell(gates, table, rows, bias, c[layer], hs[t])
+                    lstm_cell_rows(gates, table, rows, bias, c[layer], hs[t])
                 else:
                     for b in range(B):
                         rows[b] = t * B + b
-                    _lstm_cell(gates, xproj, rows, bias, c[layer], hs[t])
+                    lstm_cell_rows(gates, xproj, rows, bias, c[layer], hs[t])
             h[layer] = hs[n - 1]
         R = n * B
         np.dot(hs[:n].reshape((R, H)), out_w, logits[:R])
         for t in range(n):
             for b in range(B):
                 row_targets[t * B + b] = targets[b, t0 + t]
-        total += _output_rows(logits[:R], out_b, row_targets[:R], row_nll[:R], want_logp, fold)
+        total += output_rows(logits[:R], out_b, row_targets[:R], row_nll[:R], want_logp, fold)
         if want_nll:
             for t in range(n):
                 for b in range(B):
@@ -237,7 +239,7 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
     return total
 
 
-@njit(**_JIT)
+@njit(**JIT_OPTIONS)
 def _population_sums(thetas, offsets, E, H, L, batches, rows_per_chunk):
     """Summed nll of each member. thetas (M, d); batches (1 or M, B, T+1) uint8, one shared by
     all members or one per member."""

@@ -25,6 +25,7 @@ import numpy as np
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import ModelConfig, TrainConfig
 from .corpus import BatchSampler
+from .eggroll import eggroll_population_loss, eggroll_step, zscore
 from .errors import CheckpointError, ConfigError
 from .forward import population_loss
 from .optim import apply_update, init_state, learning_rate, spsa_gradient, spsa_losses
@@ -149,7 +150,7 @@ class Trainer:
         if self.device == "cuda":
             from .gpu import eggroll_population_loss as population
         else:
-            from .eggroll import eggroll_population_loss as population
+            population = eggroll_population_loss
         losses = population(self.state.theta, *args)
         self.timings["forward"] = time.perf_counter() - t0  # noise factors included
         return losses[0::2], losses[1::2]
@@ -161,7 +162,6 @@ class Trainer:
         loss = float(np.mean((plus + minus) / 2))
         if not (np.all(np.isfinite(plus)) and np.all(np.isfinite(minus))):
             return np.full(plus.shape, np.nan), loss  # a diverged member: the step is skipped
-        from .eggroll import zscore
         fz = zscore(-np.stack([plus, minus], axis=1).ravel())  # fitness of members 2k (+), 2k+1 (-)
         return fz[0::2] - fz[1::2], loss
 
@@ -175,7 +175,6 @@ class Trainer:
         skipped = not np.all(np.isfinite(coeffs))
         theta, opt = state.theta, state.optimizer
         if not skipped and self.eggroll:
-            from .eggroll import eggroll_step
             theta = eggroll_step(theta, self.layout, coeffs, lr, cfg.eps, cfg.rank, cfg.seed,
                                  self.expert, step)
         elif not skipped:
