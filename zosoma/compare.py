@@ -46,7 +46,10 @@ Output folder:
     OUT/results.md, results.csv, nats_vs_flops.png, nats_vs_wall.png     (zosoma.report)
 
 Runs are independent jobs run by `jobs` worker processes (one BLAS thread each on a machine with
-as many cores); a killed comparison resumes every unfinished run from its checkpoints.
+as many cores); a killed comparison resumes every unfinished run from its checkpoints, and a run
+folder started under a different configuration is refused rather than mixed. With device "cuda"
+every run's forward passes (training and evaluation) run on the GPU; checkpoints stay
+device-independent (the update runs on the host), so a run may resume on the other device.
 """
 
 from __future__ import annotations

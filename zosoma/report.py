@@ -158,7 +158,9 @@ def plot_curves(results, path_flops, path_wall, title=None):
 
     curves = {method: _mean_curve(runs) for method, runs in _by_method(results).items()}
     curves = {method: curve for method, curve in curves.items() if curve is not None}
-    for path, xlabel, log_x in ((path_flops, "forward FLOPs", True), (path_wall, "wall-clock seconds", False)):
+    axes = ((path_flops, "forward FLOPs", True),
+            (path_wall, "training seconds (summed over a run's experts)", False))
+    for path, xlabel, log_x in axes:
         # Figure + Agg canvas directly, not pyplot: no global state, no display backend needed.
         fig = Figure(figsize=(7, 4.5), dpi=120)
         FigureCanvasAgg(fig)
