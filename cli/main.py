@@ -415,14 +415,15 @@ def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, device
 @click.option("--reps", type=int, default=256, show_default=True, callback=_positive, help="SPSA repetitions per LSTM expert.")
 @click.option("--no-lstm", is_flag=True, help="Only the quadratic.")
 @click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
-def variance(trials, block, reps, no_lstm, seed):
+@device_option
+def variance(trials, block, reps, no_lstm, seed, device):
     """Relative variance of the independent-loss vs shared-loss SPSA estimators for N = 1..16
     blocks of a separable quadratic, and for real LSTM experts at fixed weights, beside 1/N."""
     from zosoma.variance import format_table, lstm_variance, quadratic_variance
 
     records = quadratic_variance(d=block, trials=trials, seed=seed)
     if not no_lstm:
-        records += lstm_variance(reps=reps, seed=seed)
+        records += lstm_variance(reps=reps, seed=seed, device=_resolve(device))
     click.echo(format_table(records))
 
 
@@ -492,13 +493,14 @@ def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, de
 @click.option("--pairs", type=int, default=64, show_default=True, callback=_positive, help="Antithetic pairs: 2x members.")
 @click.option("--rank", type=int, default=1, show_default=True, callback=_positive)
 @click.option("--repeats", type=int, default=3, show_default=True, callback=_positive)
-def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeats):
+@device_option
+def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeats, device):
     """Forward seconds per population member: EGGROLL's shared-GEMM low-rank population vs
     full-rank SPSA's dense perturbed copies, same model and batch (defaults: the CPU comparison's
     monolithic model)."""
     from zosoma.bench_eggroll import bench_eggroll, format_eggroll
     click.echo(format_eggroll([bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
-                                             pairs=pairs, rank=rank, repeats=repeats)]))
+                                             pairs=pairs, rank=rank, repeats=repeats, device=_resolve(device))]))
 
 @cli.command()
 @click.argument("config")
@@ -519,6 +521,8 @@ def compare(config, out, jobs, wikitext, plan, device):
 
     path = find_config(config)
     cmp = load_comparison(path)
+    if not plan:
+        device = _resolve(device)
     out = Path(out or Path("results") / path.stem)
     click.echo(f"{cmp.title}\nbudget {cmp.flops:.3g} forward FLOPs per run; seeds {list(cmp.seeds)}; output {out}")
     click.echo(f"  {'method':<24}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
@@ -531,7 +535,6 @@ def compare(config, out, jobs, wikitext, plan, device):
     click.echo(f"{len(todo)} runs, {finished} already finished")
     if plan:
         return
-    device = _resolve(device)
 
     def report(job, result, error):
         name = Path(job.run_dir).name

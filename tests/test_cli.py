@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helpers import zosoma_cmd
 from zosoma.checkpoint import load_checkpoint
 from zosoma.train import read_checkpoint
 from zosoma.cli.main import cli
@@ -102,12 +103,6 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
         assert "bad.h5" in one_line_error(run(args))
     assert bad.read_bytes() == before[: len(before) // 2] and not (tmp_path / "x.pt").exists()
     assert "no checkpoint.h5" in one_line_error(run(["train", "--resume", str(tmp_path / "nothing")]))
-
-
-def zosoma_cmd():
-    """The installed console script (a `python -c` from the checkout would import the source tree,
-    where zosoma.cli does not exist: it is mapped from cli/ at install time)."""
-    return [str(Path(sys.executable).parent / "zosoma")]
 
 
 def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_files):

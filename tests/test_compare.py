@@ -1,12 +1,12 @@
 """The equal-compute harness: configs, budgets, resumable runs, one evaluation protocol."""
 
 import json
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
+from helpers import zosoma_cmd
 from zosoma import compare
 from zosoma.compare import Job, curve_steps, find_config, jobs, load_comparison, run_job
 from zosoma.errors import ConfigError
@@ -175,7 +175,7 @@ def test_compare_command_end_to_end(tmp_path):
     (tmp_path / "mini.toml").write_text(MINI.replace("seeds = [0, 1]", "seeds = [0]"))
     wiki = tmp_path / "wiki.test.raw"
     wiki.write_bytes(b" = Valkyria Chronicles III = \n Senj\xc5\x8d no Valkyria 3 is a tactical role playing game .\n" * 60)
-    cmd = [shutil.which("zosoma"), "compare", "mini.toml", "--out", "out", "--jobs", "2", "--wikitext", str(wiki)]
+    cmd = zosoma_cmd() + ["compare", "mini.toml", "--out", "out", "--jobs", "2", "--wikitext", str(wiki)]
     first = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     assert "finished spsa-p-2-seed0" in first.stdout
@@ -186,6 +186,6 @@ def test_compare_command_end_to_end(tmp_path):
     assert len((out / "results.csv").read_text().splitlines()) == 1 + 2
     again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "4 already finished" in again.stdout
-    bad = subprocess.run([shutil.which("zosoma"), "compare", "missing.toml"], cwd=tmp_path, capture_output=True,
+    bad = subprocess.run(zosoma_cmd() + ["compare", "missing.toml"], cwd=tmp_path, capture_output=True,
                          text=True)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "missing.toml" in bad.stderr

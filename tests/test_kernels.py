@@ -543,7 +543,23 @@ def test_bench_forward_on_the_device(rt, monkeypatch):
     assert "cupy gpu.population_loss" in bench.format_records(records)
 
 
-@pytest.mark.parametrize("args", [["sample", "no-such-run"], ["bench", "forward"], ["bench", "route"]])
+def test_bench_eggroll_and_lstm_variance_on_the_device(rt):
+    """bench eggroll --device cuda times the device populations; variance --device cuda measures
+    the same scalars as the CPU (Rademacher directions are bit-identical on the device)."""
+    from zosoma.bench_eggroll import bench_eggroll, format_eggroll
+    from zosoma.config import ModelConfig
+    from zosoma.variance import lstm_variance
+
+    rec = bench_eggroll(embed=6, hidden=8, layers=1, batch=2, seq_len=4, pairs=2, repeats=1, device="cuda")
+    assert rec["device"] == "cuda" and rec["eggroll_s_per_member"] > 0 and "device cuda" in format_eggroll([rec])
+    kw = dict(Ns=(1, 2), model=ModelConfig(embed=4, hidden=6, layers=1), B=2, T=5, reps=3, P=2)
+    for cpu, dev in zip(lstm_variance(**kw), lstm_variance(device="cuda", **kw)):
+        assert dev["N"] == cpu["N"]
+        assert_close(np.array(dev["ratio"]), np.array(cpu["ratio"]), rtol=1e-3, name="variance ratio")
+
+
+@pytest.mark.parametrize("args", [["sample", "no-such-run"], ["bench", "forward"], ["bench", "route"],
+                                  ["bench", "eggroll"], ["variance"], ["compare", "cpu"]])
 def test_cli_device_cuda_without_a_gpu_is_one_line_error(args):
     if backend.cuda_device_count():
         pytest.skip("a CUDA device is present")

@@ -25,10 +25,13 @@ SIGMA = 1e-3  # the perturbation scale (TrainConfig.eps); it does not change the
 
 
 def bench_eggroll(embed: int, hidden: int, layers: int, batch: int = 8, seq_len: int = 32,
-                  pairs: int = 64, rank: int = 1, repeats: int = 3, seed: int = 0) -> dict:
+                  pairs: int = 64, rank: int = 1, repeats: int = 3, seed: int = 0,
+                  device: str = "cpu") -> dict:
     """Best-of-`repeats` seconds per population member of EGGROLL (rank `rank`) and of SPSA, both
     with 2*pairs members on one shared (batch, seq_len+1) batch of random bytes. Returns a dict;
-    speedup = dense seconds / EGGROLL seconds (above 1: EGGROLL is cheaper per member)."""
+    speedup = dense seconds / EGGROLL seconds (above 1: EGGROLL is cheaper per member). On device
+    "cuda" both run on the GPU (zosoma.gpu), where SPSA's copies are built inside its forward
+    call, so "dense" includes the noise there."""
     if pairs < 1 or repeats < 1:
         raise ValueError(f"pairs and repeats must be at least 1, got {pairs} and {repeats}")
     layout = Layout(ModelConfig(embed=embed, hidden=hidden, layers=layers))
@@ -36,14 +39,26 @@ def bench_eggroll(embed: int, hidden: int, layers: int, batch: int = 8, seq_len:
     data = np.random.default_rng(seed).integers(0, VOCAB, (batch, seq_len + 1), dtype=np.uint8)
     members = 2 * pairs
 
-    def eggroll():
-        eggroll_population_loss(theta, layout, data, SIGMA, rank, seed, 0, 0, pairs)
+    if device == "cuda":  # results come back as NumPy, so each call ends synchronised
+        from . import gpu
+        theta = gpu.to_device(theta)
 
-    def spsa():  # -> (forward seconds, forward + noise seconds)
-        timings = {}
-        spsa_losses(theta, lambda thetas: forward.population_loss(thetas, layout, data), pairs,
-                    SIGMA, seed, 0, 0, "rademacher", timings)
-        return timings["forward"], timings["forward"] + timings["noise"]
+        def eggroll():
+            gpu.eggroll_population_loss(theta, layout, data, SIGMA, rank, seed, 0, 0, pairs)
+
+        def spsa():  # -> (forward seconds, forward + noise seconds): one call does both
+            t0 = time.perf_counter()
+            gpu.spsa_losses(theta, layout, data, pairs, SIGMA, seed, 0, 0, "rademacher")
+            return (time.perf_counter() - t0,) * 2
+    else:
+        def eggroll():
+            eggroll_population_loss(theta, layout, data, SIGMA, rank, seed, 0, 0, pairs)
+
+        def spsa():  # -> (forward seconds, forward + noise seconds)
+            timings = {}
+            spsa_losses(theta, lambda thetas: forward.population_loss(thetas, layout, data), pairs,
+                        SIGMA, seed, 0, 0, "rademacher", timings)
+            return timings["forward"], timings["forward"] + timings["noise"]
 
     eggroll()
     spsa()
@@ -56,7 +71,7 @@ def bench_eggroll(embed: int, hidden: int, layers: int, batch: int = 8, seq_len:
         t_dense, t_dense_noise = min(t_dense, fwd), min(t_dense_noise, both)
     return {"embed": embed, "hidden": hidden, "layers": layers, "params": layout.size,
             "batch": batch, "seq_len": seq_len, "pairs": pairs, "members": members, "rank": rank,
-            "repeats": repeats, "eggroll_s_per_member": t_egg / members,
+            "repeats": repeats, "device": device, "eggroll_s_per_member": t_egg / members,
             "dense_s_per_member": t_dense / members,
             "dense_with_noise_s_per_member": t_dense_noise / members,
             "speedup": t_dense / t_egg}
@@ -77,5 +92,5 @@ def format_eggroll(records: list[dict]) -> str:
     if records:
         r = records[0]
         lines.append(f"rank {r['rank']}, B={r['batch']} T={r['seq_len']}, {r['pairs']} pairs; "
-                     f"best of {r['repeats']}; speedup = dense / EGGROLL per member")
+                     f"best of {r['repeats']}; device {r['device']}; speedup = dense / EGGROLL per member")
     return "\n".join(lines)

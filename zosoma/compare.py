@@ -188,7 +188,7 @@ def _method(raw: dict, shared: dict, budget: float | None = None, steps: int | N
     _known(raw, {"name", "experts", "loss", "model", "train", "steps"}, f"method {raw.get('name', '?')}")
     model = ModelConfig(**raw.get("model", {}))
     fields = {**shared, **raw.get("train", {})}
-    for key in ("steps", "seed"):
+    for key in ("steps", "seed", "checkpoint_every"):  # the budget, the run and resumability set these
         if key in fields:
             raise ConfigError(f"method {raw['name']}: train.{key} is set by the comparison, not the config")
     method = Method(str(raw["name"]), model, TrainConfig(**fields), int(raw.get("experts", 1)),

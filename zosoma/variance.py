@@ -190,7 +190,8 @@ def expert_batches(n: int, B: int, T: int, seed: int, sampler=None) -> list[np.n
 def lstm_variance(Ns: Sequence[int] = (1, 2, 4), model: ModelConfig = LSTM_MODEL,
                   batches: Sequence[np.ndarray] | None = None, sampler=None, B: int = 8, T: int = 32,
                   reps: int = 256, P: int = 16, eps: float = 1e-3, seed: int = 0,
-                  kind: str = "rademacher", thetas: Sequence[np.ndarray] | None = None) -> list[dict]:
+                  kind: str = "rademacher", thetas: Sequence[np.ndarray] | None = None,
+                  device: str = "cpu") -> list[dict]:
     """Relative variance of N real LSTM experts' SPSA estimates, independent versus summed loss.
 
     Expert i has weights thetas[i] (default init_params(model, seed, i)) and a fixed minibatch
@@ -207,7 +208,7 @@ def lstm_variance(Ns: Sequence[int] = (1, 2, 4), model: ModelConfig = LSTM_MODEL
     max(Ns) experts. Measured ratio_i ~ ||g_i||^2 / mean(summed scalar^2) and theory ~ ||g_i||^2 /
     sum_j ||g_j||^2 (both estimated from the same scalars) differ by the sample correlations of
     the experts' scalars, zero in expectation and of order 1 / sqrt(R P). With `sampler` or
-    `batches`, T is the batches' own."""
+    `batches`, T is the batches' own. device "cuda" runs the populations on the GPU."""
     from .forward import population_loss  # the Numba forward: imported only when used
 
     Ns = _check(Ns, P, kind)
@@ -225,7 +226,11 @@ def lstm_variance(Ns: Sequence[int] = (1, 2, 4), model: ModelConfig = LSTM_MODEL
     for i in range(n):
         loss_fn = lambda members, batch=batches[i]: population_loss(members, layout, batch)
         for r in range(reps):
-            plus, minus = spsa_losses(thetas[i], loss_fn, P, eps, seed, i, r, kind)
+            if device == "cuda":  # the same directions and scalars, perturbed on the device
+                from . import gpu
+                plus, minus = gpu.spsa_losses(thetas[i], layout, batches[i], P, eps, seed, i, r, kind)
+            else:
+                plus, minus = spsa_losses(thetas[i], loss_fn, P, eps, seed, i, r, kind)
             c[i, r] = (plus - minus) / (2 * eps)
     norms_sq = (c ** 2).mean(axis=(1, 2))  # (n,) E[(g . delta)^2] = ||g_i||^2
 
