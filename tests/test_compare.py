@@ -156,6 +156,13 @@ def test_a_changed_config_is_refused(mini, tmp_path):
         run_job(Job(str(tmp_path / "run"), other.methods[1], 0, True), other)
 
 
+def test_a_soma_run_with_another_expert_count_is_refused(mini, tmp_path):
+    compare._Run(Job(str(tmp_path / "run"), mini.methods[0], 0, True), mini)
+    other = load_comparison_text(tmp_path, MINI.replace("experts = 2\nmodel", "experts = 3\nmodel", 1))
+    with pytest.raises(ConfigError, match="another configuration"):
+        run_job(Job(str(tmp_path / "run"), other.methods[0], 0, True), other)
+
+
 def load_comparison_text(tmp_path, text):
     path = tmp_path / "other.toml"
     path.write_text(text)

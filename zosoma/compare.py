@@ -269,6 +269,8 @@ class _Run:
         if not (self.dir / "soma.json").exists():
             create_soma(self.dir, m.model, cfg, m.experts, m.loss, self.cmp.chunk_size, top_k=self.cmp.top_k)
         soma, _, corpora, self.heldout = open_soma(self.dir)
+        if (soma["experts"], soma["loss"], soma["chunk_size"]) != (m.experts, m.loss, self.cmp.chunk_size):
+            self._refuse()
         if m.loss == "summed":
             self.trainers = lockstep_trainers(self.dir, soma, corpora, self.job.device)
         else:
@@ -280,8 +282,11 @@ class _Run:
 
     def _same_config(self, model, cfg):
         if model != self.job.method.model or cfg != self.cfg:
-            raise ConfigError(f"{self.dir} was started with another configuration; remove it or choose "
-                              "another output folder")
+            self._refuse()
+
+    def _refuse(self):
+        raise ConfigError(f"{self.dir} was started with another configuration; remove it or choose "
+                          "another output folder")
 
     @property
     def step(self) -> int:
