@@ -82,7 +82,7 @@ from .errors import ConfigError, DataError
 from .experts import (ROUTER, create_soma, expert_trainer, lockstep_trainers, open_soma,
                       train_lockstep)
 from .routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
-from .runs import fingerprint, load_data, write_json
+from .runs import data_record, load_data, write_json
 from .train import CHECKPOINT, Trainer, from_checkpoint, new_state, read_checkpoint, train
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -248,7 +248,7 @@ class _Run:
     def _open_single(self):
         m, cfg = self.job.method, self.cfg
         train_corpus, self.heldout = load_data(None, None)
-        data = {"train": [], "heldout": [], "wikitext": None, "fingerprint": fingerprint(train_corpus)}
+        data = data_record(train_corpus)
         if (self.dir / CHECKPOINT).exists():
             ckpt = read_checkpoint(self.dir)
             self._same_config(ckpt.model, ckpt.train)

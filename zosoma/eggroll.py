@@ -70,6 +70,7 @@ import numpy as np
 from numba import njit
 
 from . import reference
+from .backend import get_array_module
 from .config import VOCAB
 from .forward import JIT_OPTIONS, lstm_cell_rows, output_rows
 from .noise import noise
@@ -91,9 +92,11 @@ def _check_rank(r: int) -> int:
     return r
 
 
-def _split(z, layout: Layout, r: int) -> dict:
-    """Slice noise streams z (..., noise_length) into contiguous name -> (A (..., m, r),
-    B (..., n, r)) for matrices and name -> (..., k) for vectors."""
+def split_factors(z, layout: Layout, r: int) -> dict:
+    """Slice noise streams z (..., noise_length), NumPy or CuPy, into contiguous
+    name -> (A (..., m, r), B (..., n, r)) for matrices and name -> (..., k) for vectors: the
+    order of the module docstring, shared by the CPU and GPU populations and the update."""
+    xp = get_array_module(z)
     lead = z.shape[:-1]
     out, pos = {}, 0
     for e in layout.entries:
@@ -101,7 +104,7 @@ def _split(z, layout: Layout, r: int) -> dict:
         parts = []
         for shape in shapes:
             size = math.prod(shape)
-            parts.append(np.ascontiguousarray(z[..., pos:pos + size]).reshape(lead + shape))
+            parts.append(xp.ascontiguousarray(z[..., pos:pos + size]).reshape(lead + shape))
             pos += size
         out[e.name] = tuple(parts) if len(e.shape) == 2 else parts[0]
     return out
@@ -113,7 +116,7 @@ def pair_factors(layout: Layout, r: int, seed: int, expert: int, step: int, memb
     standard Gaussian for vectors (callers apply the sigma and sigma/sqrt(r) scales)."""
     r = _check_rank(r)
     z = noise(noise_length(layout, r), seed, expert, step, member, kind="gaussian")
-    return _split(z.astype(dtype), layout, r)
+    return split_factors(z.astype(dtype), layout, r)
 
 
 def population_factors(layout: Layout, r: int, seed: int, expert: int, step: int, n_pairs: int,
@@ -124,7 +127,7 @@ def population_factors(layout: Layout, r: int, seed: int, expert: int, step: int
     z = np.empty((n_pairs, n), dtype)
     for i in range(n_pairs):
         z[i] = noise(n, seed, expert, step, i, kind="gaussian")
-    return _split(z, layout, r)
+    return split_factors(z, layout, r)
 
 
 def materialise(layout: Layout, sigma: float, r: int, seed: int, expert: int, step: int,

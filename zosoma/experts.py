@@ -38,7 +38,7 @@ from .corpus import BatchSampler, Corpus, chunk, load_text
 from .download import find_wikitext103
 from .errors import ConfigError, DataError
 from .routing import evaluate_routed, evaluate_routed_corpus, load_ensemble
-from .runs import fingerprint, load_data, write_json
+from .runs import data_record, fingerprint, load_data, write_json
 from .train import (CHECKPOINT, Trainer, central_differences, from_checkpoint, new_state,
                     read_checkpoint, train)
 
@@ -94,9 +94,7 @@ def create_soma(run_dir: Path, model: ModelConfig, cfg: TrainConfig, n_experts: 
     report = cluster_report(assignments, chunks.names, n_experts)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_clustering(run_dir / ROUTER, clustering)
-    data = {"train": [str(Path(p).resolve()) for p in train_paths or []],
-            "heldout": [str(Path(p).resolve()) for p in heldout_paths or []],
-            "wikitext": str(wikitext) if wikitext else None, "fingerprint": fingerprint(train_corpus)}
+    data = data_record(train_corpus, train_paths, heldout_paths, wikitext)
     soma = {"experts": n_experts, "loss": loss, "chunk_size": chunk_size, "top_k": top_k, "data": data,
             "cluster_sizes": [r["size"] for r in report], "assignments": assignments.tolist()}
     corpora = expert_corpora(chunks, assignments, n_experts)

@@ -61,6 +61,7 @@ import numpy as np
 
 from . import backend
 from .config import VOCAB
+from .eggroll import split_factors
 from .noise import KINDS, stream_key
 from .params import Layout
 
@@ -340,7 +341,7 @@ class _LowRank:
     splits into the dense part, ONE GEMM over all members' rows with the shared W, and each
     member's rank-r correction, two skinny batched GEMMs:
         x_m @ (W + s c A_i B_i^T) = x_m @ W + (x_m @ A_i) @ (s c B_i^T)
-    z (P, n): each pair's Gaussian stream, sliced as the zosoma.eggroll docstring specifies."""
+    z (P, n): each pair's Gaussian stream, sliced by zosoma.eggroll.split_factors."""
 
     def __init__(self, theta, layout: Layout, z, sigma: float, r: int):
         xp = runtime().xp
@@ -349,20 +350,18 @@ class _LowRank:
         sign = xp.asarray([1.0, -1.0], np.float32)[None, :, None, None]  # (1, 2, 1, 1): member 2i, 2i+1
         c = np.float32(sigma / math.sqrt(r))
         self.w, self.a, self.bs, self.v = {}, {}, {}, {}
-        pos = 0
+        factors = split_factors(z, layout, r)
         for e in layout.entries:
             w = layout.view(theta, e.name)
-            if len(e.shape) == 2:  # A_i = next m*r values as (m, r), then B_i = next n*r as (n, r)
+            if len(e.shape) == 2:  # A_i (P, m, r), B_i (P, n, r)
                 m, n = e.shape
                 self.w[e.name] = xp.ascontiguousarray(w)
-                self.a[e.name] = xp.ascontiguousarray(z[:, pos:pos + m * r].reshape(P, m, r))
-                bt = z[:, pos + m * r:pos + (m + n) * r].reshape(P, n, r).transpose(0, 2, 1)  # (P, r, n)
+                self.a[e.name], b = factors[e.name]
+                bt = b.transpose(0, 2, 1)  # (P, r, n)
                 self.bs[e.name] = (sign * (c * bt)[:, None]).reshape(self.M, r, n)  # s c B_i^T
-                pos += (m + n) * r
-            else:  # e_i = next k values, full rank
-                noise = z[:, None, pos:pos + e.size] * np.float32(sigma)  # (P, 1, k)
+            else:  # e_i (P, k), full rank
+                noise = factors[e.name][:, None] * np.float32(sigma)  # (P, 1, k)
                 self.v[e.name] = (w + sign[..., 0] * noise).reshape(self.M, e.size)
-                pos += e.size
 
     def embed(self):
         """(M, V, E): W_e + s c A_i B_i^T of every member (layer 0 needs its product with w_ih)."""

@@ -32,6 +32,14 @@ def fingerprint(corpus: Corpus) -> str:
     return h.hexdigest()
 
 
+def data_record(train_corpus: Corpus, train_paths=None, heldout_paths=None, wikitext=None) -> dict:
+    """What a run folder records of its data: the paths given (none: the shipped corpus) and a
+    fingerprint of the training bytes, which a resume checks."""
+    return {"train": [str(Path(p).resolve()) for p in train_paths or []],
+            "heldout": [str(Path(p).resolve()) for p in heldout_paths or []],
+            "wikitext": str(wikitext) if wikitext else None, "fingerprint": fingerprint(train_corpus)}
+
+
 def load_data(train_paths: list[str] | None, heldout_paths: list[str] | None):
     """Training corpus and held-out corpus (None when there is none). Without --data the shipped
     corpus's train and heldout splits; with --data the user's files and their --heldout, if any."""
@@ -54,10 +62,7 @@ def start_run(run_dir: Path, model: ModelConfig, cfg: TrainConfig, train_paths=N
         raise ConfigError(f"{run_dir} already holds a run: use --resume {run_dir} or another --run-dir")
     train_corpus, heldout = load_data(train_paths, heldout_paths)
     sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
-    data = {"train": [str(Path(p).resolve()) for p in train_paths or []],
-            "heldout": [str(Path(p).resolve()) for p in heldout_paths or []],
-            "wikitext": str(wikitext) if wikitext else None,
-            "fingerprint": fingerprint(train_corpus)}
+    data = data_record(train_corpus, train_paths, heldout_paths, wikitext)
     trainer = Trainer(run_dir, model, cfg, sampler, new_state(model, cfg), extra={"data": data}, device=device)
     trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
     yield {"event": "start", "run_dir": str(run_dir), "n_params": model.n_params(), "data": train_corpus,
