@@ -11,7 +11,9 @@ from pathlib import Path
 import click
 
 from zosoma import __version__
-from zosoma.config import OPTIMIZERS, TrainConfig  # light: the heavy modules load inside commands
+from zosoma.config import TrainConfig  # light: the heavy modules load inside commands
+from zosoma.engines import DEVICES
+from zosoma.strategies import STRATEGIES
 
 
 class ZosomaGroup(click.Group):
@@ -53,13 +55,26 @@ _TC = TrainConfig()  # defaults shown in --help
 
 
 def device_option(f):
-    return click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+    return click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
                         help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
 
 
-def _resolve(device: str) -> str:
-    from zosoma.backend import resolve_device
-    return resolve_device(device)
+def _ops(device: str):
+    """The engine for --device (zosoma.engines.get_ops); says which one --device auto chose."""
+    from zosoma.engines import auto_note, get_ops
+    ops = get_ops(device)
+    if device == "auto":
+        click.echo(auto_note(ops), err=True)
+    return ops
+
+
+def _executor(workers: int | None, units: int):
+    """Inline for one worker, else that many local processes (default: the machine's cores)."""
+    import os
+
+    from zosoma.runs.executor import Inline, LocalProcesses
+    workers = max(1, min(units, workers or os.cpu_count() or 1))
+    return Inline() if workers == 1 else LocalProcesses(workers)
 
 
 MODEL_OPTIONS = ("embed", "hidden", "layers")
@@ -86,7 +101,7 @@ TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "
 @click.option("--perturbations", "-P", type=int, callback=_positive, help=f"P: SPSA directions per step.  [default: {_TC.perturbations}]")
 @click.option("--eps", type=float, callback=_positive_float, help=f"Perturbation scale (SPSA eps, EGGROLL sigma).  [default: {_TC.eps}]")
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help=f"Perturbation distribution.  [default: {_TC.noise}]")
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), help=f"Update rule applied to the SPSA estimate, or eggroll: low-rank ES instead of SPSA.  [default: {_TC.optimizer}]")
+@click.option("--optimizer", type=click.Choice(list(STRATEGIES)), help=f"Strategy: SPSA with update rule sgd, momentum or adam; eggroll (low-rank ES); es (OpenAI-ES).  [default: {_TC.optimizer}]")
 @click.option("--rank", type=int, callback=_positive, help=f"EGGROLL's perturbation rank r.  [default: {_TC.rank}]")
 @click.option("--lr", type=float, callback=_positive_float, help=f"Peak learning rate.  [default: {_TC.lr}]")
 @click.option("--schedule", type=click.Choice(["constant", "cosine"]), help=f"Learning-rate schedule after warm-up.  [default: {_TC.schedule}]")
@@ -113,12 +128,15 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
     from zosoma.config import PRESETS, ModelConfig
-    from zosoma.experts import SOMA, resume_soma, start_soma
-    from zosoma.runs import resume_run, start_run
+    from zosoma.engines import get_ops
+    from zosoma.runs.folder import RunFolder
+    from zosoma.strategies.base import COMMON, unused_option
+    from zosoma.runs.single import resume_run, start_run
+    from zosoma.runs.soma import resume_soma, start_soma
 
     if top_k > experts and experts > 1:
         raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
-    device = _resolve(device)
+    device = _ops(device).name
     stop = _install_stop_handler()
     if resume:
         given = [k for k, v in options.items() if v is not None]
@@ -128,26 +146,31 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
         if clashing:
             raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
                                    + ", ".join("--" + n.replace("_", "-") for n in clashing))
-        if (Path(resume) / SOMA).exists():
-            records = resume_soma(Path(resume), workers, should_stop=stop, device=device)
+        if RunFolder(resume).is_soma:
+            n = RunFolder(resume).read_soma()["experts"]
+            records = resume_soma(Path(resume), _executor(workers, n), should_stop=stop, device=device)
         else:
-            records = resume_run(Path(resume), should_stop=stop, device=device)
+            records = resume_run(Path(resume), should_stop=stop, ops=get_ops(device))
     else:
         base_model, base_train = PRESETS[preset]
         model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
                                for k in MODEL_OPTIONS})
-        cfg = TrainConfig(**{**TrainConfig().__dict__, **base_train,
-                             **{k: options[k] for k in TRAIN_OPTIONS if options[k] is not None}})
+        given = {k: options[k] for k in TRAIN_OPTIONS if options[k] is not None}
+        strategy = STRATEGIES[given.get("optimizer", _TC.optimizer)]
+        for k in given:
+            if k not in COMMON | strategy.options:
+                raise click.UsageError(unused_option(strategy, k))
+        cfg = TrainConfig(**{**TrainConfig().__dict__, **base_train, **strategy.defaults, **given})
         run_dir = Path(run_dir or f"runs/{preset}-{'soma%d-' % experts if experts > 1 else ''}{datetime.now():%Y%m%d-%H%M%S}")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
         if experts > 1:
-            records = start_soma(run_dir, model, cfg, experts, loss, workers, chunk_size, train_paths,
-                                 heldout_paths, wikitext, top_k, should_stop=stop, device=device)
+            records = start_soma(run_dir, model, cfg, experts, loss, _executor(workers, experts), chunk_size,
+                                 train_paths, heldout_paths, wikitext, top_k, should_stop=stop, device=device)
         else:
             if loss != "independent":
                 raise click.BadParameter("the summed loss needs --experts 2 or more", param_hint="--loss")
             records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
-                                device=device)
+                                ops=get_ops(device))
     _render_training(records)
 
 
@@ -168,47 +191,44 @@ def _install_stop_handler():
 def _render_training(records):
     from tqdm import tqdm
 
-    bars, stopped, failed = {}, False, []
+    from zosoma.runs.records import Clusters, Evaluated, Failed, Started, Step, Stopped
+
+    bars, stopped, failed, run_dir = {}, False, [], "RUN"
     for r in records:
-        event = r.get("event")
-        if event == "clusters":
-            from zosoma.cluster import format_report
-            click.echo(f"clustered {r['n_chunks']:,} chunks of {r['chunk_size']} bytes:")
-            click.echo(format_report(r["report"]))
-        elif event == "start":
-            m, t = r["model"], r["train"]
-            n = r.get("experts", 1)
+        if isinstance(r, Step):
+            bar = bars[r.expert]
+            bar.update(1)
+            bar.set_postfix_str(f"loss {r.loss:.3f} nats/byte, {r.tokens_per_s:,.0f} tok/s"
+                                + (" SKIPPED non-finite" if r.skipped else ""))
+            if r.skipped:
+                bar.write(f"expert {r.expert} step {r.step}: non-finite loss, update skipped")
+        elif isinstance(r, Clusters):
+            from zosoma.soma.cluster import format_report
+            click.echo(f"clustered {r.n_chunks:,} chunks of {r.chunk_size} bytes:")
+            click.echo(format_report(r.report))
+        elif isinstance(r, Started):
+            m, t, n, run_dir = r.model, r.train, r.experts, r.run_dir
             who = f"{n} experts x " if n > 1 else ""
-            click.echo(f"run {r['run_dir']}: {who}{r['n_params']:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
-                       f"SPSA P={t.perturbations} eps={t.eps} {t.optimizer} lr={t.lr}, "
+            click.echo(f"run {r.run_dir}: {who}{r.n_params:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
+                       f"--optimizer {t.optimizer} P={t.perturbations} eps={t.eps} lr={t.lr}, "
                        f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}"
-                       + (f", {r['loss_mode']} losses" if n > 1 else ""))
-            click.echo(f"data: {_describe(r['data'])}")
-            steps = r.get("steps", [r.get("step", 0)])
-            for i, done in enumerate(steps):
+                       + (f", {r.loss} losses" if n > 1 else "") + f", device {r.device}")
+            click.echo(f"data: {r.data}")
+            for i, done in enumerate(r.steps):
                 bars[i] = tqdm(total=t.steps, initial=done, unit="step", dynamic_ncols=True, position=i,
                                desc=f"expert {i}" if n > 1 else "train", disable=None, file=sys.stderr)
-        elif event is None:
-            bar = bars[r.get("expert", 0)]
-            bar.update(1)
-            bar.set_postfix_str(f"loss {r['loss']:.3f} nats/byte, {r['tokens_per_s']:,.0f} tok/s"
-                                + (" SKIPPED non-finite" if r["skipped"] else ""))
-            if r["skipped"]:
-                bar.write(f"expert {r.get('expert', 0)} step {r['step']}: non-finite loss, update skipped")
-        elif event == "stopped":
+        elif isinstance(r, Stopped):
             stopped = True
-        elif event == "failed":
-            failed.append(f"expert {r['expert']} failed: {r['error']}")
-        elif event == "done":
-            pass
-        elif event == "evaluated":
+        elif isinstance(r, Failed):
+            failed.append(f"expert {r.unit} failed: {r.error}")
+        elif isinstance(r, Evaluated):
             _close(bars)
-            click.echo(_format_results(r))
+            click.echo(_format_results(r.results))
     _close(bars)
     for line in failed:
         click.echo(line, err=True)
     if stopped or failed:
-        click.echo("stopped; checkpoints saved. Continue with: zosoma train --resume <run>")
+        click.echo(f"stopped; checkpoints saved. Continue with: zosoma train --resume {run_dir}")
         sys.exit(130 if stopped and not failed else 1)
 
 
@@ -216,11 +236,6 @@ def _close(bars):
     for bar in bars.values():
         bar.close()
     bars.clear()
-
-
-def _describe(corpus):
-    from zosoma.corpus import describe
-    return describe(corpus)
 
 
 def _format_results(r) -> str:
@@ -260,33 +275,25 @@ def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, cont
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
-    from zosoma.experts import SOMA, evaluate_soma
+    from zosoma.runs.folder import RunFolder
 
-    device = _resolve(device)
+    ops = _ops(device)
     corpus = load_corpus(list(data) if data else None, split="heldout")
-    if (Path(checkpoint) / SOMA).exists():
-        r = evaluate_soma(Path(checkpoint), corpus, wikitext, top_k=top_k, temperature=temperature,
-                          segment=segment, context=context, device=device)
+    if RunFolder(checkpoint).is_soma:
+        from zosoma.runs.soma import evaluate_soma, load_ensemble
+        ensemble = load_ensemble(checkpoint, top_k, temperature)
+        r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
         click.echo(_format_results(r))
         return
-    from zosoma.params import Layout
-    from zosoma.runs import evaluate_run
-    from zosoma.train import read_checkpoint
+    from zosoma.formats.checkpoint import load_checkpoint
+    from zosoma.model.params import Layout
+    from zosoma.runs.single import evaluate_run
 
     path = Path(checkpoint)
-    if path.is_dir():
-        ckpt = read_checkpoint(path)
-    else:
-        from zosoma.checkpoint import load_checkpoint
-        ckpt = load_checkpoint(path)
-    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, streams=streams, device=device)
+    ckpt = RunFolder(path).read_checkpoint() if path.is_dir() else load_checkpoint(path)
+    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, streams=streams, ops=ops)
     click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
     click.echo(_format_results(r))
-
-
-def _checkpoint_path(path) -> Path:
-    path = Path(path)
-    return path / "checkpoint.h5" if path.is_dir() else path
 
 
 @cli.command()
@@ -294,12 +301,13 @@ def _checkpoint_path(path) -> Path:
 def info(checkpoint):
     """Summarise a checkpoint (file, or run folder): format, config, step, tensors, last metrics.
     For a SOMA run folder: its experts, loss mode and cluster sizes, and each expert's step."""
-    from zosoma.checkpoint import summary
-    from zosoma.experts import SOMA, soma_summary
-    if (Path(checkpoint) / SOMA).exists():
-        click.echo(soma_summary(Path(checkpoint)))
+    from zosoma.formats.checkpoint import summary
+    from zosoma.runs.folder import RunFolder, checkpoint_path
+    from zosoma.runs.soma import soma_summary
+    if RunFolder(checkpoint).is_soma:
+        click.echo(soma_summary(checkpoint))
     else:
-        click.echo(summary(_checkpoint_path(checkpoint)))
+        click.echo(summary(checkpoint_path(checkpoint)))
 
 
 @cli.command()
@@ -310,13 +318,14 @@ def info(checkpoint):
 def export(checkpoint, fmt, out, force):
     """Write a checkpoint's weights as a PyTorch state_dict for nn.Embedding + nn.LSTM + nn.Linear
     (modules named embedding, lstm, linear; batch_first=True)."""
-    from zosoma.checkpoint import load_checkpoint
-    from zosoma.export import export_torch
-    from zosoma.params import Layout
+    from zosoma.formats.checkpoint import load_checkpoint
+    from zosoma.formats.export import export_torch
+    from zosoma.model.params import Layout
+    from zosoma.runs.folder import checkpoint_path
 
     if Path(out).exists() and not force:
         raise click.ClickException(f"{out} exists; pass --force to overwrite it")
-    ckpt = load_checkpoint(_checkpoint_path(checkpoint))
+    ckpt = load_checkpoint(checkpoint_path(checkpoint))
     export_torch(ckpt.theta, Layout(ckpt.model), out)
     m = ckpt.model
     click.echo(f"wrote {out}: torch state_dict for Embedding(256, {m.embed}), "
@@ -332,7 +341,7 @@ def data():
 def data_show():
     """Describe the shipped corpus (after verifying its checksums)."""
     from zosoma.corpus import default_corpus_dir, describe, load_corpus
-    from zosoma.evaluate import ngram_baselines
+    from zosoma.model.evaluate import ngram_baselines
     corpora = {split: load_corpus(None, split=split) for split in ("train", "heldout")}
     for split, c in corpora.items():
         click.echo(f"{split}: {describe(c)}")
@@ -373,7 +382,7 @@ def data_download(name, dest, url, with_train):
 def cluster(data, experts, chunk_size, unbalanced, seed, out):
     """Cluster the corpus as `train --experts N` does and print each cluster's size and mix of
     sources (domains for the shipped corpus) and the purity against them."""
-    from zosoma.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
+    from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
     from zosoma.corpus import chunk, load_corpus
 
     if out and Path(out).exists():
@@ -399,13 +408,13 @@ def cluster(data, experts, chunk_size, unbalanced, seed, out):
 @device_option
 def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, device):
     """Generate text from a SOMA run's routed mixture, re-routing as the context grows."""
-    from zosoma.routing import load_ensemble
-    from zosoma.sample import sample as generate
+    from zosoma.runs.soma import load_ensemble
+    from zosoma.soma.sample import sample as generate
 
-    device = _resolve(device)
+    ops = _ops(device)
     ensemble = load_ensemble(Path(run), top_k)
     out = generate(ensemble, prompt.encode(), n_bytes=n_bytes, temperature=temperature, seed=seed,
-                   reroute_every=reroute_every, device=device)
+                   reroute_every=reroute_every, ops=ops)
     click.echo(prompt + out.decode("utf-8", errors="replace"))
 
 
@@ -419,11 +428,11 @@ def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, device
 def variance(trials, block, reps, no_lstm, seed, device):
     """Relative variance of the independent-loss vs shared-loss SPSA estimators for N = 1..16
     blocks of a separable quadratic, and for real LSTM experts at fixed weights, beside 1/N."""
-    from zosoma.variance import format_table, lstm_variance, quadratic_variance
+    from zosoma.experiments.variance import format_table, lstm_variance, quadratic_variance
 
     records = quadratic_variance(d=block, trials=trials, seed=seed)
     if not no_lstm:
-        records += lstm_variance(reps=reps, seed=seed, device=_resolve(device))
+        records += lstm_variance(reps=reps, seed=seed, ops=_ops(device))
     click.echo(format_table(records))
 
 
@@ -445,9 +454,9 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
     """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
     configuration, and the fraction of the matmul peak measured in the same run. With --device
     cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
-    from zosoma.bench import bench_forward, format_records
+    from zosoma.experiments.bench_forward import bench_forward, format_records
     records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
-                            repeats=repeats, include_numpy=not no_numpy, device=_resolve(device))
+                            repeats=repeats, include_numpy=not no_numpy, ops=_ops(device))
     click.echo(format_records(records))
 
 
@@ -461,9 +470,9 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
 @device_option
 def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, device):
     """SPSA step throughput split into forward passes, noise generation and the update."""
-    from zosoma.bench_spsa import bench_spsa, format_spsa
+    from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
     click.echo(format_spsa(bench_spsa(preset=preset, perturbations=perturbations, batch=batch,
-                                      seq_len=seq_len, steps=steps, noise=noise, device=_resolve(device))))
+                                      seq_len=seq_len, steps=steps, noise=noise, ops=_ops(device))))
 
 
 @bench.command("route")
@@ -478,8 +487,8 @@ def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, de
     """Tokens/s of top-k routed inference (routing included) for N=8 vs N=256 experts of similar
     total size, random weights (the paper: 257k vs 2.36M tokens/s, 9.19x). With --device cuda the
     experts also run on the GPU, beside the CPU in the same run."""
-    from zosoma.bench_route import bench_route, format_route
-    devices = ("cpu", "cuda") if _resolve(device) == "cuda" else ("cpu",)
+    from zosoma.experiments.bench_route import bench_route, format_route
+    devices = tuple(dict.fromkeys(("cpu", _ops(device).name)))  # the CPU, and the GPU when asked for
     click.echo(format_route(bench_route(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
                                         n_segments=segments, repeats=repeats, devices=devices)))
 
@@ -498,9 +507,9 @@ def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeat
     """Forward seconds per population member: EGGROLL's shared-GEMM low-rank population vs
     full-rank SPSA's dense perturbed copies, same model and batch (defaults: the CPU comparison's
     monolithic model)."""
-    from zosoma.bench_eggroll import bench_eggroll, format_eggroll
+    from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
     click.echo(format_eggroll([bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
-                                             pairs=pairs, rank=rank, repeats=repeats, device=_resolve(device))]))
+                                             pairs=pairs, rank=rank, repeats=repeats, ops=_ops(device))]))
 
 @cli.command()
 @click.argument("config")
@@ -517,12 +526,13 @@ def compare(config, out, jobs, wikitext, plan, device):
     Ctrl-C or a crash, the same command resumes the others from their checkpoints."""
     import os
 
-    from zosoma.compare import Stopped, find_config, jobs as all_jobs, load_comparison, run_comparison
+    from zosoma.experiments.compare import Stopped, find_config, jobs as all_jobs, load_comparison, run_comparison
+    from zosoma.runs.folder import RunFolder
 
     path = find_config(config)
     cmp = load_comparison(path)
     if not plan:
-        device = _resolve(device)
+        device = _ops(device).name
     out = Path(out or Path("results") / path.stem)
     click.echo(f"{cmp.title}\nbudget {cmp.flops:.3g} forward FLOPs per run; seeds {list(cmp.seeds)}; output {out}")
     click.echo(f"  {'method':<24}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
@@ -531,7 +541,7 @@ def compare(config, out, jobs, wikitext, plan, device):
         click.echo(f"  {m.name:<24}{params:>10,}{m.train.perturbations:>6}{m.train.steps:>7}"
                    f"{m.flops_per_step() * m.train.steps:>11.3g}")
     todo = all_jobs(cmp, out)
-    finished = sum((Path(j.run_dir) / "result.json").exists() for j in todo)
+    finished = sum(RunFolder(j.run_dir).read_result() is not None for j in todo)
     click.echo(f"{len(todo)} runs, {finished} already finished")
     if plan:
         return
@@ -546,8 +556,9 @@ def compare(config, out, jobs, wikitext, plan, device):
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training")
 
     try:
-        paths = run_comparison(cmp, out, jobs or (1 if device == "cuda" else os.cpu_count() or 1), wikitext,
-                               device, should_stop=_install_stop_handler(), on_result=report)
+        executor = _executor(jobs or (1 if device != "cpu" else os.cpu_count()), len(todo))
+        paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=_install_stop_handler(),
+                               on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
         sys.exit(130)

@@ -7,11 +7,11 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
 
 1. Validation, on fresh random inputs, every output buffer (and every float buffer gpu.py
    allocates) filled with NaN first, so an element a kernel skips shows up: Philox known answers;
-   Rademacher noise, populations, estimates and fused updates bit-identical to zosoma.noise /
-   zosoma.optim at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
+   Rademacher noise, populations, estimates and fused updates bit-identical to zosoma.model.noise /
+   zosoma.engines.ops at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
    log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream,
    log_probs and population_nll against the Numba forward and the NumPy reference;
-   eggroll_population_loss against zosoma.eggroll's CPU forward. Each line prints its max abs and
+   eggroll_population_loss against zosoma.model.lowrank's CPU forward. Each line prints its max abs and
    relative error.
 2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
    forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
@@ -44,11 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import numpy as np  # noqa: E402
 
-from zosoma import backend, eggroll, forward, gpu, reference  # noqa: E402
-from zosoma.config import PRESETS, VOCAB, ModelConfig  # noqa: E402
-from zosoma.noise import noise  # noqa: E402
-from zosoma.optim import apply_update, perturbed, spsa_gradient, spsa_losses  # noqa: E402
-from zosoma.params import Layout, init_params  # noqa: E402
+from zosoma.arrays import to_numpy  # noqa: E402
+from zosoma.config import PRESETS, VOCAB, ModelConfig, TrainConfig  # noqa: E402
+from zosoma.engines import backend  # noqa: E402
+from zosoma.engines import cuda as gpu  # noqa: E402
+from zosoma.engines.ops import Ops, perturbed  # noqa: E402
+from zosoma.model import forward, reference  # noqa: E402
+from zosoma.model import lowrank as eggroll  # noqa: E402
+from zosoma.model.noise import noise  # noqa: E402
+from zosoma.model.params import Layout, init_params  # noqa: E402
+from zosoma.model.population import Population  # noqa: E402
 
 NO_DEVICE = 2
 PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10
@@ -67,7 +72,7 @@ class Checks:
         self.rows = []
 
     def compare(self, name, got, want, atol=0.0, rtol=0.0, exact=False, info=False):
-        got = np.asarray(backend.to_numpy(got), np.float64)
+        got = np.asarray(to_numpy(got), np.float64)
         want = np.asarray(want, np.float64)
         if got.shape != want.shape:
             self._add(name, float("nan"), float("nan"), f"shape {got.shape} != {want.shape}", False)
@@ -140,15 +145,16 @@ def validate(cp, checks: Checks, rng):
     for kind in ("rademacher", "gaussian"):
         members = range(5, 9)
         got = gpu.perturbed(theta_d, 1e-3, members, 2**33 + 7, 1, 4, kind, out=nan((8, d)))
-        want = perturbed(theta, 1e-3, members, 2**33 + 7, 1, 4, kind)
+        want = perturbed(theta, Population(9, 1e-3, 2**33 + 7, 1, 4, kind), members)
         if kind == "rademacher":
             checks.compare(f"perturbed {kind} 4 directions", got, want, exact=True)
         else:
             checks.compare(f"perturbed {kind} 4 directions", got, want, atol=1e-8, rtol=1e-6)
         coeffs = rng.standard_normal(64) * 5
-        ghat = spsa_gradient(coeffs, d, 11, 1, 3, kind)
+        pop = Population(64, 1.0, 11, 1, 3, kind)
+        ghat = Ops().noise_sum(coeffs, d, pop)
         got = gpu.spsa_gradient(coeffs, d, 11, 1, 3, kind)
-        new, _ = apply_update("sgd", theta, ghat, {}, 3, 0.003, 0.9, 0.999, 0.01)
+        new = Ops().sgd_update(theta, coeffs, pop, 0.003, 0.01)
         upd = gpu.spsa_update(theta_d, coeffs, 0.003, 11, 1, 3, kind, 0.01, out=nan(d))
         if kind == "rademacher":
             checks.compare(f"spsa_gradient {kind} P=64", got, ghat, exact=True)
@@ -164,7 +170,7 @@ def validate(cp, checks: Checks, rng):
     except Exception as e:  # cupy.cuda.memory.OutOfMemoryError on a small GPU
         checks._add(f"perturbed beyond 2**31 elements: not run ({type(e).__name__})", 0.0, 0.0, "skipped", True)
     else:
-        want = perturbed(theta, 1e-3, range(P - 1, P), 9, 0, 0, "rademacher")
+        want = perturbed(theta, Population(P, 1e-3, 9, 0, 0), range(P - 1, P))
         checks.compare(f"perturbed {2 * P} rows x d = {2 * P * d:,} elements, last 2 rows", big[-2:], want,
                        exact=True)
         del big
@@ -206,7 +212,7 @@ def validate(cp, checks: Checks, rng):
     print("forward (vs the Numba forward and the float64 NumPy reference)", flush=True)
     for scale in (1.0, 3.0):  # the initialisation (near-uniform predictions) and saturated gates
         theta_s = (theta * scale).astype(np.float32)
-        thetas = perturbed(theta_s, 0.05, range(4), 3, 0, 0, "rademacher")  # (8, d)
+        thetas = perturbed(theta_s, Population(4, 0.05, 3, 0, 0), range(4))  # (8, d)
         batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
         got = gpu.population_loss(cp.asarray(thetas), paper, batch)
         checks.compare(f"population_loss paper M=8 B=8 T=128 init*{scale:g} vs numba", got,
@@ -232,8 +238,7 @@ def validate(cp, checks: Checks, rng):
     checks.compare("log_probs from a carried state vs numba", logp, want, atol=1e-4)
     batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
     plus, minus = gpu.spsa_losses(theta_d, paper, batch, 8, 1e-3, 5, 0, 1, "rademacher")
-    cpu_plus, cpu_minus = spsa_losses(theta, lambda t: forward.population_loss(t, paper, batch), 8, 1e-3, 5, 0, 1,
-                                      "rademacher")
+    cpu_plus, cpu_minus = Ops().perturbed_losses(theta, paper, batch, Population(8, 1e-3, 5, 0, 1))
     checks.compare("spsa_losses paper P=8 L+ and L- vs numba", np.stack([plus, minus]), np.stack([cpu_plus, cpu_minus]),
                    rtol=2e-5)
     checks.compare("spsa_losses paper P=8 coefficients (L+ - L-)/2eps vs numba", (plus - minus) / 2e-3,
@@ -338,24 +343,85 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
                      tokens_e / s, s, tokens_e / s / base))
 
     for P in perturbations:
-        print(f"timing: SPSA step P={P}", flush=True)
-        work = theta.copy()
+        rows.append(device_step(cp, config, P, B, T, sync))
+    rows.append(device_step(cp, config, 64, B, T, sync, optimizer="eggroll"))
 
-        def step(P=P, work=work):
-            plus, minus = gpu.spsa_losses(work, layout, batch, P, 1e-3, 0, 0, 1, "rademacher")
-            gpu.spsa_update(work, (plus - minus) / 2e-3, 1e-4, 0, 0, 1, "rademacher", out=work)
 
-        s = _timed(step, sync, repeats=2 if P < 1024 else 1)
-        coeffs = rng.standard_normal(P)
-        u = _timed(lambda: gpu.spsa_update(work, coeffs, 1e-4, 0, 0, 1, "rademacher", out=work), sync)
-        tokens = 2 * P * B * T
-        rows.append((f"SPSA step P={P} (2P={2 * P} forwards, fused update {u * 1e3:.1f} ms)", tokens / s, s, None))
+class Transfers:
+    """Counts host <-> device copies while active: cupy.asarray of a host array (to the device) and
+    zosoma's to_numpy of a device array (to the host), with their bytes."""
+
+    def __init__(self, cp):
+        self.cp, self.up, self.down, self.up_bytes, self.down_bytes = cp, 0, 0, 0, 0
+
+    def __enter__(self):
+        self._asarray, self._to_numpy = self.cp.asarray, gpu.to_numpy
+
+        def asarray(x, *args, **kwargs):
+            if isinstance(x, np.ndarray):
+                self.up, self.up_bytes = self.up + 1, self.up_bytes + x.nbytes
+            return self._asarray(x, *args, **kwargs)
+
+        def down(x):
+            out = self._to_numpy(x)
+            if isinstance(x, self.cp.ndarray):
+                self.down, self.down_bytes = self.down + 1, self.down_bytes + out.nbytes
+            return out
+
+        self.cp.asarray, gpu.to_numpy = asarray, down
+        return self
+
+    def __exit__(self, *exc):
+        self.cp.asarray, gpu.to_numpy = self._asarray, self._to_numpy
+
+
+def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3):
+    """The trainer's own step on the CUDA engine (zosoma.runs.trainer, theta resident on the
+    device): seconds split into data, forward (the perturbed population, its noise built by the
+    perturb kernel inside), update (the fused regenerate-and-apply kernel, synchronised), and the
+    host <-> device copies of one step, counted. The noise alone is timed separately."""
+    import tempfile
+
+    from zosoma.corpus import BatchSampler, Corpus
+    from zosoma.runs.trainer import Trainer, new_state
+
+    print(f"timing: {optimizer} training step on the device, P={P}", flush=True)
+    text = np.random.default_rng(3).integers(0, VOCAB, 1 << 20, dtype=np.uint8)
+    extra = {"eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {"lr": 1e-4}
+    cfg = TrainConfig(steps=1000, batch=B, seq_len=T, perturbations=P, optimizer=optimizer,
+                      checkpoint_every=10**6, **extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(tmp, config, cfg, BatchSampler(Corpus(("random",), (text,)), T + 1),
+                          new_state(config, cfg), ops=gpu.CudaOps())
+        split = []
+        for i in range(steps + 1):  # the first step is a warm-up
+            with Transfers(cp) as copies:
+                plus, minus = trainer.losses()
+                t0 = time.perf_counter()
+                trainer.update(*trainer.coefficients(plus, minus))
+                sync()
+                update = time.perf_counter() - t0
+            if i:
+                split.append((trainer.timings["data"], trainer.timings["forward"], update, copies))
+    data, fwd, upd = (float(np.median([s[k] for s in split])) for k in range(3))
+    c = split[-1][3]
+    noise = 0.0
+    if optimizer == "sgd":
+        theta = trainer.state.theta
+        noise = _timed(lambda: gpu.perturbed(theta, 1e-3, range(min(P, 64)), 0, 0, 1, "rademacher"), sync)
+        noise *= P / min(P, 64)
+    total = data + fwd + upd
+    tokens = 2 * P * B * T
+    what = "fused SGD" if optimizer == "sgd" else "low-rank"
+    return (f"{optimizer} step P={P}: data {data * 1e3:.1f} ms, forward {fwd * 1e3:.0f} ms (noise ~{noise * 1e3:.1f}), "
+            f"{what} update {upd * 1e3:.1f} ms; copies/step {c.up} up {c.up_bytes:,} B, {c.down} down {c.down_bytes:,} B",
+            tokens / total, total, None)
 
 
 def routed_timing(checks: Checks) -> str:
     """bench_route on the CPU and the GPU (same ensembles and windows): its table, and a check that
     the GPU's nats/byte match the CPU's."""
-    from zosoma.bench_route import bench_route, format_route
+    from zosoma.experiments.bench_route import bench_route, format_route
 
     print("timing: routed top-4 inference, N=8 vs N=256, cpu and cuda", flush=True)
     records = bench_route(repeats=2, devices=("cpu", "cuda"))

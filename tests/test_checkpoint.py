@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import zosoma
-from zosoma import checkpoint as ckpt_mod
-from zosoma import reference
-from zosoma.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, summary
+from zosoma.model import reference
+from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, summary
 from zosoma.config import ModelConfig, TrainConfig
-from zosoma.errors import CheckpointError
-from zosoma.params import Layout, init_params
+from zosoma import atomic
+from zosoma.errors import CheckpointError, WriteError
+from zosoma.model.params import Layout, init_params
 
 from helpers import assert_close
 
@@ -196,8 +196,8 @@ def test_failed_write_keeps_previous_checkpoint(saved, monkeypatch, target):
 
         monkeypatch.setattr(h5py.Group, "create_dataset", flaky)
     else:  # fails after the temporary is complete, before the rename
-        monkeypatch.setattr(ckpt_mod.os, "fsync", disk_full)
-    with pytest.raises(CheckpointError, match="No space left"):
+        monkeypatch.setattr(atomic.os, "fsync", disk_full)
+    with pytest.raises(WriteError, match="cannot write checkpoint .*ckpt.h5: No space left on device$"):
         save_checkpoint(path, make_checkpoint(step=99, seed=1))
     monkeypatch.undo()
     assert sorted(os.listdir(path.parent)) == ["ckpt.h5"]  # no temporary left behind
@@ -207,7 +207,7 @@ def test_failed_write_keeps_previous_checkpoint(saved, monkeypatch, target):
 
 def test_interrupted_write_keeps_previous_checkpoint(saved, monkeypatch):
     path, _ = saved
-    monkeypatch.setattr(ckpt_mod.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(atomic.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, make_checkpoint(step=99))
     monkeypatch.undo()
@@ -232,7 +232,7 @@ def test_bad_checkpoint_is_refused_before_touching_the_file(saved):
 
 def test_unwritable_directory(tmp_path):
     target = tmp_path / "missing_dir" / "ckpt.h5"
-    with pytest.raises(CheckpointError, match="missing_dir"):
+    with pytest.raises(WriteError, match="missing_dir"):
         save_checkpoint(target, make_checkpoint())
 
 
@@ -259,7 +259,7 @@ def test_summary_of_damaged_file(saved):
 def test_exported_torch_model_matches_reference(saved, tmp_path):
     torch = pytest.importorskip("torch")
     from torch_reference import TorchByteLSTM
-    from zosoma.export import export_torch
+    from zosoma.formats.export import export_torch
 
     path, _ = saved
     ck = make_checkpoint()

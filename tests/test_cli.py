@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import zosoma_cmd
-from zosoma.checkpoint import load_checkpoint
-from zosoma.train import read_checkpoint
+from zosoma.formats.checkpoint import load_checkpoint
+from zosoma.runs.folder import RunFolder
 from zosoma.cli.main import cli
 
 TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16",
@@ -125,7 +125,7 @@ def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_file
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL  # killed mid-run, not finished
-    assert 0 < read_checkpoint(killed_dir).step < 300
+    assert 0 < RunFolder(killed_dir).read_checkpoint().step < 300
     resumed = subprocess.run(zosoma_cmd() + ["train", "--resume", str(killed_dir)], env=env,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr

@@ -1,4 +1,4 @@
-"""Clustering (zosoma.cluster): each stage against a plain reference on small inputs, then the whole
+"""Clustering (zosoma.soma.cluster): each stage against a plain reference on small inputs, then the whole
 c-BTM pipeline on the shipped corpus (domain recovery, balance, determinism, held-out routing).
 
 The small tests also pass with NUMBA_DISABLE_JIT=1; the shipped-corpus tests need the JIT (10 MB
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
-from zosoma import cluster as cl
-from zosoma.cluster import (
+from zosoma.soma import cluster as cl
+from zosoma.soma.cluster import (
     ClusterConfig,
     Clustering,
     balanced_assignment,
@@ -28,7 +28,7 @@ from zosoma.cluster import (
     save_clustering,
 )
 from zosoma.corpus import Corpus, chunk, load_corpus
-from zosoma.errors import CheckpointError, ConfigError, DataError
+from zosoma.errors import CheckpointError, ConfigError, DataError, WriteError
 
 from helpers import assert_close
 
@@ -353,7 +353,7 @@ def test_clustering_checks_its_arrays(small_fit):
 
 def test_save_clustering_reports_unwritable_path(small_fit, tmp_path):
     _, clustering, _ = small_fit
-    with pytest.raises(CheckpointError, match="cannot write clustering"):
+    with pytest.raises(WriteError, match="cannot write clustering"):
         save_clustering(tmp_path / "no" / "such" / "dir.h5", clustering)
 
 

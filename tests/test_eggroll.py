@@ -1,4 +1,4 @@
-"""EGGROLL (zosoma.eggroll): the low-rank shared-GEMM population forward (float64 NumPy path and
+"""EGGROLL (zosoma.model.lowrank): the low-rank shared-GEMM population forward (float64 NumPy path and
 float32 compiled path) and the update against explicitly materialised dense perturbations run
 through the NumPy reference (float64); the EGGROLL-vs-SPSA bench's records."""
 
@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma import eggroll, reference
-from zosoma.bench_eggroll import bench_eggroll, format_eggroll
+from zosoma.model import lowrank as eggroll
+from zosoma.strategies.eggroll import eggroll_update, zscore
+from zosoma.model import reference
+from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
 from zosoma.config import VOCAB, ModelConfig
-from zosoma.params import Layout, init_params
+from zosoma.model.params import Layout, init_params
 
 
 def _model(embed=8, hidden=16, layers=2, seed=0, scale=2.0, dtype=np.float64):
@@ -95,7 +97,7 @@ def test_noise_regenerates_and_members_differ():
     for args in ((12, 1, 4), (11, 2, 4), (11, 1, 5)):
         assert not np.allclose(e[0], eggroll.materialise(layout, 1.0, r, *args, 0))
     # the documented slicing: embed's A is the stream's first V*r values
-    from zosoma.noise import noise
+    from zosoma.model.noise import noise
     z = noise(n, 11, 1, 4, 2, kind="gaussian")
     np.testing.assert_array_equal(f1["embed"][0].ravel(), z[:VOCAB * r])
     np.testing.assert_array_equal(f1["out.b"], z[-VOCAB:])
@@ -105,7 +107,7 @@ def test_update_matches_dense_formula():
     theta, layout = _model()
     r, sigma, lr, seed, expert, step, pairs = 2, 0.1, 0.05, 5, 1, 9, 4
     losses = np.random.default_rng(0).normal(3.0, 0.2, 2 * pairs)
-    new = eggroll.eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step)
+    new = eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step)
     fz = (-losses - (-losses).mean()) / (-losses).std()
     want = theta.copy()
     for j in range(2 * pairs):
@@ -114,7 +116,7 @@ def test_update_matches_dense_formula():
     assert new.dtype == theta.dtype
     assert_close(new - theta, want - theta, atol=1e-12, rtol=1e-9, name="update")
     # a custom shaping function is injected
-    ones = eggroll.eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step,
+    ones = eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step,
                                   shaping=lambda f: np.where(np.arange(f.size) % 2 == 0, 1.0, 0.0))
     e0 = sum(eggroll.materialise(layout, sigma, r, seed, expert, step, i) for i in range(pairs))
     assert_close(ones - theta, lr / math.sqrt(2 * pairs) * e0, atol=1e-12, rtol=1e-9,
@@ -131,9 +133,9 @@ def test_step_applies_given_coefficients():
                for i in range(3))
     assert_close(new - theta, lr / math.sqrt(6) * want, atol=1e-12, rtol=1e-9, name="step")
     losses = np.random.default_rng(1).normal(3.0, 0.2, 6)
-    fz = eggroll.zscore(-losses)
+    fz = zscore(-losses)
     np.testing.assert_array_equal(
-        eggroll.eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step),
+        eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step),
         eggroll.eggroll_step(theta, layout, fz[0::2] - fz[1::2], lr, sigma, r, seed, expert,
                              step))
     new32 = eggroll.eggroll_step(theta.astype(np.float32), layout, coef, lr, sigma, r, seed,
@@ -143,12 +145,12 @@ def test_step_applies_given_coefficients():
 
 def test_equal_losses_give_zero_update():
     theta, layout = _model(dtype=np.float32)
-    assert np.all(eggroll.zscore(np.full(6, 0.1 * 3)) == 0)
-    new = eggroll.eggroll_update(theta, layout, np.full(8, 2.7), 0.1, 0.1, 1, 0, 0, 0)
+    assert np.all(zscore(np.full(6, 0.1 * 3)) == 0)
+    new = eggroll_update(theta, layout, np.full(8, 2.7), 0.1, 0.1, 1, 0, 0, 0)
     assert np.all(np.isfinite(new))
     np.testing.assert_array_equal(new, theta)
     with pytest.raises(ValueError):
-        eggroll.zscore([1.0, np.nan])
+        zscore([1.0, np.nan])
 
 
 def test_short_optimisation_lowers_loss():
@@ -159,7 +161,7 @@ def test_short_optimisation_lowers_loss():
     sigma, lr, r, pairs = 0.1, 0.1, 2, 16
     for step in range(40):
         losses = eggroll.eggroll_population_loss(theta, layout, batch, sigma, r, 3, 0, step, pairs)
-        theta = eggroll.eggroll_update(theta, layout, losses, lr, sigma, r, 3, 0, step)
+        theta = eggroll_update(theta, layout, losses, lr, sigma, r, 3, 0, step)
     after = reference.loss(theta.astype(np.float64), layout, batch)
     assert after < before - 0.3, (before, after)
 
@@ -185,7 +187,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         eggroll.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 0, 0, 0, 0, 2)
     with pytest.raises(ValueError):
-        eggroll.eggroll_update(theta, layout, np.ones(3), 0.1, 0.1, 1, 0, 0, 0)
+        eggroll_update(theta, layout, np.ones(3), 0.1, 0.1, 1, 0, 0, 0)
     with pytest.raises(ValueError):
         eggroll.eggroll_step(theta, layout, np.ones((2, 2)), 0.1, 0.1, 1, 0, 0, 0)
     with pytest.raises(ValueError):

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma import reference
+from zosoma.model import reference
 from zosoma.config import ModelConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import DataError
-from zosoma.evaluate import evaluate_bytes, evaluate_corpus, ngram_baselines, stream_batches
-from zosoma.params import Layout, init_params
+from zosoma.engines.ops import Ops
+from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus, ngram_baselines, stream_batches
+from zosoma.model.params import Layout, init_params
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=2)
 
@@ -26,7 +27,7 @@ def test_streams_and_segments_match_one_reference_pass_per_stream(streams, segme
     layout = Layout(MODEL)
     theta = init_params(MODEL, 1)
     data = np.random.default_rng(0).integers(0, 256, 103).astype(np.uint8)
-    result = evaluate_bytes(theta, layout, data, streams=streams, segment=segment)
+    result = evaluate_bytes(theta, layout, data, Ops(), streams=streams, segment=segment)
     assert result.n_bytes == 102
     n_pred = data.size - 1
     length = -(-n_pred // streams)
@@ -50,11 +51,11 @@ def test_corpus_pools_names_and_overall():
     theta = init_params(MODEL, 2)
     rng = np.random.default_rng(1)
     docs = tuple(rng.integers(0, 256, n).astype(np.uint8) for n in (40, 30, 50))
-    results = evaluate_corpus(theta, layout, Corpus(("a", "b", "a"), docs), streams=1)
+    results = evaluate_corpus(theta, layout, Corpus(("a", "b", "a"), docs), Ops(), streams=1)
     assert results["a"].n_bytes == 39 + 49 and results["b"].n_bytes == 29
     assert results["overall"].nats == pytest.approx(results["a"].nats + results["b"].nats)
     with pytest.raises(DataError):
-        evaluate_bytes(theta, layout, docs[0][:1])
+        evaluate_bytes(theta, layout, docs[0][:1], Ops())
 
 
 def test_ngram_baselines():

@@ -5,11 +5,13 @@ import json
 import numpy as np
 import pytest
 
-import zosoma.optim
+import zosoma.engines.ops
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.experts import SOMA, expert_dir, resume_soma, start_soma
-from zosoma.train import read_checkpoint
+from zosoma.runs.executor import Inline, LocalProcesses
+from zosoma.runs.folder import SOMA, RunFolder
+from zosoma.runs.records import Clusters, Evaluated, Step, Stopped
+from zosoma.runs.soma import resume_soma, start_soma
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
@@ -30,39 +32,43 @@ def records_of(gen):
     return [r for r in gen]
 
 
+def expert_checkpoint(run_dir, i):
+    return RunFolder(run_dir).expert(i).read_checkpoint()
+
+
 def soma_run(tmp_path, data, **kw):
     args = dict(n_experts=2, chunk_size=256, train_paths=[str(data / "prose.txt"), str(data / "digits.txt")],
-                heldout_paths=[str(data / "prose.txt")], workers=1, top_k=2)
+                heldout_paths=[str(data / "prose.txt")], executor=Inline(), top_k=2)
     args.update(kw)
     return records_of(start_soma(tmp_path, MODEL, args.pop("cfg", CFG), **args))
 
 
 def test_soma_clusters_trains_and_evaluates(tmp_path, two_domains):
     records = soma_run(tmp_path, two_domains)
-    clusters = next(r for r in records if r.get("event") == "clusters")
-    mixes = [r["mix"] if "mix" in r else r for r in clusters["report"]]
+    clusters = next(r for r in records if isinstance(r, Clusters))
+    mixes = [r["mix"] if "mix" in r else r for r in clusters.report]
     assert len(mixes) == 2
-    assert {r["expert"] for r in records if "loss" in r} == {0, 1}
-    done = next(r for r in records if r.get("event") == "evaluated")
-    row = done["heldout"]["prose"]
+    assert {r.expert for r in records if isinstance(r, Step)} == {0, 1}
+    done = next(r for r in records if isinstance(r, Evaluated))
+    row = done.results["heldout"]["prose"]
     assert {"routed", "expert0", "expert1", "oracle"} <= set(row)
     assert row["oracle"] <= min(row["expert0"], row["expert1"]) + 1e-9
     for i in range(2):
-        assert read_checkpoint(expert_dir(tmp_path, i)).step == CFG.steps
+        assert expert_checkpoint(tmp_path, i).step == CFG.steps
     assert json.loads((tmp_path / SOMA).read_text())["experts"] == 2
 
 
 def counters(monkeypatch):
     """Record every perturbation counter and every batch the trainers use."""
     seen = {"noise": [], "batches": []}
-    add_noise = zosoma.optim.add_noise
+    add_noise = zosoma.engines.ops.add_noise
 
     def recording(out, base, scale, seed, expert, step, member, kind="rademacher", start=0):
         if abs(scale) == CFG.eps:  # perturbations (not the update's regeneration)
             seen["noise"].append((seed, expert, step, member, kind, np.sign(scale)))
         return add_noise(out, base, scale, seed, expert, step, member, kind, start)
 
-    monkeypatch.setattr(zosoma.optim, "add_noise", recording)
+    monkeypatch.setattr(zosoma.engines.ops, "add_noise", recording)
     from zosoma.corpus import BatchSampler
     batch = BatchSampler.batch
 
@@ -86,8 +92,8 @@ def test_summed_and_independent_share_perturbations_and_batches(tmp_path, two_do
     assert len(seen["summed"]["noise"]) == 2 * CFG.steps * CFG.perturbations * 2
     # Same start, same data and noise, different scalars: the experts end up elsewhere.
     for i in range(2):
-        a = read_checkpoint(expert_dir(tmp_path / "independent", i)).theta
-        b = read_checkpoint(expert_dir(tmp_path / "summed", i)).theta
+        a = expert_checkpoint(tmp_path / "independent", i).theta
+        b = expert_checkpoint(tmp_path / "summed", i).theta
         assert not np.array_equal(a, b)
 
 
@@ -101,24 +107,24 @@ def test_stopped_soma_run_resumes_exactly(tmp_path, two_domains, loss):
         return steps["n"] > 3
 
     kw = dict(n_experts=2, chunk_size=256, train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")],
-              workers=1, loss=loss)
+              executor=Inline(), loss=loss)
     records = records_of(start_soma(tmp_path / "part", MODEL, CFG, should_stop=stop_after_three, **kw))
-    assert any(r.get("event") == "stopped" for r in records)
-    assert min(read_checkpoint(expert_dir(tmp_path / "part", i)).step for i in range(2)) < CFG.steps
-    records_of(resume_soma(tmp_path / "part", workers=1))
+    assert any(isinstance(r, Stopped) for r in records)
+    assert min(expert_checkpoint(tmp_path / "part", i).step for i in range(2)) < CFG.steps
+    records_of(resume_soma(tmp_path / "part", Inline()))
     for i in range(2):
-        a = read_checkpoint(expert_dir(tmp_path / "full", i))
-        b = read_checkpoint(expert_dir(tmp_path / "part", i))
+        a = expert_checkpoint(tmp_path / "full", i)
+        b = expert_checkpoint(tmp_path / "part", i)
         assert a.step == b.step == CFG.steps
         assert np.array_equal(a.theta, b.theta)
 
 
 def test_worker_processes_match_in_process_training(tmp_path, two_domains):
-    soma_run(tmp_path / "serial", two_domains, workers=1)
-    soma_run(tmp_path / "pool", two_domains, workers=2)
+    soma_run(tmp_path / "serial", two_domains, executor=Inline())
+    soma_run(tmp_path / "pool", two_domains, executor=LocalProcesses(2))
     for i in range(2):
-        a = read_checkpoint(expert_dir(tmp_path / "serial", i)).theta
-        b = read_checkpoint(expert_dir(tmp_path / "pool", i)).theta
+        a = expert_checkpoint(tmp_path / "serial", i).theta
+        b = expert_checkpoint(tmp_path / "pool", i).theta
         assert np.array_equal(a, b)
 
 

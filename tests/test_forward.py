@@ -1,4 +1,4 @@
-"""The Numba forward (zosoma.forward) against the NumPy reference, run in float64 as ground truth.
+"""The Numba forward (zosoma.model.forward) against the NumPy reference, run in float64 as ground truth.
 
 Shapes stay tiny so the file also passes quickly with NUMBA_DISABLE_JIT=1. Parameters are scaled up
 from the default initialisation so gates saturate and predictions are far from uniform (with the
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma import forward, reference
+from zosoma.model import forward
+from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
-from zosoma.params import Layout, init_params
+from zosoma.model.params import Layout, init_params
 
 LOSS_RTOL = 1e-5  # mean loss vs the float64 reference (the accuracy requirement)
 NLL_ATOL = 1e-4  # per-position nats and log-probabilities

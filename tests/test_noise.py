@@ -1,4 +1,4 @@
-"""zosoma.noise against Random123's known answers and an independent pure-Python reading of its spec.
+"""zosoma.model.noise against Random123's known answers and an independent pure-Python reading of its spec.
 
 The pure-Python implementation below follows only the specification in zosoma/noise.py's docstring
 (plain Python ints, no NumPy, no Numba), so it is a second, independent implementation; the
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma.noise import add_noise, noise, philox4x32_10
+from zosoma.model.noise import add_noise, noise, philox4x32_10
 
 M32 = 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""zosoma.report on synthetic results: summary statistics, the Markdown table, the CSV, the plots, the ablation."""
+"""zosoma.experiments.report on synthetic results: summary statistics, the Markdown table, the CSV, the plots, the ablation."""
 
 import csv
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from zosoma.errors import ConfigError
-from zosoma.report import (ablation_markdown, ablation_summary, markdown_table, plot_curves, summarise,
+from zosoma.experiments.report import (ablation_markdown, ablation_summary, markdown_table, plot_curves, summarise,
                            write_csv, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""Routing (zosoma.routing), sampling (zosoma.sample) and the routed-inference benchmark's helpers.
+"""Routing (zosoma.soma.routing), sampling (zosoma.sample) and the routed-inference benchmark's helpers.
 
 Tiny experts (E=8, H=16) with random weights, and clusterings fitted on three synthetic byte
 "domains" with small settings, so the whole file runs in seconds.
@@ -9,19 +9,20 @@ import math
 import numpy as np
 import pytest
 
-from zosoma.bench_route import bench_route, format_route, matched_config, matched_configs
-from zosoma.checkpoint import Checkpoint
-from zosoma.cluster import ClusterConfig, fit_clusters, save_clustering
+from zosoma.experiments.bench_route import bench_route, format_route, matched_config, matched_configs
+from zosoma.formats.checkpoint import Checkpoint
+from zosoma.soma.cluster import ClusterConfig, fit_clusters, save_clustering
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError
-from zosoma.forward import log_probs, nll_stream
-from zosoma.params import Layout, init_params
-from zosoma.routing import (Ensemble, Router, Segments, cut_segments, evaluate_routed,
-                            evaluate_routed_corpus, load_ensemble, mix_nll, run_selected,
+from zosoma.model.forward import log_probs, nll_stream
+from zosoma.model.params import Layout, init_params
+from zosoma.soma.routing import (Ensemble, Router, Segments, cut_segments, evaluate_routed,
+                            evaluate_routed_corpus, mix_nll, run_selected,
                             segment_sums)
-from zosoma.sample import sample
-from zosoma.train import write_checkpoint
+from zosoma.soma.sample import sample
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.soma import load_ensemble
 
 from helpers import assert_close
 
@@ -296,7 +297,7 @@ def fake_run(tmp_path, clustering, n):
     for i in range(n):
         theta = init_params(TINY, seed=0, expert=i)
         (run / f"expert{i}").mkdir()
-        write_checkpoint(run / f"expert{i}", Checkpoint(TINY, TrainConfig(steps=1), theta, step=1))
+        RunFolder(run / f"expert{i}").write_checkpoint(Checkpoint(TINY, TrainConfig(steps=1), theta, step=1))
         thetas.append(theta)
     return run, thetas
 

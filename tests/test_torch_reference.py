@@ -14,10 +14,10 @@ import torch
 
 from helpers import assert_close
 from torch_reference import torch_model
-from zosoma import reference
+from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
-from zosoma.noise import add_noise, noise
-from zosoma.params import Layout, init_params
+from zosoma.model.noise import add_noise, noise
+from zosoma.model.params import Layout, init_params
 
 
 def make_theta(config, seed=0):

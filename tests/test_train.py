@@ -6,14 +6,19 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma import reference
+from zosoma.model import reference
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.errors import CheckpointError
-from zosoma.noise import noise
-from zosoma.optim import apply_update, init_state, learning_rate, member_chunks, spsa_gradient, spsa_losses
-from zosoma.params import Layout, init_params
-from zosoma.train import CHECKPOINT, METRICS, PREVIOUS, Trainer, from_checkpoint, new_state, read_checkpoint, train
+from zosoma.engines.ops import Ops, member_chunks
+from zosoma.model.noise import noise
+from zosoma.model.params import Layout, init_params
+from zosoma.model.population import Population
+from zosoma.runs.folder import CHECKPOINT, METRICS, PREVIOUS, RunFolder
+from zosoma.runs.records import Finished, Step, Stopped
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.strategies.base import learning_rate
+from zosoma.strategies.spsa import SPSA, Adam, Momentum
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 
@@ -33,11 +38,12 @@ def test_spsa_losses_match_reference_population():
     batch = BatchSampler(small_corpus(), 13).batch(0, 0, 0, 4)
     calls = []
 
-    def loss_fn(thetas):
-        calls.append(len(thetas))
-        return np.array([reference.loss(t, layout, batch) for t in thetas])
+    class ReferenceOps(Ops):  # the CPU engine with the NumPy reference as its forward
+        def population_loss(self, thetas, layout, batch):
+            calls.append(len(thetas))
+            return np.array([reference.loss(t, layout, batch) for t in thetas])
 
-    plus, minus = spsa_losses(theta, loss_fn, 5, 1e-2, seed=7, expert=1, step=2, kind="rademacher")
+    plus, minus = ReferenceOps().perturbed_losses(theta, layout, batch, Population(5, 1e-2, seed=7, expert=1, step=2))
     for k in range(5):
         d = noise(theta.size, 7, 1, 2, k)
         assert plus[k] == pytest.approx(reference.loss(theta + np.float32(1e-2) * d, layout, batch), rel=1e-6)
@@ -46,7 +52,7 @@ def test_spsa_losses_match_reference_population():
 
 
 def test_member_chunks_cover_all_directions_within_budget():
-    chunks = list(member_chunks(100, 1_000_000, budget_bytes=40_000_000))
+    chunks = list(member_chunks(range(100), 1_000_000, budget_bytes=40_000_000))
     assert [k for c in chunks for k in c] == list(range(100))
     assert max(len(c) for c in chunks) == 5  # 5 pairs of 4 MB copies = 40 MB
 
@@ -55,22 +61,38 @@ def test_spsa_gradient_is_mean_of_scaled_directions():
     coeffs = np.array([0.5, -2.0, 1.25])
     d = 1000
     expected = sum(c * noise(d, 11, 0, 4, k) for k, c in enumerate(coeffs)) / len(coeffs)
-    assert_close(spsa_gradient(coeffs, d, 11, 0, 4, "rademacher"), expected, atol=1e-6, name="ghat")
+    assert_close(Ops().noise_sum(coeffs, d, Population(3, 1.0, 11, 0, 4)), expected, atol=1e-6, name="ghat")
     expected = sum(c * noise(d, 11, 0, 4, k, "gaussian") for k, c in enumerate(coeffs)) / len(coeffs)
-    assert_close(spsa_gradient(coeffs, d, 11, 0, 4, "gaussian"), expected, atol=1e-5, name="ghat gaussian")
+    assert_close(Ops().noise_sum(coeffs, d, Population(3, 1.0, 11, 0, 4, "gaussian")), expected, atol=1e-5,
+                 name="ghat gaussian")
+
+
+class GivenEstimate(Ops):
+    """The CPU engine with a fixed SPSA estimate: the update rules see exactly g."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def noise_sum(self, coeffs, d, pop):
+        return self.g
 
 
 def test_update_rules():
     theta = np.ones(4, np.float32)
     g = np.array([1, -1, 2, 0], np.float32)
-    new, _ = apply_update("sgd", theta, g, {}, 0, 0.1, 0.9, 0.999, 0.0)
+    ops, layout, coeffs = GivenEstimate(g), Layout(MODEL), np.zeros(1)
+
+    def update(cls, theta, state, step, **cfg):
+        strategy = cls(TrainConfig(optimizer=cls.name, **cfg))
+        state = strategy.init(ops, theta.size) if state is None else state
+        return strategy.update(ops, layout, theta, state, coeffs, Population(1, 1e-3, 0, 0, step), 0.1)
+
+    new, _ = update(SPSA, theta, None, 0)
     assert_close(new, theta - 0.1 * g, atol=1e-7, name="sgd")
-    state = init_state("momentum", 4)
-    new, state = apply_update("momentum", theta, g, state, 0, 0.1, 0.9, 0.999, 0.0)
-    new, state = apply_update("momentum", new, g, state, 1, 0.1, 0.9, 0.999, 0.0)
+    new, state = update(Momentum, theta, None, 0, momentum=0.9)
+    new, state = update(Momentum, new, state, 1, momentum=0.9)
     assert_close(new, theta - 0.1 * g - 0.1 * 1.9 * g, atol=1e-6, name="momentum")
-    state = init_state("adam", 4)
-    new, state = apply_update("adam", theta, g, state, 0, 0.1, 0.9, 0.999, 0.01)
+    new, state = update(Adam, theta, None, 0, momentum=0.9, beta2=0.999, weight_decay=0.01)
     # The first Adam step moves every coordinate with a non-zero gradient by lr * sign(g).
     assert_close(new, theta - 0.1 * np.sign(g) - 0.1 * 0.01 * theta, atol=1e-6, name="adam")
     assert theta[0] == 1.0  # inputs untouched
@@ -84,10 +106,10 @@ def test_learning_rate_schedules():
     assert learning_rate(99, 1.0, 100, 10, "constant") == 1.0
 
 
-def run_steps(tmp_path, cfg, stop_at=None, state=None):
+def run_steps(tmp_path, cfg, stop_at=None, state=None, ops=None):
     sampler = BatchSampler(small_corpus(), cfg.seq_len + 1)
     state = new_state(MODEL, cfg) if state is None else state
-    trainer = Trainer(tmp_path, MODEL, cfg, sampler, state)
+    trainer = Trainer(tmp_path, MODEL, cfg, sampler, state, ops=ops)
     records = list(train(trainer, should_stop=lambda: stop_at is not None and state.step >= stop_at))
     return state, records
 
@@ -96,10 +118,10 @@ def test_training_lowers_the_loss(tmp_path):
     cfg = TrainConfig(steps=60, batch=8, seq_len=16, perturbations=8, optimizer="sgd", lr=1.0, warmup=5,
                       checkpoint_every=30)
     state, records = run_steps(tmp_path, cfg)
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert records[-1]["event"] == "done" and state.step == 60
+    losses = [r.loss for r in records if isinstance(r, Step)]
+    assert isinstance(records[-1], Finished) and state.step == 60
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0  # 5.3 -> 3.5 nats/byte here
-    assert records[-2]["tokens"] == 60 * 2 * 8 * 8 * 16
+    assert records[-2].metrics["tokens"] == 60 * 2 * 8 * 8 * 16
     assert len((tmp_path / METRICS).read_text().splitlines()) == 60
 
 
@@ -108,8 +130,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     full, _ = run_steps(tmp_path / "full", cfg)
     # Stopped at step 7: the checkpoint is written at stop time; resume reads it back.
     part, records = run_steps(tmp_path / "part", cfg, stop_at=7)
-    assert records[-1]["event"] == "stopped" and part.step == 7
-    ckpt = read_checkpoint(tmp_path / "part")
+    assert isinstance(records[-1], Stopped) and part.step == 7
+    ckpt = RunFolder(tmp_path / "part").read_checkpoint()
     assert ckpt.step == 7
     resumed, _ = run_steps(tmp_path / "part", cfg, state=from_checkpoint(ckpt))
     assert np.array_equal(resumed.theta, full.theta)
@@ -128,31 +150,31 @@ def test_resume_from_an_older_checkpoint_drops_later_metrics(tmp_path):
     state = new_state(MODEL, cfg)
     gen = train(Trainer(tmp_path / "killed", MODEL, cfg, sampler, state))
     for r in gen:  # abandon the generator after step 7: the checkpoint on disk holds step 5
-        if r.get("step") == 7:
+        if isinstance(r, Step) and r.step == 7:
             break
     gen.close()
-    ckpt = read_checkpoint(tmp_path / "killed")
+    ckpt = RunFolder(tmp_path / "killed").read_checkpoint()
     assert ckpt.step == 5
     resumed, _ = run_steps(tmp_path / "killed", cfg, state=from_checkpoint(ckpt))
     assert np.array_equal(resumed.theta, full.theta)
     assert len((tmp_path / "killed" / METRICS).read_text().splitlines()) == 8
 
 
-def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch):
-    import zosoma.train as train_module
-    original = train_module.population_loss
+class Poisoned(Ops):
+    """The CPU engine whose first member's loss is always NaN."""
 
-    def poisoned(thetas, layout, batch):
-        losses = original(thetas, layout, batch)
+    def population_loss(self, thetas, layout, batch):
+        losses = super().population_loss(thetas, layout, batch)
         losses[0] = np.nan
         return losses
 
-    monkeypatch.setattr(train_module, "population_loss", poisoned)
+
+def test_non_finite_loss_skips_the_step(tmp_path):
     cfg = TrainConfig(steps=3, batch=2, seq_len=8, perturbations=2)
     state = new_state(MODEL, cfg)
     theta0 = state.theta.copy()
-    state, records = run_steps(tmp_path, cfg, state=state)
-    assert all(r["skipped"] for r in records if "loss" in r)
+    state, records = run_steps(tmp_path, cfg, state=state, ops=Poisoned())
+    assert all(r.skipped for r in records if isinstance(r, Step))
     assert np.array_equal(state.theta, theta0) and state.step == 3
     assert (tmp_path / CHECKPOINT).exists()
 
@@ -160,14 +182,15 @@ def test_non_finite_loss_skips_the_step(tmp_path, monkeypatch):
 def test_checkpoint_rotation_keeps_the_previous_and_survives_a_damaged_latest(tmp_path):
     cfg = TrainConfig(steps=6, batch=2, seq_len=8, perturbations=2, checkpoint_every=3)
     run_steps(tmp_path, cfg)
-    assert read_checkpoint(tmp_path).step == 6
-    assert read_checkpoint(tmp_path, step=3).step == 3
+    folder = RunFolder(tmp_path)
+    assert folder.read_checkpoint().step == 6
+    assert folder.read_checkpoint(step=3).step == 3
     data = (tmp_path / CHECKPOINT).read_bytes()
     (tmp_path / CHECKPOINT).write_bytes(data[: len(data) // 2])
-    assert read_checkpoint(tmp_path).step == 3  # the damaged latest is passed over
+    assert folder.read_checkpoint().step == 3  # the damaged latest is passed over
     (tmp_path / PREVIOUS).unlink()
     with pytest.raises(CheckpointError, match="checkpoint.h5"):
-        read_checkpoint(tmp_path)
+        folder.read_checkpoint()
 
 
 # --- EGGROLL as the trainer's optimizer ----------------------------------------------------------
@@ -178,7 +201,8 @@ EGG = dict(optimizer="eggroll", rank=1, eps=0.01, batch=4, seq_len=16, perturbat
 def test_eggroll_step_is_the_zscored_low_rank_update(tmp_path):
     """One trainer step equals eggroll_update on the same members' losses, which in turn moves
     theta by lr * N^-1/2 * sum_j f~_j E_j with the materialised perturbations."""
-    from zosoma.eggroll import eggroll_population_loss, eggroll_update, materialise, zscore
+    from zosoma.model.lowrank import eggroll_population_loss, materialise
+    from zosoma.strategies.eggroll import eggroll_update, zscore
 
     cfg = TrainConfig(steps=1, lr=0.5, **EGG)
     layout = Layout(MODEL)
@@ -199,16 +223,16 @@ def test_eggroll_step_is_the_zscored_low_rank_update(tmp_path):
 def test_eggroll_training_lowers_the_loss_and_resumes_exactly(tmp_path):
     cfg = TrainConfig(steps=40, lr=3.0, checkpoint_every=15, **{**EGG, "perturbations": 8})
     full, records = run_steps(tmp_path / "full", cfg)
-    losses = [r["loss"] for r in records if "loss" in r]
+    losses = [r.loss for r in records if isinstance(r, Step)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2
     part, _ = run_steps(tmp_path / "part", cfg, stop_at=17)
-    resumed, _ = run_steps(tmp_path / "part", cfg, state=from_checkpoint(read_checkpoint(tmp_path / "part")))
+    resumed, _ = run_steps(tmp_path / "part", cfg, state=from_checkpoint(RunFolder(tmp_path / "part").read_checkpoint()))
     assert np.array_equal(resumed.theta, full.theta)
 
 
 def test_summed_losses_need_spsa(tmp_path):
     from zosoma.errors import ConfigError
-    from zosoma.experts import create_soma
+    from zosoma.runs.soma import create_soma
 
     with pytest.raises(ConfigError, match="SPSA"):
         create_soma(tmp_path, MODEL, TrainConfig(**EGG), 2, "summed")

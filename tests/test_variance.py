@@ -13,9 +13,10 @@ import pytest
 from helpers import assert_close
 from zosoma.config import ModelConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.noise import noise
-from zosoma.optim import spsa_gradient
-from zosoma.variance import format_table, lstm_variance, quadratic_blocks, quadratic_variance, theory
+from zosoma.model.noise import noise
+from zosoma.engines.ops import Ops
+from zosoma.model.population import Population
+from zosoma.experiments.variance import format_table, lstm_variance, quadratic_blocks, quadratic_variance, theory
 
 NS = (1, 2, 4, 8, 16)
 D = 64
@@ -88,7 +89,7 @@ def test_quadratic_is_deterministic():
 
 
 def test_quadratic_matches_the_spsa_estimator():
-    """Squared errors rebuilt one trial at a time with zosoma.optim.spsa_gradient."""
+    """Squared errors rebuilt one trial at a time with Ops.noise_sum (the SPSA estimate)."""
     N, d, P, trials, eps, seed = 3, 40, 2, 4, 1e-3, 11
     a, b, x, g = quadratic_blocks(N, d, seed)
     f = lambda i, t: 0.5 * (a[i] * t * t).sum() + (b[i] * t).sum()
@@ -98,7 +99,7 @@ def test_quadratic_matches_the_spsa_estimator():
         c = np.array([[diff(i, noise(d, seed, i, step, k)) for k in range(P)] for i in range(N)])  # (N, P)
         for i in range(N):
             for m, coeffs in enumerate((c[i], c.sum(axis=0))):
-                ghat = spsa_gradient(coeffs, d, seed, i, step, "rademacher").astype(np.float64)
+                ghat = Ops().noise_sum(coeffs, d, Population(len(coeffs), 1.0, seed, i, step)).astype(np.float64)
                 sq[m, i] += ((ghat - g[i]) ** 2).sum()
     rec, = quadratic_variance(Ns=(N,), d=d, P=P, trials=trials, eps=eps, seed=seed)
     rel = sq.mean(axis=1) / trials / d

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
-from .errors import ConfigError, DataError
+from zosoma.errors import ConfigError, DataError
 
 PathLike = Union[str, Path]
 

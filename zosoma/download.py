@@ -20,7 +20,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import DataError
+from zosoma.errors import DataError
 
 WIKITEXT103_URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-raw-v1.zip"
 # name -> (bytes, sha256). WikiText-2 shares these two splits, so its raw archive works as well.

@@ -15,3 +15,8 @@ class CheckpointError(ZosomaError):
 
 class ConfigError(ZosomaError):
     """Settings that cannot work together (for example a model too small for its data)."""
+
+
+class WriteError(ZosomaError):
+    """A file could not be written (full disk, read-only folder, no permission); what was there
+    before is left as it was."""

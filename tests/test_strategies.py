@@ -1,0 +1,115 @@
+"""The strategy seam: the registry, declared options, OpenAI-ES, the summed-loss wrapper."""
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.engines.ops import Ops
+from zosoma.errors import ConfigError
+from zosoma.model import reference
+from zosoma.model.noise import noise
+from zosoma.model.params import Layout, init_params
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.records import Step
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.strategies import STRATEGIES, make_strategy
+from zosoma.strategies.es import OpenES, centered_ranks
+from zosoma.strategies.summed import Summed
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+
+
+def corpus():
+    text = np.frombuffer(b"zero-order training needs nothing but forward passes. " * 80, np.uint8)
+    return Corpus(("t",), (text,))
+
+
+def test_the_registry_names_every_strategy():
+    assert set(STRATEGIES) == {"sgd", "momentum", "adam", "eggroll", "es"}
+    for name, cls in STRATEGIES.items():
+        strategy = make_strategy(TrainConfig(optimizer=name))
+        assert isinstance(strategy, cls) and strategy.name == name
+    with pytest.raises(ConfigError, match="optimizer must be one of sgd, momentum, adam, eggroll, es"):
+        make_strategy(TrainConfig(optimizer="lbfgs"))
+
+
+@pytest.mark.parametrize("optimizer, field, value", [
+    ("eggroll", "noise", "gaussian"), ("eggroll", "momentum", 0.5), ("eggroll", "weight_decay", 0.1),
+    ("sgd", "rank", 4), ("sgd", "momentum", 0.5), ("momentum", "beta2", 0.9), ("es", "noise", "gaussian"),
+    ("es", "rank", 2)])
+def test_an_option_the_strategy_ignores_is_an_error(optimizer, field, value):
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')} is not used by --optimizer {optimizer}"):
+        make_strategy(TrainConfig(optimizer=optimizer, **{field: value}))
+
+
+def test_options_a_strategy_reads_are_accepted():
+    make_strategy(TrainConfig(optimizer="adam", momentum=0.5, beta2=0.9, weight_decay=0.1, noise="gaussian"))
+    make_strategy(TrainConfig(optimizer="eggroll", rank=4, eps=0.01))
+    make_strategy(TrainConfig(optimizer="es", weight_decay=0.01))
+
+
+def test_centered_ranks():
+    r = centered_ranks([3.0, -1.0, 10.0, 0.5])
+    assert r.tolist() == pytest.approx([1 / 6, -0.5, 0.5, -1 / 6], abs=1e-15)
+    assert centered_ranks([2.0, 2.0]).tolist() == [-0.5, 0.5]  # ties in index order
+    assert centered_ranks([7.0]).tolist() == [-0.5]
+
+
+def test_es_step_is_the_rank_shaped_gaussian_update():
+    """One OpenES step: theta + lr / (2 P sigma) * sum_k (r_k+ - r_k-) eps_k with centred ranks of
+    the fitness -loss over all 2P members, on members built from the Gaussian counters."""
+    P, sigma, lr = 5, 0.05, 0.01
+    cfg = TrainConfig(optimizer="es", perturbations=P, eps=sigma, lr=lr, batch=3, seq_len=12)
+    layout = Layout(MODEL)
+    theta = init_params(MODEL, 2)
+    batch = BatchSampler(corpus(), cfg.seq_len + 1).batch(0, 0, 0, cfg.batch)
+    es = OpenES(cfg)
+    pop = es.ask(expert=1, step=3)
+    assert (pop.kind, pop.rank, pop.scale, pop.P) == ("gaussian", 0, sigma, P)
+    plus, minus = Ops().perturbed_losses(theta, layout, batch, pop)
+    eps_k = [noise(theta.size, 0, 1, 3, k, "gaussian") for k in range(P)]
+    for k in range(P):  # the members really are theta +/- sigma eps_k
+        want = reference.loss(theta + np.float32(sigma) * eps_k[k], layout, batch)
+        assert plus[k] == pytest.approx(want, rel=1e-5)
+    coeffs, loss = es.coefficients(plus, minus)
+    assert loss == pytest.approx(np.mean((plus + minus) / 2))
+    ranks = centered_ranks(-np.stack([plus, minus], axis=1).ravel())
+    new, state = es.update(Ops(), layout, theta, {}, coeffs, pop, lr)
+    want = theta + lr / (2 * P * sigma) * sum((ranks[2 * k] - ranks[2 * k + 1]) * eps_k[k] for k in range(P))
+    assert_close(new, want, atol=1e-6, rtol=1e-5, name="es step")
+    assert state == {}
+    nan_coeffs, _ = es.coefficients(np.array([np.nan, 1.0]), np.array([1.0, 1.0]))
+    assert np.isnan(nan_coeffs).all()  # a diverged member: the trainer skips the step
+
+
+def test_es_trains_and_resumes_exactly(tmp_path):
+    cfg = TrainConfig(optimizer="es", steps=40, batch=4, seq_len=16, perturbations=8, warmup=2,
+                      checkpoint_every=15, eps=0.02, lr=0.05)
+    sampler = BatchSampler(corpus(), cfg.seq_len + 1)
+
+    def run(folder, stop_at=None, state=None):
+        state = new_state(MODEL, cfg) if state is None else state
+        trainer = Trainer(folder, MODEL, cfg, sampler, state)
+        records = list(train(trainer, lambda: stop_at is not None and trainer.state.step >= stop_at))
+        return trainer.state, [r.loss for r in records if isinstance(r, Step)]
+
+    full, losses = run(tmp_path / "full")
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3  # it learns
+    run(tmp_path / "part", stop_at=17)
+    resumed, _ = run(tmp_path / "part", state=from_checkpoint(RunFolder(tmp_path / "part").read_checkpoint()))
+    assert np.array_equal(resumed.theta, full.theta)
+
+
+def test_summed_wrapper_shares_spsa_scalars_and_refuses_shaped_fitness():
+    cfgs = [TrainConfig(eps=0.01), TrainConfig(eps=0.01)]
+    summed = Summed([make_strategy(c) for c in cfgs])
+    losses = [(np.array([1.0, 2.0]), np.array([0.5, 2.5])), (np.array([3.0, 1.0]), np.array([1.0, 1.0]))]
+    shared, per_expert = summed.coefficients(losses)
+    assert_close(shared, np.array([(0.5 + 2.0) / 0.02, (-0.5 + 0.0) / 0.02]), rtol=1e-12)
+    assert per_expert == [pytest.approx(1.5), pytest.approx(1.5)]
+    for name in ("eggroll", "es"):
+        with pytest.raises(ConfigError, match=f"--optimizer {name} shapes fitness"):
+            Summed([make_strategy(TrainConfig(optimizer=name))])
+

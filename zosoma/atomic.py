@@ -1,0 +1,100 @@
+"""Durable writes: every file zosoma writes goes through here.
+
+`atomic_path(path)` yields a temporary name in the target's folder; when the block ends without an
+error the temporary is fsynced and renamed onto the target (and the folder fsynced), so a reader
+sees the old file or the new one, never a half-written one. On any error the temporary is removed,
+the target is left untouched, and an OSError (full disk, read-only folder, no permission) becomes
+one WriteError line naming the path. `atomic_write` writes bytes or text that way;
+`append_line` appends one whole line or nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from pathlib import Path
+from typing import Iterator, Union
+
+from zosoma.errors import WriteError
+
+PathLike = Union[str, Path]
+
+
+def reason(err: OSError) -> str:
+    """One line for an OSError: its strerror (e.g. 'No space left on device'), else its text."""
+    return err.strerror or " ".join(str(err).split()) or type(err).__name__
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike, what: str = "file") -> Iterator[Path]:
+    """A temporary path to write `path`'s new content to; renamed onto `path` when the block
+    succeeds. `what` names the file in the error ("checkpoint", "results", ...)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise WriteError(f"cannot write {what} {path}: {reason(err)}") from err
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write(path: PathLike, data: Union[bytes, str], what: str = "file") -> None:
+    """Replace `path` with `data` (str is written as UTF-8) atomically."""
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    with atomic_path(path, what) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+
+
+def append_line(path: PathLike, line: str, what: str = "log") -> None:
+    """Append `line` + newline to `path` in one write; if it cannot be written whole (a full
+    disk), the file is cut back to its previous length, so it never ends in a partial line."""
+    path = Path(path)
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise WriteError(f"cannot write {what} {path}: {reason(err)}") from err
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise WriteError(f"cannot write {what} {path}: {reason(err)}") from err
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    # A fresh descriptor is enough: fsync flushes the file's pages whoever wrote them, and h5py's
+    # close (which may still write metadata) has happened by now.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename durable. Best effort: Windows cannot open a folder and some network
+    filesystems refuse to fsync one; the data file itself is already on disk."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,145 @@
+"""Ops: the array work of training and inference, and the CPU engine that implements it.
+
+Everything that touches a model's weights goes through one Ops object (the thinc pattern: this
+class is the CPU engine, NumPy arrays and zosoma.model's Numba kernels; CudaOps in
+zosoma.engines.cuda overrides it for a GPU). A new engine subclasses Ops and overrides what it runs
+itself; what it does not override runs here, on the host. The interface:
+
+    arrays     xp                       the array module of the engine's arrays (numpy, cupy)
+               asarray(x)               x as an engine float32 array (theta, optimizer state)
+               to_numpy(x)              an engine array as a NumPy array (checkpoints, evaluation)
+    forwards   population_loss(thetas, layout, batch)           (M,) mean nats/byte of M models
+               perturbed_losses(theta, layout, batch, pop, pairs)
+                                        (plus, minus): losses of a Population's members, made
+                                        from their counters (dense SPSA/ES or EGGROLL low-rank)
+               nll_stream(theta, layout, tokens, targets, state)  per-byte nats, state carried
+               log_probs(theta, layout, tokens, state)             next-byte log-probabilities
+               models_nll(models, rows)  per-byte nats of several models, each on its own rows
+    updates    noise_sum(coeffs, d, pop)  (1/P) sum_k coeffs[k] delta_k, every delta regenerated
+               sgd_update(theta, coeffs, pop, lr, weight_decay)   theta - lr (noise_sum + wd theta)
+               lowrank_update(theta, layout, coeffs, pop, lr)     EGGROLL's theta + lr N^-1/2 sum c E
+
+Losses come back as NumPy float64 (they are P scalars); theta and optimizer state stay engine
+arrays between steps, so an engine on a device never sends weights to the host while training.
+Shapes: M members, P pairs, B batch, T time, d parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from zosoma.model import forward, lowrank
+from zosoma.model.noise import add_noise
+from zosoma.model.population import Population
+from zosoma.model.params import Layout
+
+
+class Ops:
+    """The CPU engine: NumPy arrays, the Numba forwards of zosoma.model."""
+
+    name = "cpu"
+    xp = np
+
+    # --- arrays -----------------------------------------------------------------------------
+
+    def asarray(self, x) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def to_numpy(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    # --- forwards ---------------------------------------------------------------------------
+
+    def population_loss(self, thetas, layout: Layout, batch) -> np.ndarray:
+        """(M,) float64 mean nats/byte of M models thetas (M, d) on one (B, T+1) batch (or one
+        batch per model, (M, B, T+1)), from zero state."""
+        return forward.population_loss(thetas, layout, batch)
+
+    def perturbed_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
+                         timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Losses of the members theta + perturbation_k ("plus") and theta - perturbation_k
+        ("minus") for k in `pairs` (default all P) on the step's shared (B, T+1) batch; each
+        (len(pairs),) float64. `timings`, if given, accumulates seconds of "noise" (building
+        perturbed weights) and "forward"."""
+        pairs = range(pop.P) if pairs is None else pairs
+        timings = {} if timings is None else timings
+        if pop.rank:  # EGGROLL: the shared-GEMM population forward regenerates its own factors
+            t0 = time.perf_counter()
+            losses = lowrank.eggroll_population_loss(theta, layout, batch, pop.scale, pop.rank, pop.seed,
+                                                     pop.expert, pop.step, len(pairs), pairs.start)
+            timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
+            return losses[0::2], losses[1::2]
+        plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
+        buf = None
+        for chunk in member_chunks(pairs, theta.size):
+            if buf is None or buf.shape[0] != 2 * len(chunk):
+                buf = np.empty((2 * len(chunk), theta.size), np.float32)
+            t0 = time.perf_counter()
+            population = perturbed(theta, pop, chunk, buf)
+            t1 = time.perf_counter()
+            losses = self.population_loss(population, layout, batch)
+            timings["noise"] = timings.get("noise", 0.0) + t1 - t0
+            timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
+            at = slice(chunk.start - pairs.start, chunk.stop - pairs.start)
+            plus[at], minus[at] = losses[0::2], losses[1::2]
+        return plus, minus
+
+    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None):
+        """Nats (B, T) float32 of each target byte under one model, and the state after the last
+        step (one (h, c) pair of (B, H) per layer), carried in from `state` (None: zeros)."""
+        return forward.nll_stream(theta, layout, tokens, targets, state)
+
+    def log_probs(self, theta, layout: Layout, tokens, state=None):
+        """Next-byte log-probabilities (B, T, V) float32 of one model, and the final state."""
+        return forward.log_probs(theta, layout, tokens, state)
+
+    def models_nll(self, models: Sequence[tuple], rows: Sequence[tuple]) -> list[np.ndarray]:
+        """Nats (B_i, T_i) float32 of model i = (theta, layout) on its rows (tokens, targets)
+        (B_i, T_i) uint8, each from zero state: routed inference runs every selected expert on
+        its own segments. Here one model after another."""
+        return [self.nll_stream(theta, layout, tok, tgt)[0] for (theta, layout), (tok, tgt) in zip(models, rows)]
+
+    # --- updates ----------------------------------------------------------------------------
+
+    def noise_sum(self, coeffs, d: int, pop: Population) -> np.ndarray:
+        """(d,) float32 (1/P) * sum_k coeffs[k] * delta_k, regenerating each delta_k of the
+        dense Population in turn (P = len(coeffs)): SPSA's estimate from its P scalars."""
+        out = np.zeros(d, np.float32)
+        P = len(coeffs)
+        for k, c in enumerate(coeffs):
+            add_noise(out, out, float(c) / P, pop.seed, pop.expert, pop.step, k, pop.kind)
+        return out
+
+    def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
+        """theta - lr * noise_sum(coeffs) - lr * weight_decay * theta, a new array (the inputs are
+        left untouched, so an interruption never leaves a half-applied step)."""
+        new = theta - np.float32(lr) * self.noise_sum(coeffs, theta.size, pop)
+        if weight_decay:
+            new -= np.float32(lr * weight_decay) * theta
+        return new.astype(np.float32)
+
+    def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
+        """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.model.lowrank)."""
+        return lowrank.eggroll_step(theta, layout, coeffs, lr, pop.scale, pop.rank, pop.seed, pop.expert,
+                                    pop.step)
+
+
+def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray | None = None) -> np.ndarray:
+    """The dense antithetic population for `pairs`: rows 2j and 2j+1 are theta + scale*delta_k
+    and theta - scale*delta_k for k = pairs[j]. Returns (2*len(pairs), d) float32."""
+    out = np.empty((2 * len(pairs), theta.size), np.float32) if out is None else out
+    for j, k in enumerate(pairs):
+        add_noise(out[2 * j], theta, pop.scale, pop.seed, pop.expert, pop.step, k, pop.kind)
+        add_noise(out[2 * j + 1], theta, -pop.scale, pop.seed, pop.expert, pop.step, k, pop.kind)
+    return out
+
+
+def member_chunks(pairs: range, d: int, budget_bytes: int = 64 << 20) -> Iterator[range]:
+    """Split `pairs` into chunks whose 2*chunk float32 parameter copies fit the budget: perturbed
+    copies exist only for the chunk being evaluated."""
+    size = max(1, min(len(pairs), budget_bytes // (2 * 4 * d)))
+    for start in range(pairs.start, pairs.stop, size):
+        yield range(start, min(pairs.stop, start + size))

@@ -1,0 +1,298 @@
+"""Checkpoint I/O: one HDF5 file that says what it is (after Keras' legacy H5 format and anndata's
+`encoding-type` / `encoding-version`).
+
+Layout of format "zosoma-checkpoint", version 1:
+
+    /                    attrs: format, format_version, zosoma_version, config (config.to_json of
+                         ModelConfig and TrainConfig), created (ISO 8601, UTC), step, extra (JSON),
+                         checksum (SHA-256 of the content, see _digest)
+    /params              attr layout: JSON list of [name, shape, offset] rebuilding theta (d,)
+    /params/<name>       float32 tensor in zosoma's "x @ W" orientation (zosoma.model.params), attr offset
+    /optimizer/<name>    one dataset per optimizer state array (e.g. m, v for Adam)
+    /metrics             JSON text: the list of metrics records
+
+HDF5 checksums neither raw data nor variable-length strings, so a flipped byte inside a tensor
+would load silently; the `checksum` attribute covers every value the reader returns.
+
+Writes are atomic: a temporary file in the target's directory is written, fsynced and renamed
+onto the target, so a crash mid-write leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+
+from zosoma import __version__
+from zosoma.config import ModelConfig, TrainConfig, from_json, to_json
+from zosoma.errors import CheckpointError, ConfigError
+from zosoma.atomic import atomic_path
+from zosoma.formats.h5util import attr_int, attr_text, content_digest
+from zosoma.model.params import Layout
+
+FORMAT = "zosoma-checkpoint"
+FORMAT_VERSION = 1
+
+PathLike = Union[str, Path]
+
+# What a damaged or foreign file can make h5py, json or the config classes raise while reading.
+_READ_ERRORS = (OSError, KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError,
+                UnicodeError, ConfigError)
+
+
+@dataclass(eq=False)  # eq=False: fields hold arrays, whose == is elementwise
+class Checkpoint:
+    model: ModelConfig
+    train: TrainConfig
+    theta: np.ndarray  # (d,) float32 flat parameters, d = Layout(model).size
+    step: int  # optimizer steps completed
+    optimizer: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. {"m": (d,), "v": (d,)}
+    metrics: list[dict] = field(default_factory=list)  # metrics history (JSON-able records)
+    extra: dict = field(default_factory=dict)  # JSON-able run state: seeds, data cursors, ...
+
+
+def _json_default(value):
+    """Let NumPy scalars and arrays from the training loop into JSON records."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _layout_json(layout: Layout) -> str:
+    return json.dumps([[e.name, list(e.shape), e.offset] for e in layout.entries])
+
+
+def _check_for_writing(ckpt: Checkpoint, layout: Layout) -> None:
+    """Refuse to write a checkpoint that could not be read back (caller bugs, so ValueError)."""
+    theta = ckpt.theta
+    if not isinstance(theta, np.ndarray) or theta.dtype != np.float32 or theta.shape != (layout.size,):
+        raise ValueError(f"theta must be a float32 array of shape ({layout.size},) for {ckpt.model}, got "
+                         f"{getattr(theta, 'dtype', type(theta))} {getattr(theta, 'shape', '')}")
+    if isinstance(ckpt.step, bool) or not isinstance(ckpt.step, (int, np.integer)) or ckpt.step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {ckpt.step!r}")
+    for name, value in ckpt.optimizer.items():
+        if not isinstance(name, str) or not name or "/" in name or name == ".":
+            raise ValueError(f"optimizer state name {name!r} cannot name an HDF5 dataset")
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "biufc":
+            raise ValueError(f"optimizer state {name!r} must be a numeric NumPy array")
+    if not isinstance(ckpt.metrics, list) or not isinstance(ckpt.extra, dict):
+        raise ValueError("metrics must be a list of records and extra a dict")
+
+
+def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
+    """Write `ckpt` to `path` atomically (zosoma.atomic: temporary file, fsync, rename). On any
+    failure the temporary is removed and an existing file at `path` is left untouched; an OSError
+    (full disk, missing folder, no permission) becomes a one-line WriteError naming the path."""
+    import h5py
+
+    path = Path(path)
+    layout = Layout(ckpt.model)
+    _check_for_writing(ckpt, layout)
+    # Serialise first so a record that is not JSON-able fails before any file is touched.
+    try:
+        texts = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "zosoma_version": __version__,
+            "config": to_json(ckpt.model, ckpt.train),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "step": str(int(ckpt.step)),
+            "extra": json.dumps(ckpt.extra, sort_keys=True, default=_json_default),
+            "metrics": json.dumps(ckpt.metrics, default=_json_default),
+            "layout": _layout_json(layout),
+        }
+    except TypeError as err:
+        raise TypeError(f"checkpoint metrics and extra must be JSON serialisable: {err}") from None
+    params = [(e.name, layout.view(ckpt.theta, e.name)) for e in layout.entries]
+    optimizer = [(name, ckpt.optimizer[name]) for name in sorted(ckpt.optimizer)]
+    checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
+                       [("optimizer/" + n, a) for n, a in optimizer])
+
+    with atomic_path(path, "checkpoint") as tmp, h5py.File(tmp, "w") as f:
+        for key in ("format", "zosoma_version", "config", "created", "extra"):
+            f.attrs[key] = texts[key]
+        f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+        f.attrs["step"] = np.int64(ckpt.step)
+        f.attrs["checksum"] = checksum
+        group = f.create_group("params")
+        group.attrs["layout"] = texts["layout"]
+        for (name, values), entry in zip(params, layout.entries):
+            group.create_dataset(name, data=values).attrs["offset"] = np.int64(entry.offset)
+        group = f.create_group("optimizer")
+        for name, values in optimizer:
+            group.create_dataset(name, data=values)
+        f.create_dataset("metrics", data=texts["metrics"], dtype=h5py.string_dtype())
+
+
+class _Damaged(Exception):
+    """A reason the file is not a usable checkpoint; turned into CheckpointError with the path."""
+
+
+def _read(path: Path) -> tuple[Checkpoint, dict]:
+    """The checkpoint and its header (format, format_version, zosoma_version, created)."""
+    import h5py
+
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} is not a file")
+    with h5py.File(path, "r") as f:
+        if "format" not in f.attrs:
+            raise _Damaged("no 'format' attribute (not written by zosoma)")
+        fmt = attr_text(f.attrs["format"])
+        if fmt != FORMAT:
+            raise _Damaged(f"format is {fmt!r}, expected {FORMAT!r}")
+        version = attr_int(f.attrs.get("format_version"), "format_version")
+        written_by = attr_text(f.attrs.get("zosoma_version", "unknown"))
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a newer zosoma ({written_by}, format version "
+                f"{version}); zosoma {__version__} reads up to version {FORMAT_VERSION}: upgrade zosoma")
+        if version < 1:
+            raise _Damaged(f"invalid format_version {version}")
+
+        texts = {"format": fmt, "format_version": str(version), "zosoma_version": written_by}
+        for key in ("config", "created", "extra"):
+            texts[key] = attr_text(f.attrs[key])
+        step = attr_int(f.attrs["step"], "step")
+        if step < 0:
+            raise _Damaged(f"negative step {step}")
+        texts["step"] = str(step)
+        configs = from_json(texts["config"])
+        model, train = configs["ModelConfig"], configs["TrainConfig"]
+        extra = json.loads(texts["extra"])
+        if not isinstance(extra, dict):
+            raise _Damaged("'extra' is not a JSON object")
+
+        layout = Layout(model)
+        group = f["params"]
+        texts["layout"] = attr_text(group.attrs["layout"])
+        stored = [(str(n), tuple(int(s) for s in shape), int(o)) for n, shape, o in json.loads(texts["layout"])]
+        expected = [(e.name, e.shape, e.offset) for e in layout.entries]
+        if stored != expected:
+            raise CheckpointError(
+                f"checkpoint {path} has a parameter layout that does not match its {model} "
+                f"(shape mismatch: {_first_difference(stored, expected)})")
+        if set(group.keys()) != {e.name for e in layout.entries}:
+            raise _Damaged(f"params holds {sorted(group.keys())}, expected the tensors of {model}")
+        theta = np.empty(layout.size, np.float32)
+        params = []
+        for e in layout.entries:
+            ds = group[e.name]
+            if not isinstance(ds, h5py.Dataset) or ds.shape != e.shape:
+                raise CheckpointError(f"checkpoint {path}: parameter {e.name!r} has shape "
+                                      f"{getattr(ds, 'shape', None)}, expected {e.shape} for {model}")
+            if ds.dtype.kind != "f" or ds.dtype.itemsize != 4:
+                raise _Damaged(f"parameter {e.name!r} has dtype {ds.dtype}, expected float32")
+            if attr_int(ds.attrs["offset"], "offset") != e.offset:
+                raise _Damaged(f"parameter {e.name!r} has offset {ds.attrs['offset']}, expected {e.offset}")
+            view = layout.view(theta, e.name)
+            view[...] = ds[()]
+            params.append(("params/" + e.name, view))
+
+        optimizer = {}
+        for name in sorted(f["optimizer"].keys()):
+            ds = f["optimizer"][name]
+            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "biufc":
+                raise _Damaged(f"optimizer state {name!r} is not a numeric dataset")
+            optimizer[name] = np.asarray(ds[()])
+
+        texts["metrics"] = attr_text(f["metrics"][()])
+        metrics = json.loads(texts["metrics"])
+        if not isinstance(metrics, list):
+            raise _Damaged("'metrics' is not a JSON list")
+
+        checksum = attr_text(f.attrs["checksum"])
+    arrays = params + [("optimizer/" + n, a) for n, a in optimizer.items()]
+    if content_digest(texts, arrays) != checksum:
+        raise _Damaged("checksum mismatch (the file was modified or corrupted after writing)")
+    header = {"format": fmt, "format_version": version, "zosoma_version": written_by,
+              "created": texts["created"]}
+    return Checkpoint(model, train, theta, step, optimizer, metrics, extra), header
+
+
+def _first_difference(stored, expected) -> str:
+    for s, e in zip(stored, expected):
+        if s != e:
+            return f"file has {s[0]!r} {s[1]} at offset {s[2]}, config needs {e[0]!r} {e[1]} at offset {e[2]}"
+    return f"file has {len(stored)} tensors, config needs {len(expected)}"
+
+
+def _read_or_raise(path: PathLike) -> tuple[Checkpoint, dict]:
+    path = Path(path)
+    try:
+        return _read(path)
+    except CheckpointError:
+        raise
+    except (_Damaged, *_READ_ERRORS) as err:
+        text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)  # no KeyError quotes
+        reason = " ".join(text.split()) or type(err).__name__
+        raise CheckpointError(f"{path} is damaged or not a zosoma checkpoint: {reason}") from None
+
+
+def load_checkpoint(path: PathLike) -> Checkpoint:
+    """Read and verify a checkpoint: format and version, every tensor's shape against the layout of
+    the stored ModelConfig, and the content checksum. Values need not be finite. Raises
+    CheckpointError (one line, naming the path) for anything else."""
+    return _read_or_raise(path)[0]
+
+
+def read_step(path: PathLike) -> int:
+    """The step recorded in a checkpoint's header, without reading or verifying its tensors (a
+    cheap look at how far a run got; load_checkpoint verifies)."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            if attr_text(f.attrs["format"]) != FORMAT:
+                raise ValueError("not a zosoma checkpoint")
+            return attr_int(f.attrs["step"], "step")
+    except (OSError, KeyError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path} is damaged or not a zosoma checkpoint: {err}") from None
+
+
+def summary(path: PathLike) -> str:
+    """A multi-line human summary of a checkpoint (what `zosoma info` prints); verifies the file
+    like load_checkpoint and raises CheckpointError when it is damaged."""
+    ckpt, header = _read_or_raise(path)
+    layout = Layout(ckpt.model)
+    n = layout.size
+    width = max(len(e.name) for e in layout.entries)
+    lines = [
+        f"checkpoint   {path}",
+        f"format       {header['format']} v{header['format_version']}, "
+        f"written by zosoma {header['zosoma_version']}",
+        f"created      {header['created']}",
+        f"step         {ckpt.step}",
+        f"model        {_fields(ckpt.model)}: {n} parameters ({n / 1e6:.2f}M)",
+    ]
+    lines += [f"  {e.name:<{width}}  {str(e.shape):<12}  offset {e.offset}" for e in layout.entries]
+    lines.append("train        " + "\n             ".join(textwrap.wrap(_fields(ckpt.train), 86)))
+    if ckpt.optimizer:
+        states = ", ".join(f"{k} {v.shape} {v.dtype}" for k, v in ckpt.optimizer.items())
+    else:
+        states = "none"
+    lines.append(f"optimizer    {states}")
+    lines.append(f"metrics      {len(ckpt.metrics)} records")
+    if ckpt.metrics:
+        lines.append(f"  last       {_json_line(ckpt.metrics[-1])}")
+    lines.append("extra" + ("" if ckpt.extra else "        none"))
+    lines += [f"  {k}: {_json_line(v)}" for k, v in sorted(ckpt.extra.items())]
+    return "\n".join(lines)
+
+
+def _fields(config) -> str:
+    return ", ".join(f"{k}={v}" for k, v in asdict(config).items())
+
+
+def _json_line(value, limit: int = 100) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,37 @@
+"""Parameters in PyTorch's layout: nn.Embedding + nn.LSTM(batch_first=True) + nn.Linear.
+
+torch stores weights as (out, in), the transpose of zosoma's "x @ W" layout, and keeps two LSTM
+biases (b_ih, b_hh) where zosoma keeps their sum: b_ih carries the bias and b_hh is zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zosoma.errors import ZosomaError
+from zosoma.model.params import Layout
+
+
+def torch_state_arrays(theta: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
+    """state_dict entries (as NumPy arrays) for modules named `embedding`, `lstm`, `linear`."""
+    p = layout.views(theta)
+    state = {"embedding.weight": p["embed"]}
+    for layer in range(layout.config.layers):
+        state[f"lstm.weight_ih_l{layer}"] = p[f"lstm{layer}.w_ih"].T
+        state[f"lstm.weight_hh_l{layer}"] = p[f"lstm{layer}.w_hh"].T
+        state[f"lstm.bias_ih_l{layer}"] = p[f"lstm{layer}.bias"]
+        state[f"lstm.bias_hh_l{layer}"] = np.zeros_like(p[f"lstm{layer}.bias"])
+    state["linear.weight"] = p["out.w"].T
+    state["linear.bias"] = p["out.b"]
+    return {k: np.ascontiguousarray(v) for k, v in state.items()}
+
+
+def export_torch(theta: np.ndarray, layout: Layout, path) -> None:
+    """Write a torch state_dict (torch.save) loadable into nn.Embedding(256, E),
+    nn.LSTM(E, H, L, batch_first=True) and nn.Linear(H, 256) registered as embedding, lstm, linear."""
+    try:
+        import torch
+    except ImportError:
+        raise ZosomaError("exporting to torch needs PyTorch: pip install torch") from None
+    state = {k: torch.from_numpy(v.copy()) for k, v in torch_state_arrays(theta, layout).items()}
+    torch.save(state, path)

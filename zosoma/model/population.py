@@ -1,0 +1,29 @@
+"""A step's population, named by counters: what an engine evaluates and a strategy updates from.
+
+Kept apart from zosoma.model.noise (which compiles its generators with Numba on import) so that
+the strategies and the command line stay light to import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Population:
+    """The 2P antithetic members of one step, named by their counters: member pair k (k < P) is
+    theta + perturbation_k and theta - perturbation_k, where perturbation_k is
+
+        rank 0 (dense, SPSA and ES):   scale * delta_k,  delta_k = noise(seed, expert, step, k, kind)
+        rank r >= 1 (EGGROLL):         E_k = (scale / sqrt(r)) A_k B_k^T (+ scale * e_k on vectors),
+                                       factors sliced from pair k's Gaussian stream (zosoma.model.lowrank)
+
+    Engines evaluate a Population (or a range of its pairs) without storing any perturbation."""
+
+    P: int  # pairs of members
+    scale: float  # eps (SPSA), sigma (ES, EGGROLL)
+    seed: int
+    expert: int
+    step: int
+    kind: str = "rademacher"  # dense noise: "rademacher" or "gaussian" (rank >= 1: always Gaussian)
+    rank: int = 0  # 0: dense; r >= 1: EGGROLL's low-rank perturbations

@@ -1,0 +1,7 @@
+"""Where a run lives: run folders, the training loop, executors and progress records.
+
+Owns every file name inside a run folder (folder), the one atomic writer, the training loop over
+a strategy and an engine (trainer), single-model and SOMA runs (single, soma), the executors that
+run idempotent units of work (executor) and the typed records training yields (records). May
+import everything below it: the foundation, model, formats, engines, strategies and soma.
+"""

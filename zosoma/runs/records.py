@@ -1,0 +1,93 @@
+"""What training and the executors yield: typed progress records.
+
+Library code yields these; the command line renders them (isinstance, never event strings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from zosoma.config import ModelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """A SOMA run clustered its corpus: one report row per cluster (zosoma.soma.cluster)."""
+    report: list
+    n_chunks: int
+    chunk_size: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """A run (new or resumed) is about to train. steps: each expert's step so far."""
+    run_dir: str
+    model: ModelConfig
+    train: TrainConfig
+    data: str  # one line describing the training data
+    experts: int = 1
+    loss: str = "independent"
+    steps: tuple = (0,)
+    device: str = "cpu"
+
+    @property
+    def n_params(self) -> int:
+        return self.model.n_params()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of one expert; `metrics` is the record written to metrics.jsonl."""
+    expert: int
+    metrics: dict = field(repr=False)
+
+    @property
+    def step(self) -> int:
+        return self.metrics["step"]
+
+    @property
+    def loss(self) -> float:
+        return self.metrics["loss"]
+
+    @property
+    def skipped(self) -> bool:
+        return self.metrics["skipped"]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.metrics["tokens_per_s"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """An expert (or single model) reached its last step."""
+    expert: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """An expert stopped on request, checkpointed at `step`; a resume continues it."""
+    expert: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A unit of work raised: `unit` names it (an expert index, a run folder), `error` is one line."""
+    unit: Any
+    error: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """A unit of work's final value (e.g. a comparison run's result record)."""
+    unit: Any
+    value: Any = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """The final evaluation, as written to results.json."""
+    results: dict = field(repr=False)

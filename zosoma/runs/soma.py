@@ -1,0 +1,267 @@
+"""SOMA runs: cluster the corpus, then train N experts, one per cluster; evaluate the routed ensemble.
+
+Independent losses (SOMA): each expert trains on its own cluster with its own noise stream
+(expert index i in every counter) and shares nothing, so each expert is one unit of work for an
+executor (zosoma.runs.executor): it opens its folder, resumes from its last checkpoint and trains;
+a crash or a stop in one loses nothing of the others.
+
+Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting weights, batches
+and perturbations, but every expert's update uses the shared scalars of the summed loss. That
+couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
+all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
+that was already one checkpoint ahead).
+
+The folder's files are zosoma.runs.folder's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
+from zosoma.download import find_wikitext103
+from zosoma.engines import get_ops
+from zosoma.engines.ops import Ops
+from zosoma.errors import CheckpointError, ConfigError, DataError
+from zosoma.model.params import Layout
+from zosoma.runs.executor import Inline
+from zosoma.runs.folder import CHECKPOINT, ROUTER, RunFolder
+from zosoma.runs.records import Clusters, Evaluated, Finished, Started, Stopped
+from zosoma.runs.single import data_record, fingerprint, load_data
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
+from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
+from zosoma.strategies import make_strategy
+from zosoma.strategies.summed import Summed
+
+LOSSES = ("independent", "summed")
+
+
+def expert_corpora(chunks: Corpus, assignments: np.ndarray, n: int) -> list[Corpus]:
+    return [chunks.subset(np.flatnonzero(assignments == i)) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class SomaRun:
+    """An opened SOMA run: its folder, description (soma.json), each expert's cluster of the
+    training corpus, and the held-out corpus (None when there is none)."""
+    folder: RunFolder
+    soma: dict
+    train_corpus: Corpus
+    corpora: tuple
+    heldout: Corpus | None
+
+    @property
+    def n_experts(self) -> int:
+        return self.soma["experts"]
+
+    def extra(self) -> dict:
+        return {"data": self.soma["data"], "loss": self.soma["loss"]}
+
+    def trainer(self, i: int, ops: Ops, step: int | None = None) -> Trainer:
+        """Expert i's Trainer from its newest checkpoint (or the one at `step`)."""
+        folder = self.folder.expert(i)
+        ckpt = folder.read_checkpoint(step)
+        return Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpora[i], ckpt.train.seq_len + 1),
+                       from_checkpoint(ckpt), expert=i, extra=self.extra(), ops=ops)
+
+
+def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
+               executor=None, chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
+               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu") -> Iterator:
+    """Cluster, initialise and train a new SOMA run; yields Clusters, Started, the experts' Step
+    records, Finished / Stopped / Failed per expert, then Evaluated."""
+    report, n_chunks = create_soma(run_dir, model, cfg, n_experts, loss, chunk_size, train_paths,
+                                   heldout_paths, wikitext, top_k)
+    run = open_soma(run_dir)
+    yield Clusters(report, n_chunks, chunk_size)
+    yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
+                  get_ops(device).name)
+    yield from _train_and_evaluate(run, executor, should_stop, device)
+
+
+def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
+                chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
+                top_k: int = 2) -> tuple[list[dict], int]:
+    """Cluster the corpus and write a new SOMA run folder, every expert at step 0 (nothing is
+    trained). Returns the clusters' report and the number of chunks."""
+    folder = RunFolder(run_dir)
+    if folder.holds_run:
+        raise ConfigError(f"{run_dir} already holds a run: use --resume {run_dir} or another --run-dir")
+    if loss not in LOSSES:
+        raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    strategy = make_strategy(cfg)
+    if loss == "summed":
+        Summed([strategy])  # refuses strategies whose scalars do not add up
+    if chunk_size < cfg.seq_len + 1:
+        raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
+    train_corpus, _ = load_data(train_paths, heldout_paths)
+    chunks = chunk(train_corpus, chunk_size)
+    if n_experts > len(chunks):
+        raise ConfigError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes")
+    clustering, assignments = fit_clusters(chunks, ClusterConfig(n_clusters=n_experts, seed=cfg.seed))
+    report = cluster_report(assignments, chunks.names, n_experts)
+    folder.make()
+    save_clustering(folder.router, clustering)
+    data = data_record(train_corpus, train_paths, heldout_paths, wikitext)
+    soma = {"experts": n_experts, "loss": loss, "chunk_size": chunk_size, "top_k": top_k, "data": data,
+            "cluster_sizes": [r["size"] for r in report], "assignments": assignments.tolist()}
+    corpora = expert_corpora(chunks, assignments, n_experts)
+    for i in range(n_experts):  # step-0 checkpoints: every expert can resume from the start
+        Trainer(folder.expert(i), model, cfg, BatchSampler(corpora[i], cfg.seq_len + 1),
+                new_state(model, cfg, expert=i), expert=i, extra={"data": data, "loss": loss}).checkpoint()
+    folder.write_soma(soma)  # last: a folder without soma.json holds no run yet
+    return report, len(chunks)
+
+
+def open_soma(run_dir) -> SomaRun:
+    """A SOMA run folder opened once: refuses training data that changed since the run started."""
+    folder = RunFolder(run_dir)
+    soma = folder.read_soma()
+    data = soma["data"]
+    train_corpus, heldout = load_data(data["train"] or None, data["heldout"] or None)
+    if fingerprint(train_corpus) != data["fingerprint"]:
+        raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
+    chunks = chunk(train_corpus, soma["chunk_size"])
+    corpora = expert_corpora(chunks, np.asarray(soma["assignments"]), soma["experts"])
+    return SomaRun(folder, soma, train_corpus, tuple(corpora), heldout)
+
+
+def soma_summary(run_dir) -> str:
+    """A few lines for `zosoma info RUN`: what the run is and how far each expert got."""
+    folder = RunFolder(run_dir)
+    soma = folder.read_soma()
+    lines = [f"SOMA run {run_dir}: {soma['experts']} experts, {soma['loss']} losses, chunks of "
+             f"{soma['chunk_size']} bytes, cluster sizes {soma['cluster_sizes']}"]
+    for i in range(soma["experts"]):
+        c = folder.expert(i).read_checkpoint()
+        lines.append(f"  expert{i}: step {c.step}/{c.train.steps}, {c.model.n_params():,} parameters, "
+                     f"last loss {c.metrics[-1]['loss']:.4f}" if c.metrics else f"  expert{i}: step 0")
+    lines.append(f"details: zosoma info {folder.expert(0)}")
+    return "\n".join(lines)
+
+
+def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False,
+                device: str = "cpu") -> Iterator:
+    """Continue every expert of a SOMA run where it stopped, then evaluate."""
+    run = open_soma(run_dir)
+    steps = tuple(run.folder.expert(i).checkpoint_step() for i in range(run.n_experts))
+    first = run.folder.expert(0).read_checkpoint()
+    yield Started(str(run_dir), first.model, first.train, describe(run.train_corpus), run.n_experts,
+                  run.soma["loss"], steps, get_ops(device).name)
+    yield from _train_and_evaluate(run, executor, should_stop, device)
+
+
+def _train_and_evaluate(run: SomaRun, executor, should_stop, device):
+    finished = set()
+    if run.soma["loss"] == "summed":
+        ops = get_ops(device)
+        records = train_lockstep(lockstep_trainers(run, ops), should_stop)
+    else:
+        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, device) for i in range(run.n_experts)]
+        records = (executor or Inline()).run(units, should_stop)
+    for record in records:
+        if isinstance(record, Finished):
+            finished.add(record.expert)
+        yield record
+    if len(finished) == run.n_experts:  # stopped or failed experts: nothing to evaluate yet
+        yield from _evaluate(run, get_ops(device))
+
+
+@dataclass(frozen=True)
+class ExpertUnit:
+    """One expert's training as an idempotent unit of work: open its folder, resume, train."""
+    run_dir: str
+    soma: dict
+    corpus: Corpus
+    expert: int
+    device: str
+
+    def __call__(self, stopping: Callable[[], bool]) -> Iterator:
+        folder = RunFolder(self.run_dir).expert(self.expert)
+        ckpt = folder.read_checkpoint()
+        trainer = Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpus, ckpt.train.seq_len + 1),
+                          from_checkpoint(ckpt), expert=self.expert,
+                          extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
+        yield from train(trainer, stopping)
+
+
+def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:
+    """Every expert's Trainer at the newest step that all of them have a checkpoint for."""
+    step = min(run.folder.expert(i).read_checkpoint().step for i in range(run.n_experts))
+    return [run.trainer(i, ops, step) for i in range(run.n_experts)]
+
+
+def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+    """The summed-loss ablation: every expert updated with the shared scalars of the summed loss
+    (zosoma.strategies.summed); records as `train` yields them."""
+    summed = Summed([t.strategy for t in trainers])
+    while not trainers[0].done:
+        if should_stop():
+            for t in trainers:
+                t.checkpoint()
+                yield Stopped(t.expert, t.state.step)
+            return
+        shared, losses = summed.coefficients([t.losses() for t in trainers])
+        for t, loss in zip(trainers, losses):
+            yield t.update(shared, loss)
+    for t in trainers:
+        yield Finished(t.expert, t.state.step)
+
+
+def _evaluate(run: SomaRun, ops: Ops):
+    ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
+    ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts),
+                        Router(load_clustering(run.folder.router), run.soma["top_k"]))
+    results = evaluate_soma(ensemble, run.heldout, run.soma["data"].get("wikitext"), ops=ops)
+    results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
+                   flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
+                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts))
+    run.folder.write_results(results)
+    yield Evaluated(results)
+
+
+def load_ensemble(run_dir, top_k: int, temperature: float = 0.1) -> Ensemble:
+    """The ensemble of a SOMA run folder: its router (the clustering) and, for each of its N
+    clusters, the newest checkpoint of expert i. CheckpointError names the missing or damaged
+    file; ConfigError for an impossible top-k or temperature (checked before reading experts)."""
+    folder = RunFolder(run_dir)
+    if not folder.path.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run folder")
+    if not folder.router.is_file():
+        raise CheckpointError(f"{run_dir}: no {ROUTER} (the clustering the router needs); "
+                              "is this a SOMA run folder?")
+    router = Router(load_clustering(folder.router), top_k, temperature)
+    N = router.n_experts
+    experts = []
+    for i in range(N):
+        expert = folder.expert(i)
+        if not expert.has_checkpoint:
+            raise CheckpointError(f"{expert}: no {CHECKPOINT} (the router has {N} clusters, so "
+                                  f"the run needs expert0 .. expert{N - 1})")
+        ckpt = expert.read_checkpoint()
+        experts.append((ckpt.theta, Layout(ckpt.model)))
+    return Ensemble(tuple(experts), router)
+
+
+def evaluate_soma(ensemble: Ensemble, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,
+                  segment: int = 256, context: int = 512) -> dict:
+    """Routed ensemble, each expert alone and oracle routing, in nats/byte: per held-out domain
+    ({"heldout": {name: {"routed": x, "expert0": y, ..., "oracle": z}}}) and on WikiText-103."""
+    ops = ops or get_ops("cpu")
+    ensemble = ensemble.on(ops)
+    kw = dict(segment=segment, context=context)
+    out: dict = {"heldout": None, "wikitext103": None, "top_k": ensemble.top_k,
+                 "temperature": ensemble.router.temperature, **kw}
+    if heldout is not None:
+        out["heldout"] = {name: {k: r.nats_per_byte for k, r in by.items()}
+                          for name, by in evaluate_routed_corpus(ensemble, heldout, ops, **kw).items()}
+    wiki = find_wikitext103(wikitext)
+    if wiki is not None:
+        out["wikitext103"] = {k: r.nats_per_byte for k, r in evaluate_routed(ensemble, load_text(wiki), ops=ops, **kw).items()}
+        out["wikitext103_path"] = str(wiki)
+    return out

@@ -1,0 +1,159 @@
+"""The training loop of one model: a strategy, an engine, a run folder.
+
+One step (SOMA.md; zosoma.strategies.base):
+
+    batch        = sampler.batch(seed, expert, step)                  a pure function of the counters
+    pop          = strategy.ask(expert, step)                         which 2P members
+    plus, minus  = ops.perturbed_losses(theta, layout, batch, pop)    forward passes only
+    coeffs, loss = strategy.coefficients(plus, minus)                 P scalars
+    theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
+    the step's record -> metrics.jsonl; every K steps -> checkpoint.h5
+
+theta and the optimizer state live on the engine (a GPU keeps them there); the host gets them
+only for checkpoints. Batches and noise are regenerated from counters, so a run resumed from a
+checkpoint takes exactly the steps an uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler
+from zosoma.engines import get_ops
+from zosoma.engines.ops import Ops
+from zosoma.errors import ConfigError
+from zosoma.formats.checkpoint import Checkpoint
+from zosoma.model.params import Layout, init_params
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.records import Finished, Step, Stopped
+from zosoma.strategies import make_strategy
+from zosoma.strategies.base import learning_rate
+
+
+@dataclass
+class RunState:
+    """Everything that changes during training; saved whole in every checkpoint."""
+    theta: np.ndarray  # (d,) float32, an engine array while training
+    optimizer: dict  # the strategy's state arrays
+    step: int = 0
+    metrics: list = field(default_factory=list)
+    tokens: int = 0  # bytes pushed through forward passes (2P * B * T per step)
+    wall_s: float = 0.0  # training wall time summed over all sessions of this run
+
+
+def new_state(model: ModelConfig, cfg: TrainConfig, expert: int = 0) -> RunState:
+    theta = init_params(model, cfg.seed, expert)
+    return RunState(theta, make_strategy(cfg).init(Ops(), theta.size))
+
+
+def from_checkpoint(ckpt: Checkpoint) -> RunState:
+    return RunState(ckpt.theta, ckpt.optimizer, ckpt.step, list(ckpt.metrics),
+                    int(ckpt.extra.get("tokens", 0)), float(ckpt.extra.get("wall_s", 0.0)))
+
+
+class Trainer:
+    """One model's training: `losses` evaluates the step's population, `update` applies
+    coefficients. Independent training feeds each expert its own coefficients; the summed-loss
+    ablation feeds every expert the shared ones (zosoma.runs.soma)."""
+
+    def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
+                 expert: int = 0, extra: dict | None = None, ops: Ops | None = None):
+        if sampler.T1 != cfg.seq_len + 1:
+            raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
+        self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+        self.model, self.cfg, self.sampler, self.expert = model, cfg, sampler, expert
+        self.strategy = make_strategy(cfg)
+        self.ops = ops or get_ops("cpu")
+        self.layout = Layout(model)
+        self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
+        self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
+        state.theta = self.ops.asarray(state.theta)  # on the engine from here on
+        state.optimizer = {k: self.ops.asarray(v) for k, v in state.optimizer.items()}
+        self.state = state
+        self.folder.make()
+        self.folder.rewrite_metrics(state.metrics)  # drop records past the checkpoint
+        self.timings: dict = {}  # seconds of the step in progress: data, noise, forward, update
+        self._pop = None  # the population `losses` evaluated, for `update`
+
+    @property
+    def run_dir(self):
+        return self.folder.path
+
+    @property
+    def done(self) -> bool:
+        return self.state.step >= self.cfg.steps
+
+    def losses(self) -> tuple[np.ndarray, np.ndarray]:
+        """The step's members' losses on its minibatch: plus (P,) and minus (P,)."""
+        t0 = time.perf_counter()
+        cfg, step = self.cfg, self.state.step
+        batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
+        self.timings = {"data": time.perf_counter() - t0}
+        self._pop = self.strategy.ask(self.expert, step)
+        return self.ops.perturbed_losses(self.state.theta, self.layout, batch, self._pop, timings=self.timings)
+
+    def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
+        """The strategy's P scalars and the minibatch loss estimate at theta."""
+        return self.strategy.coefficients(plus, minus)
+
+    def update(self, coeffs: np.ndarray, loss: float) -> Step:
+        """Apply the strategy's update from the P scalars; a non-finite scalar skips the step (a
+        NaN would poison theta and the optimizer state). Returns the step's record."""
+        t0 = time.perf_counter()
+        cfg, state, step = self.cfg, self.state, self.state.step
+        pop = self._pop if self._pop is not None else self.strategy.ask(self.expert, step)
+        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
+        skipped = not np.all(np.isfinite(coeffs))
+        theta, opt = state.theta, state.optimizer
+        if not skipped:
+            theta, opt = self.strategy.update(self.ops, self.layout, theta, opt, coeffs, pop, lr)
+        self.timings["update"] = time.perf_counter() - t0
+        dt = sum(self.timings.values())
+        record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
+                  "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
+                  "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped),
+                  **{f"{k}_s": v for k, v in self.timings.items()}}
+        record["flops"] = record["tokens"] * self.model.flops_per_token()
+        # The state changes only here, once the step is complete (stop requests are polled).
+        state.theta, state.optimizer, state.step = theta, opt, step + 1
+        state.tokens, state.wall_s = record["tokens"], record["wall_s"]
+        state.metrics.append(record)
+        self._pop = None
+        self.folder.append_metrics(record)
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+            self.checkpoint()
+        return Step(self.expert, record)
+
+    def to_checkpoint(self) -> Checkpoint:
+        state, to_numpy = self.state, self.ops.to_numpy
+        extra = dict(self.extra, tokens=state.tokens, flops=state.tokens * self.model.flops_per_token(),
+                     wall_s=state.wall_s, data_cursor=state.step)
+        return Checkpoint(model=self.model, train=self.cfg, theta=to_numpy(state.theta), step=state.step,
+                          optimizer={k: to_numpy(v) for k, v in state.optimizer.items()},
+                          metrics=state.metrics, extra=extra)
+
+    def checkpoint(self) -> None:
+        self.folder.write_checkpoint(self.to_checkpoint())
+
+    @property
+    def theta(self) -> np.ndarray:
+        """theta on the host (for evaluation and export)."""
+        return self.ops.to_numpy(self.state.theta)
+
+
+def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+    """Train one model with its own losses (SOMA's independent experts; a single model) to
+    cfg.steps, yielding a Step record per step and a final Finished, or Stopped when
+    should_stop() turned true (the state is checkpointed first)."""
+    while not trainer.done:
+        if should_stop():
+            trainer.checkpoint()
+            yield Stopped(trainer.expert, trainer.state.step)
+            return
+        yield trainer.update(*trainer.coefficients(*trainer.losses()))
+    yield Finished(trainer.expert, trainer.state.step)

@@ -1,0 +1,114 @@
+"""Sampling text from a routed SOMA ensemble.
+
+Each next byte is drawn from the routed mixture p = sum_i w_i p_i of the selected experts, sharpened
+or flattened by `temperature` as a whole: q proportional to p^(1 / temperature) (the temperature
+acts on the mixture, not on each expert). The router re-routes every `reroute_every` generated
+bytes on the last `context` bytes of prompt + generated text:
+
+- an expert kept by a re-route carries its state on (it has read everything since it was chosen);
+- an expert newly chosen starts from zero state and warms up on the last `context` bytes, as in
+  routed evaluation (zosoma.soma.routing);
+- the weights of all selected experts are replaced by the new routing.
+
+The experts never saw a start-of-text symbol, so an EMPTY prompt is read as a single newline (the
+most neutral boundary byte in text): the experts' first input is b"\\n", which is not returned.
+The router sees only real text, so it routes an empty prompt by the no-information rule of
+zosoma.soma.routing (equal weights on the broadest clusters) until text exists at the next re-route.
+
+Randomness: one generator, np.random.default_rng([seed, 0x5A4]), one uniform draw per byte, so
+the same ensemble, prompt and seed give the same bytes on any machine with the same float32
+arithmetic. On a GPU engine (zosoma.engines.cuda) the experts' float32
+rounding differs from the CPU's in the last bits: a draw that falls on a boundary of the
+cumulative distribution can then pick another byte.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from zosoma.engines.ops import Ops
+from zosoma.errors import ConfigError
+from zosoma.soma.routing import Ensemble
+
+_STREAM = 0x5A4  # random stream of sampling (params use 0x1D1)
+_START = b"\n"  # the experts' first input when the prompt is empty
+
+
+def _check(n_bytes, temperature, reroute_every, context) -> float:
+    for name, value, least in (("n_bytes", n_bytes, 0), ("reroute_every", reroute_every, 1),
+                               ("context", context, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        raise ConfigError(f"sampling temperature must be a number, got {temperature!r}") from None
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"sampling temperature must be positive and finite, got {temperature}")
+    return temperature
+
+
+class _Active:
+    """One selected expert: its recurrent state and its log-probabilities (V,) of the next byte."""
+
+    def __init__(self, theta, layout, history: np.ndarray, log_probs):
+        self.theta, self.layout, self.log_probs = theta, layout, log_probs
+        logp, self.state = log_probs(theta, layout, history[None])  # warm-up from zero state
+        self.logp = logp[0, -1]
+
+    def feed(self, byte: int) -> None:
+        logp, self.state = self.log_probs(self.theta, self.layout, np.array([[byte]], np.uint8), self.state)
+        self.logp = logp[0, -1]
+
+
+def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
+           seed: int = 0, reroute_every: int = 64, context: int = 512, ops: Ops | None = None) -> bytes:
+    """The n_bytes generated after `prompt` (the prompt itself is not repeated); the experts run
+    on the engine `ops` (zosoma.engines; default the CPU)."""
+    temperature = _check(n_bytes, temperature, reroute_every, context)
+    ops = ops or Ops()
+    ensemble = ensemble.on(ops)  # weights copied to the device once, not at every byte
+    prompt = bytes(prompt)
+    rng = np.random.default_rng([seed, _STREAM])
+    text = bytearray(prompt)  # what the router sees
+    stream = bytearray(prompt or _START)  # what the experts read
+    active: dict[int, _Active] = {}
+    weights: dict[int, float] = {}
+
+    def route():
+        experts, w = ensemble.router.select([bytes(text[-context:])])
+        history = np.frombuffer(bytes(stream[-context:]), np.uint8)
+        chosen = {int(e): float(x) for e, x in zip(experts[0], w[0])}
+        for i in list(active):
+            if i not in chosen:
+                del active[i]
+        for i in chosen:
+            if i not in active:
+                active[i] = _Active(*ensemble.experts[i], history, ops.log_probs)
+        weights.clear()
+        weights.update(chosen)
+
+    out = bytearray()
+    for t in range(n_bytes):
+        if t % reroute_every == 0:
+            route()
+        ids = sorted(active)
+        with np.errstate(divide="ignore"):  # a weight that underflowed to 0 adds nothing
+            logw = np.log(np.array([weights[i] for i in ids], np.float64))
+        logp = np.stack([active[i].logp for i in ids]).astype(np.float64)  # (K, V)
+        x = logw[:, None] + logp
+        m = x.max()
+        mix = m + np.log(np.exp(x - m).sum(axis=0))  # (V,) log of the mixture
+        z = mix / temperature
+        q = np.exp(z - z.max())
+        cdf = np.cumsum(q)
+        byte = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), cdf.size - 1))
+        out.append(byte)
+        text.append(byte)
+        stream.append(byte)
+        if t + 1 < n_bytes:
+            for i in ids:
+                active[i].feed(byte)
+    return bytes(out)

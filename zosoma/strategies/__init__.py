@@ -1,0 +1,35 @@
+"""How a step is estimated: zero-order strategies with explicit, checkpointable state.
+
+Owns each strategy (SPSA with its update rules, EGGROLL, OpenAI-ES, the summed-loss ablation
+wrapper) and the registry that maps `--optimizer` names to them. A strategy says which
+population to evaluate (ask) and turns the population's losses into an update (tell); the array
+work goes through the Ops it is handed. May import the foundation and zosoma.model.
+"""
+
+from __future__ import annotations
+
+from zosoma.config import TrainConfig
+from zosoma.errors import ConfigError
+from zosoma.strategies.base import Strategy, check_options
+from zosoma.strategies.eggroll import Eggroll
+from zosoma.strategies.es import OpenES
+from zosoma.strategies.spsa import SPSA, Adam, Momentum
+
+# --optimizer name -> strategy class. A new strategy is one file and one line here.
+STRATEGIES: dict[str, type[Strategy]] = {
+    "sgd": SPSA,
+    "momentum": Momentum,
+    "adam": Adam,
+    "eggroll": Eggroll,
+    "es": OpenES,
+}
+
+
+def make_strategy(cfg: TrainConfig) -> Strategy:
+    """The strategy cfg.optimizer names, after checking that cfg sets no option it ignores."""
+    cls = STRATEGIES.get(cfg.optimizer)
+    if cls is None:
+        raise ConfigError(f"optimizer must be one of {', '.join(STRATEGIES)}, got {cfg.optimizer!r}")
+    strategy = cls(cfg)
+    check_options(strategy, cfg)
+    return strategy

@@ -1,0 +1,64 @@
+"""EGGROLL (Sarkar et al., "Evolution Strategies at the Hyperscale"; reference code
+ESHyperscale/HyperscaleES): low-rank antithetic ES, z-scored fitness.
+
+Member pairs theta +/- E_k with E_k = (sigma/sqrt(r)) A_k B_k^T per matrix (full-rank Gaussian on
+vectors), regenerated from counters (zosoma.model.lowrank); fitness f = -loss, shaped by `zscore`
+across the 2P members; update (the reference code's convention, without 1/sigma)
+
+    theta <- theta + lr * (2P)^(-1/2) * sum_k (f~_{k+} - f~_{k-}) E_k
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zosoma.model.params import Layout
+from zosoma.model.population import Population
+from zosoma.strategies.base import Strategy
+
+
+def zscore(fitness) -> np.ndarray:
+    """Fitness shaping: (f - mean) / std across the population (float64); all zeros when every
+    fitness is equal (zero variance), never NaN. Non-finite fitness raises ValueError."""
+    f = np.asarray(fitness, np.float64)
+    if not np.all(np.isfinite(f)):
+        raise ValueError("fitness values must be finite (a member diverged)")
+    if f.size == 0 or f.max() == f.min():
+        return np.zeros_like(f)
+    std = f.std()
+    if not std > 1e-12 * max(1.0, float(np.abs(f).max())):
+        return np.zeros_like(f)
+    return (f - f.mean()) / std
+
+
+def eggroll_update(theta, layout: Layout, losses, lr: float, sigma: float, r: int, seed: int,
+                   expert: int, step: int, shaping=None) -> np.ndarray:
+    """New theta = theta + lr * N^(-1/2) * sum_j shaping(-losses)_j E_j (no 1/sigma: E_j carries
+    sigma, the reference code's convention). losses (2*n_pairs,) from eggroll_population_loss with
+    the same (sigma, r, seed, expert, step). Returns a new array of theta's dtype."""
+    losses = np.asarray(losses, np.float64)
+    if losses.ndim != 1 or losses.size < 2 or losses.size % 2:
+        raise ValueError(f"losses must be (2*n_pairs,), got {losses.shape}")
+    fz = np.asarray((shaping or zscore)(-losses), np.float64)
+    coef = fz[0::2] - fz[1::2]  # (P,): +E_i weighted by fz_2i, -E_i by fz_2i+1
+    from zosoma.model.lowrank import eggroll_step  # compiled kernels: loaded when first used
+    return eggroll_step(theta, layout, coef, lr, sigma, r, seed, expert, step)
+
+
+class Eggroll(Strategy):
+    name = "eggroll"
+    options = frozenset({"rank"})
+
+    def ask(self, expert: int, step: int) -> Population:
+        cfg = self.cfg
+        return Population(cfg.perturbations, cfg.eps, cfg.seed, expert, step, "gaussian", cfg.rank)
+
+    def coefficients(self, plus, minus):
+        loss = float(np.mean((plus + minus) / 2))
+        if not (np.all(np.isfinite(plus)) and np.all(np.isfinite(minus))):
+            return np.full(plus.shape, np.nan), loss  # a diverged member: the step is skipped
+        fz = zscore(-np.stack([plus, minus], axis=1).ravel())  # fitness of members 2k (+), 2k+1 (-)
+        return fz[0::2] - fz[1::2], loss
+
+    def update(self, ops, layout, theta, state, coeffs, pop, lr):
+        return ops.lowrank_update(theta, layout, coeffs, pop, lr), state
