@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 from datetime import datetime
@@ -11,7 +12,7 @@ from pathlib import Path
 import click
 
 from zosoma import __version__
-from zosoma.config import TrainConfig  # light: the heavy modules load inside commands
+from zosoma.config import ENGINES, PRECISIONS, TrainConfig  # light: the heavy modules load inside commands
 from zosoma.engines import DEVICES
 from zosoma.strategies import STRATEGIES
 
@@ -20,11 +21,19 @@ class ZosomaGroup(click.Group):
     """Turns the library's ZosomaError (bad input, damaged files) into one line and exit code 1."""
 
     def invoke(self, ctx):
+        import warnings
+
         from zosoma.errors import ZosomaError
+        warnings.showwarning = _warning_line
         try:
             return super().invoke(ctx)
         except ZosomaError as e:
             raise click.ClickException(str(e)) from None
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    """The library's warnings (a damaged checkpoint passed over, ...) as one line on stderr."""
+    click.echo(f"warning: {message}", err=True)
 
 
 @click.group(cls=ZosomaGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,6 +54,12 @@ def _positive_float(ctx, param, value):
     return value
 
 
+def _nonneg_float(ctx, param, value):
+    if value is not None and not (value >= 0 and math.isfinite(value)):
+        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def _nonneg(ctx, param, value):
     if value is not None and value < 0:
         raise click.BadParameter(f"must not be negative, got {value}")
@@ -59,6 +74,10 @@ def device_option(f):
                         help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
 
 
+def previous_option(f):
+    return click.option("--previous", is_flag=True, help="If a run's newest checkpoint is damaged, use the newest intact one (said in a warning line) instead of stopping.")(f)
+
+
 def _ops(device: str):
     """The engine for --device (zosoma.engines.get_ops); says which one --device auto chose."""
     from zosoma.engines import auto_note, get_ops
@@ -68,18 +87,73 @@ def _ops(device: str):
     return ops
 
 
-def _executor(workers: int | None, units: int):
-    """Inline for one worker, else that many local processes (default: the machine's cores)."""
+def _executor(workers: int | None, units: int, kind: str | None = None, address=None, cpus=1.0, gpus=0.0):
+    """--executor: inline; local processes (the default: `workers` of them, default the machine's
+    cores, inline for one); or Ray tasks with cpus and gpus each (zosoma.runs.ray_executor)."""
     import os
 
     from zosoma.runs.executor import Inline, LocalProcesses
+    if kind == "ray":
+        from zosoma.runs.ray_executor import RayExecutor
+        return RayExecutor(address, cpus, gpus)
     workers = max(1, min(units, workers or os.cpu_count() or 1))
-    return Inline() if workers == 1 else LocalProcesses(workers)
+    return Inline() if kind == "inline" or workers == 1 else LocalProcesses(workers)
+
+
+def executor_options(f):
+    """--executor and the Ray options, shared by train and compare."""
+    for option in reversed([
+        click.option("--executor", "executor_kind", type=click.Choice(["inline", "local", "ray"]), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
+        click.option("--address", help="--executor ray: the cluster to join (HOST:PORT of its head, or auto for the one `ray start` made here); default: start Ray on this machine."),
+        click.option("--cpus-per-unit", type=float, default=1.0, show_default=True, callback=_positive_float, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
+        click.option("--gpus-per-unit", type=float, default=0.0, show_default=True, callback=_nonneg_float, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _check_executor_options(ctx, kind: str | None, workers_option: str, workers) -> None:
+    """The Ray options need --executor ray; a local process count does not go with it."""
+    if kind != "ray":
+        for name in ("address", "cpus_per_unit", "gpus_per_unit"):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                raise click.UsageError(f"--{name.replace('_', '-')} is for --executor ray")
+    elif workers is not None:
+        raise click.UsageError(f"{workers_option} counts local processes; on Ray, --cpus-per-unit and the "
+                               "cluster's CPUs decide how many units run at once")
+
+
+def _placement(kind, workers, population, experts: int, loss: str, address, cpus, gpus):
+    """Where a training run's work goes: (the executor of independent experts, the workers of the
+    summed ablation's experts, the sharding of one model's population), each None when unused."""
+    from zosoma.runs.population import InProcess, Processes, Sharding
+
+    if population is not None and experts > 1:
+        raise click.UsageError("--population-workers spreads one model's population; SOMA's experts already run "
+                               "apart (--executor), and the summed ablation puts each expert on a worker of its own")
+    independent = experts > 1 and loss == "independent"
+    summed = experts > 1 and loss == "summed" and kind in ("local", "ray")  # default: in this process
+    if not (independent or summed or population):
+        if kind == "ray":
+            raise click.UsageError("--executor ray spreads SOMA's experts or one model's population "
+                                   "(--population-workers W); a single model alone trains in this process")
+        return None, None, None
+    if kind == "ray":
+        from zosoma.runs.ray_executor import RayWorkers
+        executor = _executor(None, experts, "ray", address, cpus, gpus)  # connects now: a bad address fails first
+        transport = RayWorkers(executor)
+    else:
+        executor = _executor(workers, experts, kind) if independent else None
+        n = population or experts
+        transport = InProcess() if kind == "inline" else Processes(max(1, (os.cpu_count() or 1) // n))
+    return (executor if independent else None, transport if summed else None,
+            Sharding(transport, population) if population else None)
 
 
 MODEL_OPTIONS = ("embed", "hidden", "layers")
 TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "optimizer", "rank", "lr",
-                 "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every")
+                 "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every", "engine",
+                 "forward_precision", "on_divergence")
 
 
 @cli.command()
@@ -90,6 +164,8 @@ TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "
 @click.option("--experts", type=int, default=1, show_default=True, callback=_positive, help="N: SOMA experts, one per data cluster (1 = a single monolithic model).")
 @click.option("--loss", type=click.Choice(["independent", "summed"]), default="independent", show_default=True, help="Experts' SPSA scalars: their own losses (SOMA) or the summed loss (ablation).")
 @click.option("--workers", type=int, callback=_positive, help="Expert worker processes (default: the machine's cores).")
+@executor_options
+@click.option("--population-workers", type=int, callback=_positive, help="W: spread one model's P perturbation pairs over W workers (local processes, or Ray actors with --executor ray); per step only the losses and the P update scalars travel.")
 @click.option("--chunk-size", type=int, default=2048, show_default=True, callback=_positive, help="Bytes per document chunk for clustering.")
 @click.option("--top-k", type=int, default=2, show_default=True, callback=_positive, help="Experts mixed per segment in the final routed evaluation.")
 @click.option("--embed", type=int, callback=_positive, help="E: embedding width.")
@@ -108,15 +184,18 @@ TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "
 @click.option("--warmup", type=int, callback=_nonneg, help=f"Linear warm-up steps.  [default: {_TC.warmup}]")
 @click.option("--momentum", type=float, help=f"Momentum / Adam beta1.  [default: {_TC.momentum}]")
 @click.option("--beta2", type=float, help=f"Adam beta2.  [default: {_TC.beta2}]")
-@click.option("--weight-decay", type=float, callback=_nonneg, help=f"Decoupled weight decay.  [default: {_TC.weight_decay}]")
+@click.option("--weight-decay", type=float, callback=_nonneg_float, help=f"Decoupled weight decay.  [default: {_TC.weight_decay}]")
 @click.option("--seed", type=int, callback=_nonneg, help=f"Seed for initialisation, clustering, batches and noise.  [default: {_TC.seed}]")
 @click.option("--checkpoint-every", type=int, callback=_positive, help=f"Steps between checkpoints.  [default: {_TC.checkpoint_every}]")
+@click.option("--on-divergence", type=click.Choice(["stop", "continue"]), help=f"When the loss runs away (non-finite, or far above its best for a long window): stop with a checkpoint, or go on; the verdict is in the results either way.  [default: {_TC.on_divergence}]")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
 @click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
+@click.option("--engine", type=click.Choice(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")
+@click.option("--forward-precision", type=click.Choice(PRECISIONS), help=f"Number format of every forward, emulated on the CPU; master weights and the update stay fp32.  [default: {_TC.forward_precision}]")
 @device_option
 @click.pass_context
-def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_size, top_k, resume, run_dir, device,
-          **options):
+def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor_kind, address, cpus_per_unit,
+          gpus_per_unit, population_workers, chunk_size, top_k, resume, run_dir, device, **options):
     """Train byte-level LSTMs with SPSA (forward passes only), then evaluate.
 
     With --experts N > 1 (SOMA): cluster the corpus into N clusters, train one expert per cluster
@@ -128,7 +207,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
     from zosoma.config import PRESETS, ModelConfig
-    from zosoma.engines import get_ops
+    from zosoma.engines import get_ops, run_ops
     from zosoma.runs.folder import RunFolder
     from zosoma.strategies.base import COMMON, unused_option
     from zosoma.runs.single import resume_run, start_run
@@ -137,6 +216,9 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
     if top_k > experts and experts > 1:
         raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
     device = _ops(device).name
+    _check_executor_options(ctx, executor_kind, "--workers", workers)
+    place = (executor_kind, workers, population_workers)
+    ray_options = (address, cpus_per_unit, gpus_per_unit)
     stop = _install_stop_handler()
     if resume:
         given = [k for k, v in options.items() if v is not None]
@@ -147,10 +229,12 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
             raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
                                    + ", ".join("--" + n.replace("_", "-") for n in clashing))
         if RunFolder(resume).is_soma:
-            n = RunFolder(resume).read_soma()["experts"]
-            records = resume_soma(Path(resume), _executor(workers, n), should_stop=stop, device=device)
+            soma = RunFolder(resume).read_soma()
+            executor, summed, _ = _placement(*place, soma["experts"], soma["loss"], *ray_options)
+            records = resume_soma(Path(resume), executor, should_stop=stop, device=device, workers=summed)
         else:
-            records = resume_run(Path(resume), should_stop=stop, ops=get_ops(device))
+            _, _, sharding = _placement(*place, 1, "independent", *ray_options)
+            records = resume_run(Path(resume), should_stop=stop, ops=get_ops(device), sharding=sharding)
     else:
         base_model, base_train = PRESETS[preset]
         model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
@@ -161,21 +245,27 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, chunk_si
             if k not in COMMON | strategy.options:
                 raise click.UsageError(unused_option(strategy, k))
         cfg = TrainConfig(**{**TrainConfig().__dict__, **base_train, **strategy.defaults, **given})
+        run_ops(get_ops(device), cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         run_dir = Path(run_dir or f"runs/{preset}-{'soma%d-' % experts if experts > 1 else ''}{datetime.now():%Y%m%d-%H%M%S}")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
+        if experts == 1 and loss != "independent":
+            raise click.BadParameter("the summed loss needs --experts 2 or more", param_hint="--loss")
+        if population_workers:
+            from zosoma.runs.population import check_shardable
+            check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
+        executor, summed, sharding = _placement(*place, experts, loss, *ray_options)
         if experts > 1:
-            records = start_soma(run_dir, model, cfg, experts, loss, _executor(workers, experts), chunk_size,
-                                 train_paths, heldout_paths, wikitext, top_k, should_stop=stop, device=device)
+            records = start_soma(run_dir, model, cfg, experts, loss, executor, chunk_size, train_paths,
+                                 heldout_paths, wikitext, top_k, should_stop=stop, device=device, workers=summed)
         else:
-            if loss != "independent":
-                raise click.BadParameter("the summed loss needs --experts 2 or more", param_hint="--loss")
             records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
-                                ops=get_ops(device))
+                                ops=get_ops(device), sharding=sharding)
     _render_training(records)
 
 
 def _install_stop_handler():
-    """First Ctrl-C: finish the step, checkpoint, exit. A second one interrupts at once."""
+    """First Ctrl-C: finish the step, checkpoint, exit. A second one interrupts at once. (The
+    handler stays for the life of the command's process.)"""
     state = {"stop": False}
 
     def handler(signum, frame):
@@ -191,17 +281,19 @@ def _install_stop_handler():
 def _render_training(records):
     from tqdm import tqdm
 
-    from zosoma.runs.records import Clusters, Evaluated, Failed, Started, Step, Stopped
+    from zosoma.runs.records import Clusters, Diverged, Evaluated, Failed, Note, Started, Step, Stopped
 
     bars, stopped, failed, run_dir = {}, False, [], "RUN"
     for r in records:
         if isinstance(r, Step):
             bar = bars[r.expert]
-            bar.update(1)
+            bar.update(r.step - bar.n)  # absolute: a retried unit repeats steps
             bar.set_postfix_str(f"loss {r.loss:.3f} nats/byte, {r.tokens_per_s:,.0f} tok/s"
                                 + (" SKIPPED non-finite" if r.skipped else ""))
             if r.skipped:
                 bar.write(f"expert {r.expert} step {r.step}: non-finite loss, update skipped")
+            for note in r.notes:
+                bar.write(f"warning: {note}", file=sys.stderr)
         elif isinstance(r, Clusters):
             from zosoma.soma.cluster import format_report
             click.echo(f"clustered {r.n_chunks:,} chunks of {r.chunk_size} bytes:")
@@ -221,15 +313,23 @@ def _render_training(records):
             stopped = True
         elif isinstance(r, Failed):
             failed.append(f"expert {r.unit} failed: {r.error}")
+        elif isinstance(r, Diverged):
+            failed.append(f"expert {r.expert} diverged at step {r.step} ({r.verdict}); it stopped there, "
+                          "checkpointed: lower --lr and start again, or --resume to go on regardless")
+        elif isinstance(r, Note):
+            (next(iter(bars.values())).write if bars else click.echo)(f"warning: {r.message}", file=sys.stderr)
         elif isinstance(r, Evaluated):
             _close(bars)
             click.echo(_format_results(r.results))
     _close(bars)
     for line in failed:
         click.echo(line, err=True)
-    if stopped or failed:
+    if failed:  # the failed experts keep their last checkpoint; the others were checkpointed
+        click.echo(f"stopped: fix the cause above, then continue with: zosoma train --resume {run_dir}", err=True)
+        sys.exit(1)
+    if stopped:
         click.echo(f"stopped; checkpoints saved. Continue with: zosoma train --resume {run_dir}")
-        sys.exit(130 if stopped and not failed else 1)
+        sys.exit(130)
 
 
 def _close(bars):
@@ -252,7 +352,7 @@ def _format_results(r) -> str:
         rows = list(heldout.items()) + ([("WikiText-103", wiki)] if wiki else [])
         lines += [f"  {name:<14}" + "".join(f"{v[c]:>10.4f}" for c in cols) for name, v in rows]
     elif heldout:
-        lines.append("held-out nats/byte (untrained: 5.545):")
+        lines.append(f"held-out nats/byte (untrained: 5.545; {r.get('protocol', '')}):")
         lines += [f"  {name:<14} {v:.4f}" for name, v in heldout.items()]
         if wiki is not None:
             lines.append(f"WikiText-103 test nats/byte: {wiki:.4f}  ({r['wikitext103_path']})")
@@ -265,13 +365,14 @@ def _format_results(r) -> str:
 @click.argument("checkpoint", type=click.Path())
 @click.option("--data", multiple=True, type=click.Path(), help="Files or folders to evaluate (default: the shipped held-out slices).")
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
-@click.option("--streams", type=int, default=16, show_default=True, callback=_positive, help="Single model: contiguous parts evaluated side by side (1 = one pass over each file).")
+@click.option("--streams", type=int, callback=_positive, help="Single model: score each whole file statefully in this many side-by-side parts (1 = one pass) instead of the segment protocol every table uses.")
 @click.option("--top-k", type=int, default=2, show_default=True, callback=_positive, help="SOMA run: experts mixed per segment.")
 @click.option("--temperature", type=float, default=0.1, show_default=True, help="SOMA run: routing temperature T in softmax(-d^2 / T).")
-@click.option("--segment", type=int, default=256, show_default=True, callback=_positive, help="SOMA run: bytes predicted per routing decision.")
-@click.option("--context", type=int, default=512, show_default=True, callback=_positive, help="SOMA run: bytes before each segment used for routing and warm-up.")
+@click.option("--segment", type=int, default=256, show_default=True, callback=_positive, help="Bytes predicted per segment (and per routing decision).")
+@click.option("--context", type=int, default=512, show_default=True, callback=_positive, help="Bytes before each segment used for warm-up (and routing).")
+@previous_option
 @device_option
-def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, context, device):
+def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, context, previous, device):
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
@@ -281,7 +382,7 @@ def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, cont
     corpus = load_corpus(list(data) if data else None, split="heldout")
     if RunFolder(checkpoint).is_soma:
         from zosoma.runs.soma import evaluate_soma, load_ensemble
-        ensemble = load_ensemble(checkpoint, top_k, temperature)
+        ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
         r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
         click.echo(_format_results(r))
         return
@@ -290,42 +391,64 @@ def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, cont
     from zosoma.runs.single import evaluate_run
 
     path = Path(checkpoint)
-    ckpt = RunFolder(path).read_checkpoint() if path.is_dir() else load_checkpoint(path)
-    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, streams=streams, ops=ops)
+    ckpt = RunFolder(path).read_checkpoint(fallback=previous) if path.is_dir() else load_checkpoint(path)
+    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=segment, context=context,
+                     streams=streams)
     click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
     click.echo(_format_results(r))
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-def info(checkpoint):
+@previous_option
+def info(checkpoint, previous):
     """Summarise a checkpoint (file, or run folder): format, config, step, tensors, last metrics.
     For a SOMA run folder: its experts, loss mode and cluster sizes, and each expert's step."""
     from zosoma.formats.checkpoint import summary
     from zosoma.runs.folder import RunFolder, checkpoint_path
     from zosoma.runs.soma import soma_summary
     if RunFolder(checkpoint).is_soma:
-        click.echo(soma_summary(checkpoint))
+        click.echo(soma_summary(checkpoint, fallback=previous))
     else:
-        click.echo(summary(checkpoint_path(checkpoint)))
+        click.echo(summary(checkpoint_path(checkpoint, fallback=previous)))
 
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["torch"]), default="torch", show_default=True)
-@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="Output file (e.g. model.pt); an existing file is not overwritten without --force.")
+@click.option("--format", "fmt", type=click.Choice(["torch", "onnx"]), default="torch", show_default=True)
+@click.option("--out", "out", type=click.Path(), required=True, help="Output file (model.pt, model.onnx), or a folder for a SOMA run as ONNX; an existing one is not overwritten without --force.")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
-def export(checkpoint, fmt, out, force):
+@click.option("--unrolled", is_flag=True, help="ONNX: the cell as MatMul/Add/Sigmoid/Tanh/Mul, unrolled over --seq-len steps, for runtimes without an LSTM operator.")
+@click.option("--seq-len", type=int, callback=_positive, help="ONNX --unrolled: the time steps of the graph.  [default: 64]")
+@previous_option
+def export(checkpoint, fmt, out, force, unrolled, seq_len, previous):
     """Write a checkpoint's weights as a PyTorch state_dict for nn.Embedding + nn.LSTM + nn.Linear
-    (modules named embedding, lstm, linear; batch_first=True)."""
+    (modules named embedding, lstm, linear; batch_first=True), or as ONNX (--format onnx): the
+    standard LSTM operator with h0/c0 in and hT/cT out, for a single model, one SOMA expert
+    (RUN/expertI), or a whole SOMA run (a folder: one graph per expert, router.npz, manifest.json;
+    see PORTING.md)."""
     from zosoma.formats.checkpoint import load_checkpoint
     from zosoma.formats.export import export_torch
     from zosoma.model.params import Layout
-    from zosoma.runs.folder import checkpoint_path
+    from zosoma.runs.folder import RunFolder, checkpoint_path
 
     if Path(out).exists() and not force:
         raise click.ClickException(f"{out} exists; pass --force to overwrite it")
-    ckpt = load_checkpoint(checkpoint_path(checkpoint))
+    if fmt != "onnx" and (unrolled or seq_len):
+        raise click.UsageError("--unrolled and --seq-len are options of --format onnx")
+    if seq_len and not unrolled:
+        raise click.UsageError("--seq-len sets the steps of an --unrolled graph (the LSTM operator takes any length)")
+    if fmt == "onnx":
+        from zosoma.porting.export import export_run
+        for line in export_run(checkpoint, out, "unrolled" if unrolled else "lstm", (seq_len or 64) if unrolled else None,
+                               force=force, fallback=previous):
+            click.echo(line)
+        return
+    if RunFolder(checkpoint).is_soma:
+        n = RunFolder(checkpoint).read_soma()["experts"]
+        raise click.ClickException(f"{checkpoint} is a SOMA run: export one expert, "
+                                   f"{Path(checkpoint) / 'expert0'} .. expert{n - 1}")
+    ckpt = load_checkpoint(checkpoint_path(checkpoint, fallback=previous))
     export_torch(ckpt.theta, Layout(ckpt.model), out)
     m = ckpt.model
     click.echo(f"wrote {out}: torch state_dict for Embedding(256, {m.embed}), "
@@ -399,23 +522,25 @@ def cluster(data, experts, chunk_size, unbalanced, seed, out):
 
 @cli.command()
 @click.argument("run", type=click.Path(file_okay=False))
-@click.option("--prompt", default="", help="Text to continue (UTF-8).")
+@click.option("--prompt", default="", help="Text to continue (its bytes as given, UTF-8 or not).")
 @click.option("--bytes", "n_bytes", type=int, default=400, show_default=True, callback=_nonneg, help="Bytes to generate.")
 @click.option("--temperature", type=float, default=0.8, show_default=True, callback=_positive_float, help="Sampling temperature applied to the mixture.")
 @click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
 @click.option("--top-k", type=int, default=2, show_default=True, callback=_positive, help="Experts mixed.")
 @click.option("--reroute-every", type=int, default=64, show_default=True, callback=_positive, help="Generated bytes between routing decisions.")
+@previous_option
 @device_option
-def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, device):
+def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, previous, device):
     """Generate text from a SOMA run's routed mixture, re-routing as the context grows."""
     from zosoma.runs.soma import load_ensemble
     from zosoma.soma.sample import sample as generate
 
     ops = _ops(device)
-    ensemble = load_ensemble(Path(run), top_k)
-    out = generate(ensemble, prompt.encode(), n_bytes=n_bytes, temperature=temperature, seed=seed,
+    ensemble = load_ensemble(Path(run), top_k, fallback=previous)
+    text = os.fsencode(prompt)  # the prompt's own bytes, UTF-8 or not (surrogateescape)
+    out = generate(ensemble, text, n_bytes=n_bytes, temperature=temperature, seed=seed,
                    reroute_every=reroute_every, ops=ops)
-    click.echo(prompt + out.decode("utf-8", errors="replace"))
+    click.echo(text + out)  # bytes: written as they are, whatever the encoding
 
 
 @cli.command()
@@ -449,30 +574,37 @@ def bench():
 @click.option("--seq-len", type=int, default=256, show_default=True, callback=_positive)
 @click.option("--repeats", type=int, default=5, show_default=True, callback=_positive)
 @click.option("--no-numpy", is_flag=True, help="Skip the slow NumPy reference.")
+@click.option("--engine", type=click.Choice(ENGINES), default="native", show_default=True, help="onnxruntime: also time ONNX Runtime's forward (zosoma's training graph) beside Numba's.")
 @device_option
-def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, device):
+def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, device):
     """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
     configuration, and the fraction of the matmul peak measured in the same run. With --device
     cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
     from zosoma.experiments.bench_forward import bench_forward, format_records
+    from zosoma.engines import get_ops
+    others = (get_ops("cpu", engine),) if engine != "native" else ()
     records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
-                            repeats=repeats, include_numpy=not no_numpy, ops=_ops(device))
+                            repeats=repeats, include_numpy=not no_numpy, ops=_ops(device), others=others)
     click.echo(format_records(records))
 
 
 @bench.command("spsa")
 @click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="paper", show_default=True)
-@click.option("--perturbations", "-P", type=int, default=64, show_default=True, callback=_positive)
-@click.option("--batch", type=int, default=8, show_default=True, callback=_positive)
-@click.option("--seq-len", type=int, default=128, show_default=True, callback=_positive)
+@click.option("--perturbations", "-P", type=int, callback=_positive, help="Default: the preset's (tiny, small 32; paper 64).")
+@click.option("--batch", type=int, callback=_positive, help="Default: the preset's (8).")
+@click.option("--seq-len", type=int, callback=_positive, help="Default: the preset's (tiny 32; small, paper 128).")
 @click.option("--steps", type=int, default=2, show_default=True, callback=_positive, help="Timed steps (after one warm-up step).")
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
+@click.option("--peers/--no-peers", default=True, show_default=True, help="Time the PyTorch peers (when torch is installed).")
 @device_option
-def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, device):
-    """SPSA step throughput split into forward passes, noise generation and the update."""
+def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, device):
+    """SPSA step throughput split into data, forward passes, noise and the update, beside the same
+    step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
+    matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak."""
     from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
     click.echo(format_spsa(bench_spsa(preset=preset, perturbations=perturbations, batch=batch,
-                                      seq_len=seq_len, steps=steps, noise=noise, ops=_ops(device))))
+                                      seq_len=seq_len, steps=steps, noise=noise, ops=_ops(device),
+                                      peers=peers)))
 
 
 @bench.command("route")
@@ -511,14 +643,39 @@ def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeat
     click.echo(format_eggroll([bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
                                              pairs=pairs, rank=rank, repeats=repeats, ops=_ops(device))]))
 
+@bench.command("comm")
+@click.option("--workers", "-W", type=int, default=8, show_default=True, callback=_positive, help="W: workers sharing one model (at most P).")
+def bench_comm_cmd(workers):
+    """Bytes exchanged per training step for each preset: SOMA's experts (none while training),
+    one model's population sharded over W workers (its P scalars) and data-parallel backprop's
+    gradient all-reduce (about 2 x 4d per worker), side by side."""
+    from zosoma.experiments.bench_comm import bench_comm, format_comm
+    click.echo(format_comm(bench_comm(workers)))
+
+
+@bench.command("executors")
+@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True)
+@click.option("--experts", type=int, default=2, show_default=True, callback=_positive, help="SOMA's N.")
+@click.option("--steps", type=int, default=200, show_default=True, callback=_positive)
+@click.option("--no-ray", is_flag=True, help="Leave Ray out.")
+@click.option("--address", help="A Ray cluster to join (default: start Ray on this machine).")
+def bench_executors_cmd(preset, experts, steps, no_ray, address):
+    """Training time by where it runs: SOMA's experts inline, in local processes and as Ray tasks;
+    one model's population here and over W = 1 and 2 workers (local processes, Ray actors)."""
+    from zosoma.experiments.bench_executors import bench_executors, format_executors
+    click.echo(format_executors(bench_executors(preset, experts, steps, not no_ray, address)))
+
+
 @cli.command()
 @click.argument("config")
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: results/<config name>).")
 @click.option("--jobs", type=int, callback=_positive, help="Runs trained at once, one process each (default: the machine's cores).")
+@executor_options
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
 @click.option("--plan", is_flag=True, help="Print the runs, their steps and FLOPs, and exit.")
 @device_option
-def compare(config, out, jobs, wikitext, plan, device):
+@click.pass_context
+def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_per_unit, wikitext, plan, device):
     """Equal-compute comparison: SOMA vs monolithic SPSA and EGGROLL (and the independent vs summed
     ablation) as CONFIG describes, over its seeds; writes results.md, results.csv and plots.
 
@@ -526,9 +683,11 @@ def compare(config, out, jobs, wikitext, plan, device):
     Ctrl-C or a crash, the same command resumes the others from their checkpoints."""
     import os
 
-    from zosoma.experiments.compare import Stopped, find_config, jobs as all_jobs, load_comparison, run_comparison
+    from zosoma.experiments.compare import (Stopped, find_config, jobs as all_jobs, load_comparison, run_comparison,
+                                            tuning_jobs)
     from zosoma.runs.folder import RunFolder
 
+    _check_executor_options(ctx, executor_kind, "--jobs", jobs)
     path = find_config(config)
     cmp = load_comparison(path)
     if not plan:
@@ -540,9 +699,14 @@ def compare(config, out, jobs, wikitext, plan, device):
         params = m.experts * m.model.n_params()
         click.echo(f"  {m.name:<24}{params:>10,}{m.train.perturbations:>6}{m.train.steps:>7}"
                    f"{m.flops_per_step() * m.train.steps:>11.3g}")
-    todo = all_jobs(cmp, out)
-    finished = sum(RunFolder(j.run_dir).read_result() is not None for j in todo)
-    click.echo(f"{len(todo)} runs, {finished} already finished")
+    sweep, todo = tuning_jobs(cmp, out), all_jobs(cmp, out)
+    finished = sum(RunFolder(j.run_dir).read_result() is not None for j in sweep + todo)
+    if sweep:
+        t = cmp.tuning
+        click.echo(f"tuning first: every method at lr x{', x'.join(f'{f:g}' for f in t.lr_factors)} (EGGROLL and "
+                   f"ES also sigma x{', x'.join(f'{f:g}' for f in t.sigma_factors)}), seed {t.seed}, scored on "
+                   f"validation: {len(sweep)} runs; then each method's winner")
+    click.echo(f"{len(sweep) + len(todo)} runs, {finished} already finished")
     if plan:
         return
 
@@ -550,17 +714,95 @@ def compare(config, out, jobs, wikitext, plan, device):
         name = Path(job.run_dir).name
         if error:
             click.echo(f"failed   {name}: {error}", err=True)
+        elif "validation" in result:  # a tuning run
+            click.echo(f"tuned    {name}: validation {result['validation']:.4f} nats/byte"
+                       + (" (diverged)" if result.get("divergence") else "") + f", {result['wall_s']:.0f} s training")
         else:
             wiki = result["wikitext103"]
             click.echo(f"finished {name}: held-out {result['heldout']['overall']:.4f} nats/byte, WikiText-103 "
-                       + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training")
+                       + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
+                       + (" (diverged)" if result.get("divergence") else ""))
 
     try:
-        executor = _executor(jobs or (1 if device != "cpu" else os.cpu_count()), len(todo))
+        executor = _executor(jobs or (1 if device != "cpu" else os.cpu_count()), len(todo), executor_kind, address,
+                             cpus_per_unit, gpus_per_unit)
         paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=_install_stop_handler(),
                                on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
+        sys.exit(130)
+    for p in paths.values():
+        click.echo(f"wrote {p}")
+
+
+@cli.command("porting-kit")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--embed", type=int, default=16, show_default=True, callback=_positive, help="E of the kit's model.")
+@click.option("--hidden", type=int, default=32, show_default=True, callback=_positive, help="H of the kit's model.")
+@click.option("--layers", type=int, default=2, show_default=True, callback=_positive, help="L of the kit's model.")
+@click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def porting_kit(out, embed, hidden, layers, seed, force):
+    """Write the conformance vectors a port must reproduce, one .npz per stage (forward, losses,
+    noise, one SPSA step, router) with manifest.json of tolerances, the kit's model as ONNX, and
+    the standalone checker: python OUT/check_port.py OUT PORT_OUTPUTS/. PORTING.md is the
+    specification."""
+    from zosoma.config import ModelConfig
+    from zosoma.porting.kit import write_kit
+
+    manifest = write_kit(Path(out), ModelConfig(embed=embed, hidden=hidden, layers=layers), seed, force)
+    click.echo(f"wrote {manifest.parent}/: manifest.json, forward/losses/noise/spsa_step/router.npz, model.onnx, "
+               f"check_port.py\ncheck a port: python {manifest.parent / 'check_port.py'} {manifest.parent} PORT_OUTPUTS/")
+
+
+@cli.command("precision-study")
+@click.option("--out", type=click.Path(file_okay=False), default="results/precision", show_default=True, help="Output folder: runs/, results.md, results.csv, precision.png.")
+@click.option("--steps", type=int, default=4000, show_default=True, callback=_positive, help="Training steps of every run (the default run length is 4000).")
+@click.option("--formats", default=",".join(PRECISIONS), show_default=True, help="Forward number formats, comma-separated.")
+@click.option("--multiples", default="0.25,1,4,16", show_default=True, help="Single model: eps as multiples of the format's step, comma-separated (the default eps 1e-3 is always run too).")
+@click.option("--soma-multiples", default="0.25,1,4,16", show_default=True, help="SOMA: the same, or 'none' for the default eps only.")
+@click.option("--experts", type=int, default=4, show_default=True, callback=_positive, help="SOMA's N.")
+@click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
+@click.option("--jobs", type=int, callback=_positive, help="Runs trained at once, one process each (default: the machine's cores).")
+@click.option("--plan", is_flag=True, help="Print the runs and exit.")
+def precision_study(out, steps, formats, multiples, soma_multiples, experts, seed, jobs, plan):
+    """What the forward's number format costs: held-out nats/byte of the default single model and
+    of SOMA (tiny preset) trained with fp32, bf16, fp16 and int8 forwards, across eps measured in
+    the format's step. Finished runs are never repeated; the same command resumes the others."""
+    import os
+
+    from zosoma.experiments.precision import Study, jobs as study_jobs, run_study
+
+    def numbers(text, name):
+        if text.strip().lower() == "none":
+            return ()
+        try:
+            return tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated numbers, got {text!r}", param_hint=name) from None
+
+    study = Study(steps=steps, formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
+                  multiples=numbers(multiples, "--multiples"), experts=experts,
+                  soma_multiples=numbers(soma_multiples, "--soma-multiples"), seed=seed)
+    todo = study_jobs(study)
+    click.echo(f"precision study: {len(todo)} runs of {steps} steps, output {out}")
+    for j in todo:
+        click.echo(f"  {j.name:<32} eps {j.eps:.3g} (step {j.step_size:.3g})")
+    if plan:
+        return
+
+    def report(job, result, error):
+        if error:
+            click.echo(f"failed   {job.name}: {error}", err=True)
+        else:
+            click.echo(f"finished {job.name}: held-out {result['heldout']['overall']:.4f} nats/byte in {job.fmt} "
+                       f"({result['heldout_fp32_eval']:.4f} in fp32), {result['wall_s']:.0f} s training")
+
+    stop = _install_stop_handler()
+    paths = run_study(study, Path(out), _executor(jobs or os.cpu_count(), len(todo)), should_stop=stop,
+                      on_result=report)
+    if stop():
+        click.echo("stopped; the same command resumes the unfinished runs", err=True)
         sys.exit(130)
     for p in paths.values():
         click.echo(f"wrote {p}")

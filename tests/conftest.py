@@ -3,3 +3,42 @@ from pathlib import Path
 
 # Let the helpers module be imported by the tests (tests/ has no __init__.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Ray started once for the whole session on 2 CPUs (Ray's testing tips: one ray.init per
+    session, not per test), shut down at its end."""
+    from helpers import start_ray
+    ray = start_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(ray_session):
+    """The session's Ray; started again if a test before replaced it with a cluster of its own."""
+    from helpers import start_ray
+    return start_ray()
+
+
+@pytest.fixture(scope="session")
+def two_domains(tmp_path_factory):
+    """Prose and digits: two domains clustering can tell apart (prose.txt, digits.txt)."""
+    import numpy as np
+    root = tmp_path_factory.mktemp("domains")
+    rng = np.random.default_rng(0)
+    words = [b"river", b"stone", b"light", b"green", b"house", b"quiet"]
+    (root / "prose.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 6, 3000)))
+    (root / "digits.txt").write_bytes(b",".join(b"%d" % v for v in rng.integers(0, 10**6, 3000)))
+    return root
+
+
+@pytest.fixture
+def scratch_cwd(tmp_path, monkeypatch):
+    """Work from a scratch folder: ../shared/wikitext-103 beside the checkout is not found, so
+    final evaluations score the small held-out text only, and relative run folders land in
+    tmp_path (subprocesses and workers inherit the working folder)."""
+    monkeypatch.chdir(tmp_path)

@@ -167,8 +167,8 @@ def validate(cp, checks: Checks, rng):
     P = 2**31 // (2 * d) + 2
     try:
         big = gpu.perturbed(theta_d, 1e-3, range(P), 9, 0, 0, "rademacher")
-    except Exception as e:  # cupy.cuda.memory.OutOfMemoryError on a small GPU
-        checks._add(f"perturbed beyond 2**31 elements: not run ({type(e).__name__})", 0.0, 0.0, "skipped", True)
+    except cp.cuda.memory.OutOfMemoryError:  # a GPU under 10 GB: said, not hidden; anything else fails
+        checks._add("perturbed beyond 2**31 elements: not run (out of device memory)", 0.0, 0.0, "not run", True)
     else:
         want = perturbed(theta, Population(P, 1e-3, 9, 0, 0), range(P - 1, P))
         checks.compare(f"perturbed {2 * P} rows x d = {2 * P * d:,} elements, last 2 rows", big[-2:], want,

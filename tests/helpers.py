@@ -26,3 +26,31 @@ def zosoma_cmd() -> list[str]:
     """The installed console script (a `python -c` from the checkout would import the source tree,
     where zosoma.cli does not exist: it is mapped from cli/ at install time)."""
     return [str(Path(sys.executable).parent / "zosoma")]
+
+
+RAY_OPTIONS = dict(include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+
+
+def start_ray():
+    """Ray on this machine with 2 CPUs and a small object store, quiet (tests' session cluster)."""
+    import logging
+
+    import ray
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, logging_level=logging.ERROR, **RAY_OPTIONS)
+    return ray
+
+
+def one_line_error(result, code=None):
+    """The last line of a failed CliRunner result, checked to be an error without a traceback
+    (exit code `code` if given, else any non-zero)."""
+    assert result.exit_code != 0 if code is None else result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    return [x for x in result.output.strip().splitlines() if x.strip()][-1]
+
+
+def run_cli(args):
+    """zosoma's command line in this process; an unexpected exception propagates."""
+    from click.testing import CliRunner
+    from zosoma.cli.main import cli
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)

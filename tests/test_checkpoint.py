@@ -2,6 +2,7 @@
 torch export checked against the NumPy reference forward."""
 
 import json
+from pathlib import Path
 import os
 
 import h5py
@@ -18,6 +19,7 @@ from zosoma.model.params import Layout, init_params
 
 from helpers import assert_close
 
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
 MODEL = ModelConfig(embed=8, hidden=16, layers=2)
 
 
@@ -76,12 +78,12 @@ def test_file_says_what_it_is(saved):
     path, ck = saved
     layout = Layout(MODEL)
     with h5py.File(path, "r") as f:
-        assert f.attrs["format"] == "zosoma-checkpoint"
-        assert f.attrs["format_version"] == 1
-        assert f.attrs["zosoma_version"] == zosoma.__version__
+        assert f.attrs["format"] == b"zosoma-checkpoint"  # fixed-length text: no global heap
+        assert f.attrs["format_version"] == 2
+        assert f.attrs["zosoma_version"].decode() == zosoma.__version__
         assert f.attrs["step"] == 7
         assert json.loads(f.attrs["config"])["ModelConfig"] == {"embed": 8, "hidden": 16, "layers": 2}
-        stored_layout = json.loads(f["params"].attrs["layout"])
+        stored_layout = json.loads(f["params/layout"][()].tobytes())
         assert stored_layout == [[e.name, list(e.shape), e.offset] for e in layout.entries]
         for e in layout.entries:  # one dataset per tensor, in zosoma's orientation
             ds = f["params"][e.name]
@@ -151,8 +153,17 @@ def test_other_format(saved):
 def test_newer_format_version(saved):
     path, _ = saved
     with h5py.File(path, "r+") as f:
-        f.attrs["format_version"] = np.int64(2)
+        f.attrs["format_version"] = np.int64(3)
     assert_raises_naming(path, match="written by a newer zosoma")
+
+
+def test_format_version_1_files_are_still_read():
+    """data/fixtures/checkpoint-v1.h5 was written by the previous zosoma (variable-length strings,
+    layout and extra as attributes)."""
+    got = load_checkpoint(FIXTURES / "checkpoint-v1.h5")
+    assert got.step == 3 and got.model == ModelConfig(embed=4, hidden=6, layers=1)
+    np.testing.assert_array_equal(got.theta, init_params(got.model, 5))
+    assert got.optimizer["m"].tolist() == [0.5] * got.theta.size and got.extra == {"seed": 5}
 
 
 def test_shape_mismatch_between_config_and_tensors(saved):
@@ -179,7 +190,7 @@ def test_changed_value_fails_checksum(saved):
     assert_raises_naming(path, match="checksum")
 
 
-@pytest.mark.parametrize("target", ["create_dataset", "fsync"])
+@pytest.mark.parametrize("target", ["write", "fsync"])
 def test_failed_write_keeps_previous_checkpoint(saved, monkeypatch, target):
     path, ck = saved
     before = path.read_bytes()
@@ -187,14 +198,14 @@ def test_failed_write_keeps_previous_checkpoint(saved, monkeypatch, target):
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    if target == "create_dataset":  # fails midway through the tensors
-        real, calls = h5py.Group.create_dataset, []
+    if target == "write":  # the disk fills up midway through the file
+        real, calls = os.write, []
 
-        def flaky(self, *args, **kwargs):
+        def flaky(fd, data):
             calls.append(1)
-            return disk_full() if len(calls) == 4 else real(self, *args, **kwargs)
+            return disk_full() if len(calls) == 2 else real(fd, data[:4096])
 
-        monkeypatch.setattr(h5py.Group, "create_dataset", flaky)
+        monkeypatch.setattr(atomic.os, "write", flaky)
     else:  # fails after the temporary is complete, before the rename
         monkeypatch.setattr(atomic.os, "fsync", disk_full)
     with pytest.raises(WriteError, match="cannot write checkpoint .*ckpt.h5: No space left on device$"):
@@ -244,7 +255,7 @@ def test_summary(saved):
     assert "step         7" in text
     assert f"{n} parameters" in text
     assert "lstm1.w_hh" in text and "(16, 64)" in text
-    assert "zosoma-checkpoint v1" in text and zosoma.__version__ in text
+    assert "zosoma-checkpoint v2" in text and zosoma.__version__ in text
     assert "m (10112,) float32" in text
     assert "2 records" in text and "NaN" in text  # the last record
     assert "cursor: [3, 1, 4]" in text

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from helpers import zosoma_cmd
+from helpers import one_line_error, zosoma_cmd
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.runs.folder import RunFolder
 from zosoma.cli.main import cli
@@ -37,12 +37,6 @@ def text_files(tmp_path_factory):
 def run(args, **kw):
     return CliRunner().invoke(cli, args, catch_exceptions=False, **kw)
 
-
-def one_line_error(result, code=None):
-    assert result.exit_code != 0 if code is None else result.exit_code == code, result.output
-    lines = [x for x in result.output.strip().splitlines() if x.strip()]
-    assert "Traceback" not in result.output
-    return lines[-1]
 
 
 def test_help_everywhere():

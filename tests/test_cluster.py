@@ -6,6 +6,7 @@ of n-grams in pure Python would take many minutes) and skip without it.
 """
 
 from collections import Counter
+from pathlib import Path
 
 import h5py
 import numba
@@ -318,7 +319,7 @@ def test_save_load_round_trip_in_a_group(small_fit, tmp_path):
         clustering.save(f.create_group("clustering"))
     with h5py.File(path, "r") as f:
         loaded = Clustering.load(f["clustering"])
-        assert f["clustering"].attrs["format_version"] == cl.FORMAT_VERSION
+        assert f["clustering"].attrs["format_version"] == cl.FORMAT_VERSION == 2
     assert loaded.config == clustering.config
     for name in ("idf", "projection", "centroids"):
         assert np.array_equal(getattr(loaded, name), getattr(clustering, name))
@@ -504,3 +505,9 @@ def test_heldout_text_lands_in_its_domains_cluster(shipped):
     # which routes elsewhere; tech_docs lands home for 66%, the six other domains for 97-100%.
     assert overall >= 0.75, hits
     assert sum(h >= 0.9 for h in hits.values()) >= 5, hits
+
+
+def test_a_version_1_router_is_still_read():
+    """data/fixtures/router-v1.h5 was written by the previous zosoma (variable-length strings)."""
+    got = load_clustering(Path(__file__).resolve().parents[1] / "data" / "fixtures" / "router-v1.h5")
+    assert got.n_clusters == 3 and got.centroids.shape == (3, 4)

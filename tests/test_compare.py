@@ -1,5 +1,6 @@
 """The equal-compute harness: configs, budgets, resumable runs, one evaluation protocol."""
 
+import dataclasses
 import json
 import subprocess
 
@@ -43,6 +44,8 @@ train = {perturbations = 2}
 """
 
 
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
 @pytest.fixture
 def mini(tmp_path):
     path = tmp_path / "mini.toml"
@@ -63,13 +66,19 @@ def test_budget_sets_each_methods_steps(mini):
 
 def test_shipped_configs_load():
     cpu = load_comparison(find_config("cpu"))
-    assert {m.kind for m in cpu.methods} == {"soma", "spsa", "eggroll"}
+    assert {m.kind for m in cpu.methods} == {"soma", "spsa", "eggroll", "es"}
+    assert cpu.tuning is not None and cpu.tuning.lr_factors == (0.5, 1.0, 2.0)
     assert len(cpu.seeds) >= 3 and len(cpu.ablation_seeds) >= 3
     sizes = [m.experts * m.model.n_params() for m in cpu.methods]
     assert max(sizes) / min(sizes) < 1.02  # the same total parameter count, within 2%
     spent = [m.flops_per_step() * m.train.steps for m in cpu.methods]
     assert max(spent) <= cpu.flops and min(spent) > 0.98 * cpu.flops
-    load_comparison(find_config("lr-sweep"))
+    curve = load_comparison(find_config("ncurve"))
+    assert curve.eval_top_k == (1, 2, 4) and {s for m in curve.methods for s in m.series} == {"equal params",
+                                                                                                 "expert size"}
+    equal = [m.experts * m.model.n_params() for m in curve.methods if "equal params" in m.series]
+    assert max(equal) / min(equal) < 1.05 and sorted(m.experts for m in curve.methods
+                                                     if "equal params" in m.series) == [1, 2, 4, 8, 16]
     paper = load_comparison(find_config("paper"))
     assert abs(paper.methods[0].experts * paper.methods[0].model.n_params() / 8.44e6 - 1) < 0.001
 
@@ -211,3 +220,23 @@ train = {optimizer = "es", perturbations = 2, eps = 0.02, lr = 0.002}
     result = run_job(Job(str(tmp_path / "run"), cmp.methods[0], 0, False), cmp)
     assert result["kind"] == "es" and result["train"]["optimizer"] == "es"
     assert result["steps"] == cmp.methods[0].train.steps and 0 < result["heldout"]["overall"] < 6
+
+
+def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_path):
+    """[tuning]: every method at each lr factor (and sigma factor for ES/EGGROLL), seed 0, the full
+    budget, scored on the validation split; the main runs then use the winner."""
+    from zosoma.experiments.compare import Tuning, run_comparison, tuning_jobs
+
+    cmp = dataclasses.replace(mini, methods=mini.methods[1:], seeds=(0,), ablation=(), ablation_seeds=(),
+                              tuning=Tuning(seed=0, lr_factors=(0.5, 2.0), sigma_factors=(1.0,)))
+    sweep = tuning_jobs(cmp, tmp_path / "out")
+    assert [j.method.train.lr for j in sweep] == [0.025, 0.1] and all(j.tuning for j in sweep)
+    paths = run_comparison(cmp, tmp_path / "out")
+    results = {j.run_dir: RunFolder(j.run_dir).read_result() for j in sweep}
+    scores = [results[j.run_dir]["validation"] for j in sweep]
+    assert all("heldout" not in r for r in results.values())  # tuning never reads the held-out slices
+    best = sweep[int(np.argmin(scores))].method.train.lr
+    final = RunFolder(tmp_path / "out" / "runs" / "spsa-p-2-seed0").read_result()
+    assert final["train"]["lr"] == best and "heldout" in final
+    text = paths["results.md"].read_text()
+    assert "## Tuning" in text and text.count("**yes**") == 1

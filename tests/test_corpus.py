@@ -45,16 +45,25 @@ def test_default_dir_has_manifest():
     assert (default_corpus_dir() / "MANIFEST.json").is_file()
 
 
-@pytest.mark.parametrize("split", ["train", "heldout"])
-def test_shipped_corpus_matches_manifest(split):
-    corpus = load_corpus(split=split)
-    entries = [e for e in manifest() if e["split"] == split]
-    assert set(corpus.names) == DOMAINS and len(corpus) == 8
-    assert corpus.names == tuple(e["domain"] for e in entries)
-    for doc, e in zip(corpus.docs, entries):
-        assert doc.dtype == np.uint8 and doc.ndim == 1
-        assert len(doc) == e["bytes"]
-    assert corpus.n_bytes == sum(e["bytes"] for e in entries)
+def test_shipped_corpus_matches_manifest():
+    heldout = load_corpus(split="heldout")
+    entries = [e for e in manifest() if e["split"] == "heldout"]
+    assert set(heldout.names) == DOMAINS and len(heldout) == 8
+    assert heldout.names == tuple(e["domain"] for e in entries)
+    for doc, e in zip(heldout.docs, entries):
+        assert doc.dtype == np.uint8 and doc.ndim == 1 and len(doc) == e["bytes"]
+
+
+def test_validation_is_the_tail_training_never_sees(train):
+    """Each training file splits into train (the head) and validation (the last min(64 KiB, n/8)
+    bytes): together exactly the file, never overlapping, so tuning on validation is honest."""
+    validation = load_corpus(split="validation")
+    entries = [e for e in manifest() if e["split"] == "train"]
+    assert train.names == validation.names == tuple(e["domain"] for e in entries)
+    for head, tail, e in zip(train.docs, validation.docs, entries):
+        assert len(tail) == min(1 << 16, e["bytes"] // 8) and len(head) + len(tail) == e["bytes"]
+        whole = load_text(default_corpus_dir() / e["file"])
+        assert head.tobytes() + tail.tobytes() == whole.tobytes()
 
 
 def test_train_and_heldout_differ(train):

@@ -167,10 +167,19 @@ def test_short_optimisation_lowers_loss():
 
 
 def test_bench_records_and_table():
-    rec = bench_eggroll(8, 16, 1, batch=2, seq_len=8, pairs=2, rank=1, repeats=1)
+    from zosoma.engines.ops import Ops
+
+    timed = []
+
+    class Recording(Ops):  # what the benchmark times is the engine's own population forward
+        def perturbed_losses(self, theta, layout, batch, pop, pairs=None, timings=None):
+            timed.append((pop.P, pop.rank, pop.kind, batch.shape, theta.dtype))
+            return super().perturbed_losses(theta, layout, batch, pop, pairs, timings)
+
+    rec = bench_eggroll(8, 16, 1, batch=2, seq_len=8, pairs=2, rank=1, repeats=1, ops=Recording())
     assert rec["members"] == 4 and rec["params"] == Layout(ModelConfig(8, 16, 1)).size
-    for key in ("eggroll_s_per_member", "dense_s_per_member", "dense_with_noise_s_per_member"):
-        assert rec[key] > 0
+    assert set(timed) == {(2, 1, "gaussian", (2, 9), np.dtype(np.float32)), (2, 0, "rademacher", (2, 9), np.dtype(np.float32))}
+    assert len(timed) == 2 * (1 + 1)  # warm-up + one timed round, EGGROLL and dense each
     assert rec["dense_with_noise_s_per_member"] >= rec["dense_s_per_member"]
     assert rec["speedup"] == pytest.approx(rec["dense_s_per_member"] / rec["eggroll_s_per_member"])
     table = format_eggroll([rec, rec])

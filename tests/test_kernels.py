@@ -140,17 +140,9 @@ def emulated_libs(tmp_path_factory):
     return libs
 
 
-# The CUDA runtime joins the parametrisation only where CuPy finds a device; elsewhere
-# test_cuda_runtime_available records, as one skip, that the gpu.py tests ran emulated only.
+# The CUDA runtime joins the parametrisation only where CuPy finds a device.
 RUNTIMES = ["emulated"] + (["cuda"] if backend.cuda_device_count() else [])
 _cuda_runtime = []
-
-
-def test_cuda_runtime_available():
-    if not backend.cuda_device_count():
-        pytest.skip(f"no CUDA device ({backend.cuda_unavailable_reason()}): gpu.py tested on the "
-                    "emulated runtime only")
-
 
 @pytest.fixture(params=RUNTIMES)
 def rt(request, monkeypatch):

@@ -15,11 +15,12 @@ ALLOWED = {
     "foundation": {"foundation"},
     "model": {"foundation", "model"},
     "formats": {"foundation", "model", "formats"},
-    "engines": {"foundation", "model", "engines"},
+    "engines": {"foundation", "model", "formats", "engines"},
     "strategies": {"foundation", "model", "strategies"},
     "soma": {"foundation", "model", "formats", "engines", "soma"},
     "runs": {"foundation", "model", "formats", "engines", "strategies", "soma", "runs"},
     "experiments": {"foundation", "model", "formats", "engines", "strategies", "soma", "runs", "experiments"},
+    "porting": {"foundation", "model", "formats", "engines", "strategies", "soma", "runs", "porting"},
 }
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from zosoma.errors import ConfigError
-from zosoma.experiments.report import (ablation_markdown, ablation_summary, markdown_table, plot_curves, summarise,
-                           write_csv, write_report)
+from zosoma.experiments.report import (ablation_markdown, ablation_summary, equal_wall_clock, markdown_table,
+                                       n_curve, n_curve_markdown, plot_curves, plot_n_curve, summarise,
+                                       tuning_markdown, write_csv, write_report)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DOMAINS = ("code", "legal", "prose")
@@ -67,11 +68,45 @@ def test_markdown_table(results):
     assert lines[0].rstrip(" |").endswith("| code | legal | prose")
     soma = lines[2]
     r = rows[0]
-    assert soma.startswith("| SOMA N=2 P=64 | 99328 | 3 | 500 | 1.21e13 | 810 |")
+    assert soma.startswith("| SOMA N=2 P=64 | 99,328 | 3 | 500 | 1.21e13 | 810 |")
     assert f"{r['heldout_mean']:.3f} ± {r['heldout_std']:.3f}" in soma
     assert f"{r['wikitext_mean']:.3f} ± {r['wikitext_std']:.3f}" in soma
     assert lines[3].startswith("| SPSA P=128 |")
     assert "(2 of 3 seeds)" in lines[3] and "of 3 seeds" not in soma
+
+
+def test_equal_wall_clock_reads_each_curve_at_the_same_seconds(results):
+    """The second view of equal compute: the shortest method's mean final seconds (here every
+    curve ends at 500 * 1.6 + seed s: 801 s on average), each run's curve interpolated there."""
+    at, by_method = equal_wall_clock(results)
+    assert at == pytest.approx(np.mean([800 + s for s in range(3)]))
+    for method, value in by_method.items():
+        runs = [r for r in results if r["method"] == method]
+        # the curve is linear in seconds here: heldout = 5.5 - (wall - seed) / 400 + 0.1 seed; a run
+        # that finished before `at` keeps its final value
+        want = [5.5 - (min(at, 800 + s) - s) / 400 + 0.1 * s for s in range(3)]
+        assert value == pytest.approx(np.mean(want))
+        assert method in [r["method"] for r in runs]
+    row = summarise(results)[0]
+    assert row["equal_wall_s"] == at and row["heldout_at_equal_wall"] == by_method[row["method"]]
+    assert f"held-out at {at:.0f} s" in markdown_table(summarise(results))
+
+
+def test_tuning_and_n_curve_tables(tmp_path):
+    tuning = [{"method": "SPSA", "setting": f"lr x{f:g}", "lr": 0.1 * f, "eps": 1e-3, "validation": v,
+               "diverged": d, "final_train_loss": 2.5, "chosen": c}
+              for f, v, d, c in ((0.5, 2.9, False, False), (1, 2.8, False, True), (2, 9.9, True, False))]
+    lines = tuning_markdown(tuning).splitlines()
+    assert lines[3].endswith("| 2.800 | 2.500 |  | **yes** |") and "| yes |" in lines[4]
+    runs = [{"series": ["equal params"], "experts": n, "n_params": 100_000, "heldout_by_k": {"1": 3.0 - n / 10 + s,
+            **({"2": 2.9 - n / 10 + s} if n > 1 else {})}} for n in (1, 2, 4) for s in (0.0, 0.2)]
+    rows = n_curve(runs)
+    assert [(r["N"], sorted(r["k"])) for r in rows] == [(1, [1]), (2, [1, 2]), (4, [1, 2])]
+    assert rows[1]["k"][2][0] == pytest.approx(2.9 - 0.2 + 0.1) and rows[1]["seeds"] == 2
+    text = n_curve_markdown(rows)
+    assert "| equal params | 1 | 100,000 | 2 | 3.000 ± 0.141 | n/a |" in text
+    plot_n_curve(rows, tmp_path / "n.png")
+    assert (tmp_path / "n.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_csv_round_trip(results, tmp_path):
@@ -95,9 +130,21 @@ def test_plots_are_png(results, tmp_path):
     # A seed that logged an extra step: only the steps every seed has are plotted.
     results[0]["curve"].append({"step": 750, "flops": 1.8e13, "wall_s": 1200.0, "heldout": 2.0})
     flops, wall = tmp_path / "f.png", tmp_path / "w.png"
-    plot_curves(results, flops, wall, title="synthetic")
+    drawn = plot_curves(results, flops, wall, title="synthetic")
     for path in (flops, wall):
         assert path.read_bytes()[:8] == PNG_MAGIC
+    for method, runs in {r["method"]: [x for x in results if x["method"] == r["method"]] for r in results}.items():
+        steps = sorted(set.intersection(*({p["step"] for p in run["curve"]} for run in runs)))
+        point = lambda key, step: np.mean([next(p[key] for p in run["curve"] if p["step"] == step) for run in runs])  # noqa: E731
+        want_y = [point("heldout", s) for s in steps]
+        x, y = drawn[str(wall)][method]  # every common step, mean over seeds, in step order
+        np.testing.assert_allclose(x, [point("wall_s", s) for s in steps])
+        np.testing.assert_allclose(y, want_y)
+        x, y = drawn[str(flops)][method]  # the log axis leaves out step 0's zero FLOPs
+        keep = [point("flops", s) > 0 for s in steps]
+        np.testing.assert_allclose(x, [point("flops", s) for s, k in zip(steps, keep) if k])
+        np.testing.assert_allclose(y, [v for v, k in zip(want_y, keep) if k])
+        assert 750 not in steps  # the step only one seed logged is not drawn
 
 
 def test_plots_without_matplotlib(results, tmp_path, monkeypatch):

@@ -128,7 +128,7 @@ def test_forward_and_loss_match_torch(E, H, L, B, T):
     print(f"E={E} H={H} L={L} B={B} T={T}: float64 loss {ref_loss:.12f}, rel err vs torch {rel64:.2e}")
     assert rel64 < 1e-10
 
-    # float32 on both sides (the issue's acceptance: within 1e-5 relative on the loss)
+    # float32 on both sides (README: 1.2e-7 at worst over these shapes; tests/correctness.py)
     logits32, _ = reference.forward(theta32, layout, batch[:, :-1])
     ref_loss32 = reference.loss(theta32, layout, batch)
     with torch.no_grad():
@@ -137,7 +137,7 @@ def test_forward_and_loss_match_torch(E, H, L, B, T):
     assert_close(logits32, t_logits32.numpy(), atol=1e-4, rtol=1e-5, name="float32 logits")
     rel32 = abs(ref_loss32 - t_loss32.item()) / abs(t_loss32.item())
     print(f"    float32 loss rel err vs torch float32 {rel32:.2e}")
-    assert rel32 < 1e-5
+    assert rel32 < 1e-6
 
 
 @pytest.mark.parametrize("E, H, L", [(16, 8, 2), (5, 7, 3)])
@@ -187,18 +187,21 @@ DIRECTIONAL_CONFIG = ModelConfig(embed=8, hidden=16, layers=2)  # d = 10,112
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 def test_directional_derivatives_match_autograd_float64(kind):
+    """The error of a central difference is truncation, ~eps^2 times third derivatives, so it is
+    measured against |grad| (a typical directional derivative; README figure: tests/correctness.py)."""
     theta32, layout = make_theta(DIRECTIONAL_CONFIG, seed=1)
     theta = theta32.astype(np.float64)
     batch = make_batch(3, 12, seed=1)
     grad, t_loss = torch_flat_grad(theta, layout, batch)
     assert abs(reference.loss(theta, layout, batch) - t_loss) < 1e-12 * t_loss
+    scale = np.linalg.norm(grad)
     errors = []
     for k, delta in enumerate(directions(layout.size, 7, kind, range(8))):
         exact = grad @ delta
         g = central_difference(theta, layout, batch, delta, eps=1e-4)
-        errors.append(abs(g - exact) / abs(exact))
-        assert abs(g - exact) <= 1e-3 * abs(exact), f"member {k}: SPSA {g:.10g} vs autograd {exact:.10g}"
-    print(f"float64 {kind}: max rel err of SPSA directional derivative vs autograd {max(errors):.2e}")
+        errors.append(abs(g - exact) / scale)
+        assert abs(g - exact) <= 1e-6 * scale, f"member {k}: SPSA {g:.10g} vs autograd {exact:.10g}"
+    print(f"float64 {kind}: max |SPSA - autograd| / |grad| {max(errors):.2e}")
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
@@ -217,7 +220,7 @@ def test_directional_derivatives_match_autograd_float32(kind):
         exact = grad @ delta
         g = central_difference(theta32, layout, batch, delta.astype(np.float32), np.float32(3e-3))
         errors.append(abs(g - exact) / scale)
-        assert abs(g - exact) <= 1e-2 * scale, f"member {k}: SPSA {g:.7g} vs autograd {exact:.7g}"
+        assert abs(g - exact) <= 2e-3 * scale, f"member {k}: SPSA {g:.7g} vs autograd {exact:.7g}"
     print(f"float32 {kind}: max |SPSA - autograd| / |grad| {max(errors):.2e}")
 
 

@@ -14,7 +14,7 @@ from zosoma.engines.ops import Ops, member_chunks
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
-from zosoma.runs.folder import CHECKPOINT, METRICS, PREVIOUS, RunFolder
+from zosoma.runs.folder import CHECKPOINT, METRICS, PREVIOUS, CheckpointFallback, RunFolder
 from zosoma.runs.records import Finished, Step, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
@@ -187,7 +187,8 @@ def test_checkpoint_rotation_keeps_the_previous_and_survives_a_damaged_latest(tm
     assert folder.read_checkpoint(step=3).step == 3
     data = (tmp_path / CHECKPOINT).read_bytes()
     (tmp_path / CHECKPOINT).write_bytes(data[: len(data) // 2])
-    assert folder.read_checkpoint().step == 3  # the damaged latest is passed over
+    with pytest.warns(CheckpointFallback, match=r"checkpoint\.h5 is damaged .*; using .*checkpoint\.prev\.h5 \(step 3\)"):
+        assert folder.read_checkpoint().step == 3  # the damaged latest is passed over, and said so
     (tmp_path / PREVIOUS).unlink()
     with pytest.raises(CheckpointError, match="checkpoint.h5"):
         folder.read_checkpoint()

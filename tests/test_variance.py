@@ -58,18 +58,11 @@ def test_quadratic_ratio_is_one_over_n(quadratic):
         N = rec["N"]
         assert rec["inverse_N"] == 1 / N
         assert rec["theory"] == pytest.approx((D - 1) / (N * D - 1), rel=1e-12)
-        # the issue's acceptance criterion, then the exact theory (6% with the JIT: sd about 1%)
-        assert abs(rec["ratio"] * N - 1) < 0.20, rec
+        # about 1/N (the paper's claim), then the exact theory (6% with the JIT: sd about 1%)
+        assert abs(rec["ratio"] * N - 1) < 0.10, rec
         assert abs(rec["ratio"] / rec["theory"] - 1) < TOL, rec
         assert abs(rec["rel_var_independent"] / (D - 1) - 1) < TOL, rec
         assert abs(rec["rel_var_shared"] / (N * D - 1) - 1) < TOL, rec
-
-
-def test_quadratic_single_block_is_the_same_estimator(quadratic):
-    one = quadratic[0]
-    assert one["N"] == 1
-    assert one["ratio"] == 1.0
-    assert one["rel_var_independent"] == one["rel_var_shared"]
 
 
 def test_quadratic_gaussian_and_several_directions():
@@ -135,19 +128,49 @@ def lstm():
                          seed=0)
 
 
-def test_lstm_shared_loss_is_noisier(lstm):
-    one, two = lstm
-    d = two["d"]
-    assert one["N"] == 1 and one["ratio"] == 1.0
-    assert two["N"] == 2 and two["ratio"] < 1
-    # the independent estimate's relative variance is (d - 1) / P whatever the gradient
-    assert abs(two["rel_var_independent"] / ((d - 1) / P_LSTM) - 1) < 0.15, two
-    # measured and theory differ by the sample correlation of the experts' scalars, of order
-    # 1 / sqrt(R P); seeded, so this is one fixed draw (-10% with the JIT)
-    assert abs(two["ratio"] / two["theory"] - 1) < 4 * math.sqrt(2 / (REPS * P_LSTM)), two
-    per = two["per_expert"]
-    assert len(per["grad_norm_sq"]) == 2 and all(n > 0 for n in per["grad_norm_sq"])
-    assert all(r < 1 for r in per["ratio"])
+def true_grad_norms_sq(thetas, batches):
+    """||grad L_i||^2 of each expert on its batch by PyTorch's autograd (float64): a theory that
+    owes nothing to the SPSA samples it is checked against."""
+    import torch
+    from torch_reference import torch_model
+
+    from zosoma.model.params import Layout
+
+    norms = []
+    for theta, batch in zip(thetas, batches):
+        model = torch_model(theta, Layout(TINY))
+        data = torch.from_numpy(batch.astype(np.int64))
+        logits, _ = model(data[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), data[:, 1:].reshape(-1))
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        norms.append(float(sum((g ** 2).sum() for g in grads)))
+    return np.array(norms)
+
+
+def test_lstm_variance_matches_an_independent_theory_for_n_2_4_8():
+    """Real LSTM experts at fixed weights: the measured variances of the independent and shared
+    estimators, and their ratio, within 10% of theory evaluated at the autograd gradients."""
+    from zosoma.model.params import init_params
+
+    reps, P = (128, 16) if JIT else (6, 4)
+    sampler = toy_sampler(17)
+    batches = [sampler.batch(0, i, 0, 4) for i in range(8)]
+    thetas = [init_params(TINY, 0, i) for i in range(8)]
+    records = lstm_variance(Ns=(2, 4, 8), model=TINY, batches=batches, thetas=thetas, reps=reps, P=P, seed=0)
+    g2 = true_grad_norms_sq(thetas, batches)
+    tol = 0.10 if JIT else 0.8
+    for rec in records:
+        N, d, per = rec["N"], rec["d"], rec["per_expert"]
+        sample = np.array(per["grad_norm_sq"])
+        measured_ind = np.array(per["rel_var_independent"]) * sample  # absolute spreads
+        measured_sh = np.array(per["rel_var_shared"]) * sample
+        want_ind = (d - 1) / P * g2[:N]
+        want_sh = ((d - 1) * g2[:N] + d * (g2[:N].sum() - g2[:N])) / P
+        assert abs(measured_ind.mean() / want_ind.mean() - 1) < tol, (N, measured_ind, want_ind)
+        assert abs(measured_sh.mean() / want_sh.mean() - 1) < tol, (N, measured_sh, want_sh)
+        ratio, want = measured_ind.mean() / measured_sh.mean(), want_ind.mean() / want_sh.mean()
+        assert abs(ratio / want - 1) < tol, (N, ratio, want)
+        assert ratio < 1.5 / N  # about 1/N or below: unequal gradients make the others' noise larger
 
 
 def test_lstm_accepts_batches_and_checks_them(lstm):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Iterator, Union
 
@@ -22,8 +23,14 @@ PathLike = Union[str, Path]
 
 
 def reason(err: OSError) -> str:
-    """One line for an OSError: its strerror (e.g. 'No space left on device'), else its text."""
-    return err.strerror or " ".join(str(err).split()) or type(err).__name__
+    """One line for an OSError: the system's words for its errno (e.g. 'No space left on device'),
+    else its text on one line. (h5py's errors carry multi-line text; its errno is what matters.)"""
+    if err.errno in errno.errorcode:
+        return os.strerror(err.errno)
+    match = re.search(r"errno = (\d+)", str(err))  # h5py names the errno only inside its text
+    if match and int(match.group(1)) in errno.errorcode:
+        return os.strerror(int(match.group(1)))
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 @contextlib.contextmanager
@@ -45,12 +52,16 @@ def atomic_path(path: PathLike, what: str = "file") -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def atomic_write(path: PathLike, data: Union[bytes, str], what: str = "file") -> None:
+def atomic_write(path: PathLike, data: Union[bytes, memoryview, str], what: str = "file") -> None:
     """Replace `path` with `data` (str is written as UTF-8) atomically."""
-    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data).cast("B")
     with atomic_path(path, what) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(raw)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
 
 
 def append_line(path: PathLike, line: str, what: str = "log") -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 from zosoma.errors import ConfigError
 
 VOCAB = 256  # V: one class per byte value
+ENGINES = ("native", "onnxruntime")  # where forwards run: the device's own kernels, or ONNX Runtime
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # the forward's number format (zosoma.model.precision)
 
 
 @dataclass(frozen=True)
@@ -60,18 +63,35 @@ class TrainConfig:
     weight_decay: float = 0.0  # decoupled (AdamW-style) weight decay
     seed: int = 0  # one seed fixes init, batches and noise
     checkpoint_every: int = 500  # steps between checkpoints
+    # How the forwards run (zosoma.engines.get_ops). Both change a run's numbers, so they are part
+    # of its configuration and a resume keeps them. Updates and master weights stay fp32.
+    engine: str = "native"  # ENGINES: the device's kernels, or ONNX Runtime (an inference-only runtime)
+    forward_precision: str = "fp32"  # PRECISIONS: bf16, fp16 and int8 are emulated on the CPU
+    # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint, or goes
+    # on with the verdict recorded; either way the verdict is in its results.
+    on_divergence: str = "stop"  # "stop" or "continue"
 
     def __post_init__(self):
         positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every", "rank")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("eps", "lr", "momentum", "beta2", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.eps > 0:
             raise ConfigError(f"eps must be positive, got {self.eps}")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.noise not in ("rademacher", "gaussian"):
             raise ConfigError(f"noise must be rademacher or gaussian, got {self.noise!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.forward_precision not in PRECISIONS:
+            raise ConfigError(f"forward precision must be one of {', '.join(PRECISIONS)}, got "
+                              f"{self.forward_precision!r}")
+        if self.on_divergence not in ("stop", "continue"):
+            raise ConfigError(f"on_divergence must be stop or continue, got {self.on_divergence!r}")
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(f"schedule must be constant or cosine, got {self.schedule!r}")
         if self.warmup < 0 or not self.weight_decay >= 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.resources
+import io
 import json
 import zlib
 from dataclasses import dataclass
@@ -21,9 +22,14 @@ from zosoma.errors import ConfigError, DataError
 
 PathLike = Union[str, Path]
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "validation", "heldout")
+# The validation slice of a domain: the last bytes of its training file (at most an eighth of it),
+# just before the held-out slice, held back from the train split. Tuning reads it; training never
+# does; tables report held-out.
+VALIDATION_BYTES = 1 << 16
 TEXT_SUFFIXES = (".txt", ".gz")  # what a user directory contributes
 MANIFEST = "MANIFEST.json"
+MAX_BYTES = 4 << 30  # one text file, after decompression: the corpus is held in memory
 
 
 @dataclass(frozen=True)
@@ -70,21 +76,29 @@ def default_corpus_dir() -> Path:
 
 
 def load_text(path: PathLike) -> np.ndarray:
-    """(n,) read-only uint8 bytes of one file (.gz decompressed). An empty file is an error."""
+    """(n,) read-only uint8 bytes of one regular file (.gz decompressed), at most MAX_BYTES. An
+    empty file, a device, a FIFO or a larger file is an error (the corpus lives in memory)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
     if path.is_dir():
         raise DataError(f"{path}: is a directory, expected a file")
+    if not path.is_file():  # /dev/zero would read for ever, a FIFO would wait for a writer
+        raise DataError(f"{path}: not a regular file")
     try:
+        if path.stat().st_size > MAX_BYTES:
+            raise DataError(f"{path}: larger than {MAX_BYTES >> 30} GiB, the most one text file may hold")
         raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from e
     if path.suffix == ".gz":
         try:
-            raw = gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+                raw = f.read(MAX_BYTES + 1)
         except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; EOF: truncated
             raise DataError(f"{path}: not a valid gzip file ({e})") from e
+        if len(raw) > MAX_BYTES:
+            raise DataError(f"{path}: decompresses to more than {MAX_BYTES >> 30} GiB, the most one text file may hold")
     if not raw:
         raise DataError(f"{path}: empty file")
     return np.frombuffer(raw, dtype=np.uint8)
@@ -139,11 +153,12 @@ def _doc_name(path: Path) -> str:
 
 
 def _load_manifest_dir(root: Path, split: str, verify: bool) -> Corpus:
-    """A directory laid out like the shipped corpus: MANIFEST.json lists both splits' files."""
+    """A directory laid out like the shipped corpus: MANIFEST.json lists the train and heldout
+    files; the validation split is carved from the end of each training file (validation_cut)."""
     manifest = root / MANIFEST
     try:
         entries = json.loads(manifest.read_text(encoding="utf-8"))
-        entries = [e for e in entries if e["split"] == split]
+        entries = [e for e in entries if e["split"] == ("train" if split == "validation" else split)]
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise DataError(f"{manifest}: unreadable manifest ({e})") from e
     if not entries:
@@ -158,9 +173,17 @@ def _load_manifest_dir(root: Path, split: str, verify: bool) -> Corpus:
             digest = hashlib.sha256(doc).hexdigest()
             if digest != e["sha256_uncompressed"]:
                 raise DataError(f"{path}: sha256 {digest} does not match the manifest (damaged)")
+        cut = validation_cut(len(doc))
+        if split != "heldout":  # training stops where the validation tail starts
+            doc = doc[cut:] if split == "validation" else doc[:cut]
         names.append(e["domain"])
         docs.append(doc)
     return Corpus(tuple(names), tuple(docs))
+
+
+def validation_cut(n: int) -> int:
+    """Where a training file of n bytes splits into training (before) and validation (after)."""
+    return n - min(VALIDATION_BYTES, n // 8)
 
 
 class BatchSampler:

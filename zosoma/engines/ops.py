@@ -31,10 +31,15 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from zosoma.model import forward, lowrank
-from zosoma.model.noise import add_noise
+from zosoma.model import forward, lowrank, noise
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
+
+
+# Gaussian directions cost as much to generate as a forward at small sizes (libm log, sqrt, cos,
+# sin per pair of values): the CPU engine keeps a population's directions, up to this size, from
+# its forward for its update instead of generating them twice.
+_KEEP_BYTES = 64 << 20
 
 
 class Ops:
@@ -63,7 +68,8 @@ class Ops:
         """Losses of the members theta + perturbation_k ("plus") and theta - perturbation_k
         ("minus") for k in `pairs` (default all P) on the step's shared (B, T+1) batch; each
         (len(pairs),) float64. `timings`, if given, accumulates seconds of "noise" (building
-        perturbed weights) and "forward"."""
+        perturbed weights outside the forward) and "forward" (here the CPU forward builds each
+        pair's members from the counters itself, so its noise is forward time)."""
         pairs = range(pop.P) if pairs is None else pairs
         timings = {} if timings is None else timings
         if pop.rank:  # EGGROLL: the shared-GEMM population forward regenerates its own factors
@@ -72,13 +78,31 @@ class Ops:
                                                      pop.expert, pop.step, len(pairs), pairs.start)
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
             return losses[0::2], losses[1::2]
+        if type(self).population_loss is Ops.population_loss:  # the CPU forward builds its own members
+            t0 = time.perf_counter()
+            deltas = None
+            if pop.kind == "gaussian" and len(pairs) == pop.P and pop.P * theta.size * 4 <= _KEEP_BYTES:
+                deltas = np.empty((pop.P, theta.size), np.float32)
+            plus, minus = forward.perturbed_sums(theta, layout, batch, pop.scale, pop.seed, pop.expert, pop.step,
+                                                 pop.kind, pairs, deltas)
+            self._kept = (pop, theta.size, deltas) if deltas is not None else None
+            timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
+            return plus, minus
+        # an engine that overrides population_loss gets the members materialised, chunk by chunk
+        return self.materialised_losses(theta, layout, batch, pairs, timings,
+                                        lambda chunk, out: perturbed(theta, pop, chunk, out))
+
+    def materialised_losses(self, theta, layout: Layout, batch, pairs: range, timings: dict, build):
+        """plus, minus losses of `pairs` run through population_loss on members built on the host:
+        build(chunk, out) fills out (2 * len(chunk), d) with the chunk's pairs (rows 2j, 2j+1 the
+        plus and minus members of chunk[j]); chunks keep the copies within member_chunks' budget."""
         plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
         buf = None
         for chunk in member_chunks(pairs, theta.size):
             if buf is None or buf.shape[0] != 2 * len(chunk):
                 buf = np.empty((2 * len(chunk), theta.size), np.float32)
             t0 = time.perf_counter()
-            population = perturbed(theta, pop, chunk, buf)
+            population = build(chunk, buf)
             t1 = time.perf_counter()
             losses = self.population_loss(population, layout, batch)
             timings["noise"] = timings.get("noise", 0.0) + t1 - t0
@@ -106,20 +130,31 @@ class Ops:
 
     def noise_sum(self, coeffs, d: int, pop: Population) -> np.ndarray:
         """(d,) float32 (1/P) * sum_k coeffs[k] * delta_k, regenerating each delta_k of the
-        dense Population in turn (P = len(coeffs)): SPSA's estimate from its P scalars."""
-        out = np.zeros(d, np.float32)
-        P = len(coeffs)
-        for k, c in enumerate(coeffs):
-            add_noise(out, out, float(c) / P, pop.seed, pop.expert, pop.step, k, pop.kind)
-        return out
+        dense Population in turn (P = len(coeffs)): SPSA's estimate from its P scalars. Here in
+        one pass over the parameters, split over threads; Gaussian directions that
+        perturbed_losses kept for this population are read instead (the same numbers)."""
+        return noise.weighted_sum(d, _weights(coeffs), pop.seed, pop.expert, pop.step, pop.kind,
+                                  self._kept_directions(pop, d, len(coeffs)))
 
     def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
         """theta - lr * noise_sum(coeffs) - lr * weight_decay * theta, a new array (the inputs are
-        left untouched, so an interruption never leaves a half-applied step)."""
+        left untouched, so an interruption never leaves a half-applied step). Here in one pass
+        over theta, the same float32 numbers as the formula (unless noise_sum is overridden)."""
+        if type(self).noise_sum is Ops.noise_sum:
+            return noise.apply_weighted_sum(theta, _weights(coeffs), lr, lr * weight_decay if weight_decay else None,
+                                            pop.seed, pop.expert, pop.step, pop.kind,
+                                            self._kept_directions(pop, theta.size, len(coeffs)))
         new = theta - np.float32(lr) * self.noise_sum(coeffs, theta.size, pop)
         if weight_decay:
             new -= np.float32(lr * weight_decay) * theta
         return new.astype(np.float32)
+
+    _kept = None  # (Population, d, (P, d) float32): the dense Gaussian directions last evaluated
+
+    def _kept_directions(self, pop: Population, d: int, P: int):
+        """The directions perturbed_losses kept for this population, or None (regenerate)."""
+        kept = self._kept
+        return kept[2] if kept is not None and kept[0] == pop and kept[1] == d and P == pop.P else None
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
         """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.model.lowrank)."""
@@ -131,10 +166,19 @@ def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray 
     """The dense antithetic population for `pairs`: rows 2j and 2j+1 are theta + scale*delta_k
     and theta - scale*delta_k for k = pairs[j]. Returns (2*len(pairs), d) float32."""
     out = np.empty((2 * len(pairs), theta.size), np.float32) if out is None else out
+    k0, k1 = noise.stream_key(pop.seed)
+    theta = np.ascontiguousarray(theta, np.float32)
+    none = np.empty(0, np.float32)
     for j, k in enumerate(pairs):
-        add_noise(out[2 * j], theta, pop.scale, pop.seed, pop.expert, pop.step, k, pop.kind)
-        add_noise(out[2 * j + 1], theta, -pop.scale, pop.seed, pop.expert, pop.step, k, pop.kind)
+        noise.antithetic_pair(out[2 * j], out[2 * j + 1], theta, np.float32(pop.scale), noise.kind_code(pop.kind),
+                              k0, k1, k, pop.step, pop.expert, none)
     return out
+
+
+def _weights(coeffs) -> np.ndarray:
+    """The float32 weights coeffs[k] / P of the P directions in SPSA's estimate."""
+    coeffs = np.asarray(coeffs, np.float64)
+    return (coeffs / len(coeffs)).astype(np.float32)
 
 
 def member_chunks(pairs: range, d: int, budget_bytes: int = 64 << 20) -> Iterator[range]:

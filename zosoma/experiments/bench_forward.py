@@ -123,12 +123,13 @@ def _record(name: str, config: ModelConfig, tokens: int, seconds: list[float], p
 
 def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: int = 64,
                   seq_len: int = 256, repeats: int = 5, seed: int = 0,
-                  include_numpy: bool = True, ops=None) -> list[dict]:
+                  include_numpy: bool = True, ops=None, others: tuple = ()) -> list[dict]:
     """Forward + mean loss (no gradient) of one model on a (batch, seq_len + 1) byte batch:
     the NumPy reference, the engine's `population_loss` with M = 1 (default the CPU's Numba
     path), and torch's nn.LSTM, timed in interleaved rounds, plus the fp32 matmul peak measured
     in the same run. On a GPU engine: its population_loss and torch's cuDNN nn.LSTM on the GPU,
-    beside the GPU's peak (no NumPy reference)."""
+    beside the GPU's peak (no NumPy reference). `others`: more CPU engines (e.g. ONNX Runtime)
+    whose population_loss is timed in the same rounds."""
     from zosoma.engines.ops import Ops
     from zosoma.model import reference
 
@@ -148,6 +149,9 @@ def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: i
             "cuBLAS + raw kernels" if on_gpu else f"blas={threads}, kernels serial")
     paths = {"main": lambda: ops.population_loss(thetas, layout, data_e)}
     counts = {"main": repeats}
+    for other in others:
+        paths[other.name] = lambda other=other: other.population_loss(theta[None], layout, data)
+        counts[other.name] = repeats
     torch_name = "torch cuDNN nn.LSTM no_grad" if on_gpu else "torch nn.LSTM no_grad"
     try:
         paths["torch"] = _torch_forward(config, data, threads, on_gpu)
@@ -180,6 +184,10 @@ def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: i
     records.append(_record(main[0], config, tokens, times["main"], peak, threads=main[1],
                            note=f"{shape}; layer-0 input by table lookup: executes "
                                 f"{executed:.0%} of the nominal FLOPs"))
+    for other in others:
+        threads_of = getattr(other, "threads", None)
+        records.append(_record(f"{other.name} population_loss M=1", config, tokens, times[other.name], peak,
+                               threads=f"intra-op={threads_of(layout)}" if threads_of else "-", note=shape))
     if "torch" in times:
         records.append(_record(torch_name, config, tokens, times["torch"], peak,
                                threads=torch_threads, note=shape))

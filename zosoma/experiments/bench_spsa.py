@@ -1,55 +1,211 @@
-"""SPSA step throughput, split into forward passes, noise generation and the update.
+"""SPSA step throughput beside PyTorch peers and the machine's fp32 matmul peak, in one run.
 
 Runs the trainer's own step (zosoma.runs.trainer.Trainer) on the shipped corpus, so what is timed is
-what training does: building the 2P perturbed parameter vectors chunk by chunk ("noise"), the
-population forward ("forward"), drawing the batch ("data"), and regenerating the P directions
-into the estimate plus the optimizer update ("update").
+what training does, split into drawing the batch ("data"), the 2P forward passes ("forward": on
+the CPU engine each pair's two members are built from the counters inside it, so their noise is
+forward time; `noise_in_forward` times that building alone), building perturbed weights outside
+the forward ("noise": engines that take materialised members) and the update (regenerating the P
+directions into the estimate and applying it, "update").
+
+Beside it, in the same interleaved rounds (a load that comes and goes on a shared machine hits
+every path alike): the PyTorch peers of zosoma.experiments.torch_peers for the same model, P, B, T
+and noise (CPU engine, torch installed), each warmed up at 1 thread and at the BLAS thread count
+and timed at the faster of the two (on a loaded machine torch's spinning threads can make 2
+threads 10x slower than 1); then the fp32 matmul peak (`peak_gflops`). FLOP rates:
+
+    nominal   ModelConfig.flops_per_token() x forward tokens (2P x B x T) per second: the count
+              any implementation is charged
+    executed  what zosoma's forward executes: layer 0's input projection is the table
+              embed @ w_ih over the batch's U distinct bytes (2 x U x E x 4H per member) instead
+              of a GEMM over the B x T bytes
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 
 import numpy as np
+from numba import njit
 
-from zosoma.config import PRESETS, TrainConfig
+from zosoma.config import PRESETS, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
+from zosoma.experiments.bench_forward import matmul_peak_gflops
+from zosoma.model import noise as noise_mod
+from zosoma.model import threads
 from zosoma.runs.trainer import Trainer, new_state
 
 PARTS = ("forward", "noise", "data", "update")
+_PAUSE_S = 0.3  # between paths: the previous path's BLAS/OpenMP threads stop spinning
 
 
-def bench_spsa(preset: str = "paper", perturbations: int = 64, batch: int = 8, seq_len: int = 128,
-               steps: int = 2, noise: str = "rademacher", seed: int = 0, ops=None) -> dict:
-    """Median per-step seconds of each part over `steps` timed steps (after one warm-up step)."""
+@njit(nogil=True, cache=True)
+def _dot(a, b, out):
+    np.dot(a, b, out)
+
+
+def peak_gflops(n: int = 2048, repeats: int = 3) -> tuple[float, str]:
+    """The fp32 matmul peak, the larger of two measurements: NumPy's n^3 matmul on BLAS's own
+    threads (zosoma.experiments.bench_forward), and one n^3 one-thread GEMM per thread at once,
+    the way zosoma's forward uses the cores (on a shared machine a split GEMM waits for its
+    slowest thread). Returns GFLOP/s and which it was."""
+    numpy_peak = matmul_peak_gflops(n, repeats)
+    k = threads.n_threads()
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    outs = [np.empty((n, n), np.float32) for _ in range(k)]
+    run = lambda: threads.run_items(lambda i, _: _dot(a, b, outs[i]), k)  # noqa: E731
+    run()
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - t0)
+    per_thread_peak = k * 2 * n ** 3 / float(np.median(seconds)) / 1e9
+    if per_thread_peak > numpy_peak:
+        return per_thread_peak, f"{k} one-thread {n}^3 GEMMs at once"
+    return numpy_peak, f"numpy {n}^3 matmul"
+
+
+def step_defaults(preset: str) -> dict:
+    """P, B and T a preset trains with (zosoma.config.PRESETS over TrainConfig's defaults)."""
+    _, overrides = PRESETS[preset]
+    cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides})
+    return {"perturbations": cfg.perturbations, "batch": cfg.batch, "seq_len": cfg.seq_len}
+
+
+def executed_flops_per_member(model: ModelConfig, batch: np.ndarray) -> int:
+    """FLOPs zosoma's forward executes for one member on a (B, T+1) batch (module docstring)."""
+    E, H = model.embed, model.hidden
+    inputs = batch[:, :-1]
+    return inputs.size * (model.flops_per_token() - 8 * E * H) + 8 * len(np.unique(inputs)) * E * H
+
+
+def _noise_in_forward(theta: np.ndarray, pop) -> callable:
+    """Building every pair's two members from the counters, as the CPU forward does, alone."""
+    k0, k1 = noise_mod.stream_key(pop.seed)
+    code = noise_mod.kind_code(pop.kind)
+    scale = np.float32(pop.scale)
+
+    none = np.empty(0, np.float32)
+
+    def run():
+        def work(k, bufs):
+            noise_mod.antithetic_pair(bufs[0], bufs[1], theta, scale, code, k0, k1, k, pop.step, pop.expert, none)
+        threads.run_items(work, pop.P, lambda: np.empty((2, theta.size), np.float32))
+    return run
+
+
+def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: int | None = None,
+               seq_len: int | None = None, steps: int = 2, noise: str = "rademacher", seed: int = 0,
+               ops=None, peers: bool = True, peak_n: int = 2048) -> dict:
+    """Median per-step seconds of each part of zosoma's step over `steps` timed steps (after one
+    warm-up step), the same for each PyTorch peer, and the fp32 peak; P, B, T default to the
+    preset's training values."""
+    defaults = step_defaults(preset)
+    P = perturbations or defaults["perturbations"]
+    B = batch or defaults["batch"]
+    T = seq_len or defaults["seq_len"]
     model, overrides = PRESETS[preset]
-    cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides, "perturbations": perturbations,
-                         "batch": batch, "seq_len": seq_len, "steps": steps + 1, "noise": noise,
-                         "seed": seed, "checkpoint_every": 10**9})
-    sampler = BatchSampler(load_corpus(None, "train"), seq_len + 1)
-    per_step = []
+    cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides, "perturbations": P, "batch": B, "seq_len": T,
+                         "steps": steps + 1, "noise": noise, "seed": seed, "checkpoint_every": 10**9})
+    sampler = BatchSampler(load_corpus(None, "train"), T + 1)
+    n_threads = threads.n_threads()
+    per_step, in_forward = [], []
+    peer_steps, peer_times = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), ops=ops)
-        for _ in range(steps + 1):
+        on_cpu = trainer.ops.name == "cpu"
+        if peers and on_cpu:
+            from zosoma.experiments import torch_peers
+            peer_batch = sampler.batch(seed, 0, 0, B)
+            for name, make in torch_peers.available().items():
+                for n in sorted({1, n_threads}):
+                    peer_steps[name, n] = make(model, P, peer_batch, eps=cfg.eps, kind=noise, threads=n, seed=seed)
+                    peer_times[name, n] = []
+        for s in range(steps + 1):  # round 0 warms up every path (JIT, caches)
             trainer.update(*trainer.coefficients(*trainer.losses()))
-            per_step.append(dict(trainer.timings))
-    timed = per_step[1:]
-    parts = {k: float(np.median([t.get(k, 0.0) for t in timed])) for k in PARTS}
+            if s:
+                per_step.append(dict(trainer.timings))
+            if on_cpu:
+                pop = trainer.strategy.ask(0, s)
+                build = _noise_in_forward(trainer.state.theta, pop)
+                t0 = time.perf_counter()
+                build()
+                if s:
+                    in_forward.append(time.perf_counter() - t0)
+            for key, step in list(peer_steps.items()):
+                time.sleep(_PAUSE_S)
+                t0 = time.perf_counter()
+                step(s)
+                peer_times[key].append(time.perf_counter() - t0)
+            if s == 0:  # each peer's timed steps run at the thread count of its faster warm-up
+                for name in {name for name, _ in peer_steps}:
+                    keys = sorted((k for k in peer_steps if k[0] == name), key=lambda k: peer_times[k][0])
+                    for key in keys[1:]:
+                        del peer_steps[key], peer_times[key]
+                for times in peer_times.values():
+                    times.clear()
+            time.sleep(_PAUSE_S)
+    peak, peak_how = peak_gflops(peak_n)
+    parts = {k: float(np.median([t.get(k, 0.0) for t in per_step])) for k in PARTS}
     total = sum(parts.values())
-    tokens = 2 * perturbations * batch * seq_len
-    return {"preset": preset, "n_params": model.n_params(), "perturbations": perturbations, "batch": batch,
-            "seq_len": seq_len, "noise": noise, "steps": steps, "parts": parts, "step_s": total,
+    tokens = 2 * P * B * T
+    nominal = model.flops_per_token() * tokens
+    executed = 2 * P * np.mean([executed_flops_per_member(model, sampler.batch(seed, 0, s, B))
+                                for s in range(1, steps + 1)])  # the timed steps' batches
+    best = {}
+    for (name, n), times in peer_times.items():
+        s = float(np.median(times))
+        if name not in best or s < best[name]["step_s"]:
+            best[name] = {"name": name, "threads": n, "step_s": s, "tokens_per_s": tokens / s,
+                          "gflops": nominal / s / 1e9}
+    return {"preset": preset, "n_params": model.n_params(), "perturbations": P, "batch": B,
+            "seq_len": T, "noise": noise, "steps": steps, "parts": parts, "step_s": total,
             "tokens_per_s": tokens / total, "outside_forward": 1 - parts["forward"] / total,
+            "noise_in_forward_s": float(np.median(in_forward)) if in_forward else None,
+            "gflops_nominal": nominal / total / 1e9, "gflops_executed": executed / total / 1e9,
+            "peak_gflops": peak, "peak_how": peak_how, "threads": n_threads, "peers": list(best.values()),
+            "peers_skipped": _peers_skipped(peers, on_cpu, trainer.ops.name),
             "model": model, "device": trainer.ops.name}
+
+
+def _peers_skipped(wanted: bool, on_cpu: bool, engine: str) -> str | None:
+    """Why no PyTorch peer was timed, or None."""
+    from zosoma.experiments import torch_peers
+
+    if not wanted:
+        return "not run (--no-peers)"
+    if not on_cpu:
+        return f"CPU yardsticks, not run on the {engine} engine"
+    return None if torch_peers.available() else "torch is not installed"
 
 
 def format_spsa(r: dict) -> str:
     m = r["model"]
     lines = [f"SPSA step, preset {r['preset']} (E={m.embed} H={m.hidden} L={m.layers}, {r['n_params']:,} parameters), "
              f"P={r['perturbations']} ({2 * r['perturbations']} forward passes), B={r['batch']} T={r['seq_len']}, "
-             f"{r['noise']} noise, device {r['device']}; median of {r['steps']} steps after a warm-up",
+             f"{r['noise']} noise, device {r['device']}, {r['threads']} threads; median of {r['steps']} steps "
+             f"after a warm-up",
              f"  {'part':<10} {'s/step':>9} {'share':>7}"]
-    lines += [f"  {k:<10} {v:>9.3f} {v / r['step_s']:>7.1%}" for k, v in r["parts"].items()]
-    lines.append(f"  {'total':<10} {r['step_s']:>9.3f}   {r['tokens_per_s']:,.0f} forward tokens/s")
+    lines += [f"  {k:<10} {v:>9.4f} {v / r['step_s']:>7.1%}" for k, v in r["parts"].items()]
+    lines.append(f"  {'total':<10} {r['step_s']:>9.4f}")
+    if r["noise_in_forward_s"] is not None:
+        lines.append(f"  the forward builds each pair's members from the counters: "
+                     f"{r['noise_in_forward_s']:.4f} s of it ({r['noise_in_forward_s'] / r['step_s']:.1%} of the step)")
     lines.append(f"  outside the forward passes: {r['outside_forward']:.1%} of step time")
+    peak = r["peak_gflops"]
+    head = f"  {'path':<62} {'s/step':>8} {'tokens/s':>11} {'GFLOP/s':>8} {'executed':>9} {'of peak':>8} {'zosoma is':>10}"
+    lines += ["", head,
+              f"  {'fp32 matmul peak (' + r['peak_how'] + ')':<62} {'-':>8} {'-':>11} {peak:>8.1f} {'-':>9} {'100%':>8} {'-':>10}",
+              f"  {'zosoma SPSA step':<62} {r['step_s']:>8.4f} {r['tokens_per_s']:>11,.0f} {r['gflops_nominal']:>8.1f} "
+              f"{r['gflops_executed']:>9.1f} {r['gflops_nominal'] / peak:>8.0%} {'-':>10}"]
+    for p in r["peers"]:
+        name = f"{p['name']}, {p['threads']} thread{'s' if p['threads'] > 1 else ''}"
+        lines.append(f"  {name:<62} {p['step_s']:>8.4f} {p['tokens_per_s']:>11,.0f} {p['gflops']:>8.1f} "
+                     f"{p['gflops']:>9.1f} {p['gflops'] / peak:>8.0%} {r['tokens_per_s'] / p['tokens_per_s']:>9.2f}x")
+    if r["peers_skipped"]:
+        lines.append(f"  (PyTorch peers: {r['peers_skipped']})")
+    lines.append("  tokens/s: forward tokens (2P x B x T per step); GFLOP/s nominal (ModelConfig.flops_per_token), "
+                 "'executed': zosoma's layer-0 table instead of its input GEMM")
     return "\n".join(lines)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -69,18 +70,18 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from zosoma.config import ModelConfig, TrainConfig
-from zosoma.corpus import BatchSampler, Corpus, load_text
+from zosoma.corpus import BatchSampler, Corpus, load_corpus, load_text
 from zosoma.download import find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, DataError
 from zosoma.runs.executor import Inline
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Failed, Result
+from zosoma.runs.folder import CheckpointFallback, RunFolder
+from zosoma.runs.records import Failed, Note, Result
 from zosoma.runs.single import data_record, load_data
 from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.soma.cluster import load_clustering
-from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
+from zosoma.soma.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import COMMON, unused_option
 
@@ -96,6 +97,7 @@ class Method:
     train: TrainConfig  # steps already set from the budget; seed set per run
     experts: int = 1
     loss: str = "independent"
+    series: tuple[str, ...] = ()  # curves the method is a point of (the N-curve: "equal params", ...)
 
     @property
     def kind(self) -> str:
@@ -122,10 +124,22 @@ class Comparison:
     context: int = 512
     top_k: int = 2
     chunk_size: int = 2048
+    tuning: Tuning | None = None
+    eval_top_k: tuple[int, ...] = ()  # also score every run routed top-k with each of these k
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Equal tuning for every method: the learning rate (and sigma, for EGGROLL and ES) at each
+    factor of its configured value, one seed, the full budget, scored on the validation split; a
+    diverged run counts as a loss. The winner then runs every seed of the comparison."""
+    seed: int = 0
+    lr_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
+    sigma_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
 
 
 _TOP_KEYS = {"title", "seeds", "flops", "curve_points", "curve_bytes", "segment", "context", "top_k",
-             "chunk_size", "train", "method", "ablation"}
+             "chunk_size", "train", "method", "ablation", "tuning", "eval_top_k"}
 
 
 def find_config(name: str) -> Path:
@@ -157,8 +171,14 @@ def load_comparison(path: Path) -> Comparison:
             ablation_seeds = tuple(int(s) for s in a.pop("seeds"))
             ablation = tuple(_method({"name": f"ablation {loss}", "loss": loss, **a}, shared, steps=a["steps"])
                              for loss in ("independent", "summed"))
+        tuning = None
+        if "tuning" in raw:
+            _known(raw["tuning"], {"seed", "lr_factors", "sigma_factors"}, f"{path} [tuning]")
+            tuning = Tuning(**{k: (int(v) if k == "seed" else tuple(float(x) for x in v))
+                               for k, v in raw["tuning"].items()})
         cmp = Comparison(title=str(raw.get("title", Path(path).stem)), seeds=tuple(int(s) for s in raw["seeds"]),
                          flops=budget, methods=methods, ablation=ablation, ablation_seeds=ablation_seeds,
+                         tuning=tuning, eval_top_k=tuple(int(k) for k in raw.get("eval_top_k", ())),
                          **{k: int(raw[k]) for k in ("curve_points", "curve_bytes", "segment", "context",
                                                       "top_k", "chunk_size") if k in raw})
     except KeyError as e:
@@ -182,14 +202,14 @@ def _known(table: dict, keys: set, where: str) -> None:
 
 
 def _method(raw: dict, shared: dict, budget: float | None = None, steps: int | None = None) -> Method:
-    _known(raw, {"name", "experts", "loss", "model", "train", "steps"}, f"method {raw.get('name', '?')}")
+    _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, f"method {raw.get('name', '?')}")
     model = ModelConfig(**raw.get("model", {}))
     fields = {**shared, **raw.get("train", {})}
     for key in ("steps", "seed", "checkpoint_every"):  # the budget, the run and resumability set these
         if key in fields:
             raise ConfigError(f"method {raw['name']}: train.{key} is set by the comparison, not the config")
     method = Method(str(raw["name"]), model, TrainConfig(**fields), int(raw.get("experts", 1)),
-                    str(raw.get("loss", "independent")))
+                    str(raw.get("loss", "independent")), _names(raw.get("series", ())))
     strategy = make_strategy(method.train)  # a shared setting the strategy ignores must keep its default
     for key in raw.get("train", {}):  # the method's own settings must all be read
         if key not in COMMON | strategy.options:
@@ -203,6 +223,11 @@ def _method(raw: dict, shared: dict, budget: float | None = None, steps: int | N
     return dataclasses.replace(method, train=train_cfg)
 
 
+def _names(value) -> tuple[str, ...]:
+    """A TOML string or list of strings as a tuple."""
+    return (str(value),) if isinstance(value, str) else tuple(str(v) for v in value)
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
@@ -212,11 +237,13 @@ class Job:
     run_dir: str
     method: Method
     seed: int
-    curve: bool  # the ablation needs final figures only
+    curve: bool  # the ablation and the tuning sweep need final figures only
     device: str = "cpu"  # where forward passes run (training and evaluation); results do not move
+    tuning: bool = False  # a sweep run: scored on the validation split only
 
 
 def jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job]:
+    """The comparison's main runs (its methods as configured or tuned) and the ablation's."""
     runs = Path(out_dir) / "runs"
     out = [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, True, device) for s in cmp.seeds for m in cmp.methods]
     out += [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, False, device) for s in cmp.ablation_seeds
@@ -224,15 +251,50 @@ def jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job]:
     return out
 
 
+def variants(method: Method, tuning: Tuning) -> list[tuple[str, Method]]:
+    """(label, method) at each tuned setting: lr times each factor, and for EGGROLL and ES (whose
+    eps is their sigma) sigma times each factor too."""
+    sigmas = tuning.sigma_factors if method.train.optimizer in ("eggroll", "es") else (1.0,)
+    out = []
+    for f in tuning.lr_factors:
+        for s in sigmas:
+            cfg = dataclasses.replace(method.train, lr=method.train.lr * f, eps=method.train.eps * s)
+            label = f"lr x{f:g}" + (f", sigma x{s:g}" if len(sigmas) > 1 else "")
+            out.append((label, dataclasses.replace(method, train=cfg)))
+    return out
+
+
+def tuning_jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job]:
+    """Every method at every tuned setting, the tuning seed, the full budget (runs/tune/...)."""
+    if cmp.tuning is None:
+        return []
+    tune = Path(out_dir) / "runs" / "tune"
+    return [Job(str(tune / f"{slug(m.name)}-{slug(label)}-seed{cmp.tuning.seed}"), v, cmp.tuning.seed, False,
+                device, tuning=True)
+            for m in cmp.methods for label, v in variants(m, cmp.tuning)]
+
+
+def tuned(cmp: Comparison, results: dict[str, dict], out_dir: Path) -> tuple[Comparison, list[dict]]:
+    """The comparison with each method at its best setting on validation (a diverged run loses),
+    and one row per sweep run for the tuning table."""
+    rows, methods = [], []
+    for m in cmp.methods:
+        best = None
+        for (label, v), job in zip(variants(m, cmp.tuning), (j for j in tuning_jobs(cmp, out_dir) if
+                                                               j.method.name == m.name)):
+            r = results[job.run_dir]
+            score = math.inf if r.get("divergence") else r["validation"]
+            rows.append({"method": m.name, "setting": label, "lr": v.train.lr, "eps": v.train.eps,
+                         "validation": r["validation"], "diverged": bool(r.get("divergence")),
+                         "final_train_loss": r.get("final_train_loss"), "chosen": False})
+            if best is None or score < best[0]:
+                best = (score, v, len(rows) - 1)
+        rows[best[2]]["chosen"] = True
+        methods.append(best[1])
+    return dataclasses.replace(cmp, methods=tuple(methods)), rows
+
+
 # ------------------------------------------------------------------------------------------ runs
-
-class _WholeWeight:
-    """The router of a one-expert ensemble: every segment goes to expert 0 with weight 1."""
-    n_experts = top_k = 1
-
-    def select(self, contexts):
-        return np.zeros((len(contexts), 1), np.int64), np.ones((len(contexts), 1), np.float32)
-
 
 class _Run:
     """The trainers of one job's run folder (one, or one per expert) and how to score them."""
@@ -252,7 +314,7 @@ class _Run:
         train_corpus, self.heldout = load_data(None, None)
         data = data_record(train_corpus)
         if self.folder.has_checkpoint:
-            ckpt = self.folder.read_checkpoint()
+            ckpt = self.folder.read_checkpoint(set_aside=True)
             self._same_config(ckpt.model, ckpt.train)
             if ckpt.extra.get("data", {}).get("fingerprint") != data["fingerprint"]:
                 raise DataError(f"{self.folder}: the training data changed since the run started")
@@ -264,12 +326,13 @@ class _Run:
                           extra={"data": data}, ops=self.ops)
         if state is None:
             trainer.checkpoint()  # step 0, as `zosoma train` leaves it
-        self.trainers, self.router = [trainer], _WholeWeight()
+        self.trainers, self.router = [trainer], Whole()
 
     def _open_soma(self):
         m, cfg = self.job.method, self.cfg
-        if not self.folder.is_soma:
-            create_soma(self.folder.path, m.model, cfg, m.experts, m.loss, self.cmp.chunk_size, top_k=self.cmp.top_k)
+        if not self.folder.is_soma:  # new, or a creation cut short: the job's own folder, redone
+            create_soma(self.folder.path, m.model, cfg, m.experts, m.loss, self.cmp.chunk_size, top_k=self.cmp.top_k,
+                        new_folder=False)
         run = open_soma(self.folder.path)
         self.heldout = run.heldout
         if (run.soma["experts"], run.soma["loss"], run.soma["chunk_size"]) != (m.experts, m.loss, self.cmp.chunk_size):
@@ -296,25 +359,43 @@ class _Run:
 
     def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
         """Train every expert to step `target` (checkpointed there); False when asked to stop
-        (every expert is checkpointed where it was)."""
+        (every expert is checkpointed where it was). A run the divergence guard stopped trains no
+        further: it is scored where it stopped, and its result says so."""
+        if self.diverged:
+            return not stopping()
         if self.job.method.loss == "summed":
             _drain(train_lockstep(self.trainers, lambda: self.trainers[0].state.step >= target or stopping()))
         else:
             for t in self.trainers:
-                _drain(train(t, lambda t=t: t.state.step >= target or stopping()))
+                _drain(train(t, lambda t=t: t.state.step >= target or stopping() or self.diverged))
         return not stopping()
+
+    @property
+    def diverged(self) -> bool:
+        return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
+
+    def training(self) -> dict:
+        """Skipped steps summed over experts, the guards' verdicts, the mean final training loss."""
+        s = [t.summary() for t in self.trainers]
+        finals = [x["final_train_loss"] for x in s if x["final_train_loss"] is not None]
+        verdicts = [dict(x["divergence"], expert=i) for i, x in enumerate(s) if x["divergence"]]
+        return {"skipped_steps": sum(x["skipped_steps"] for x in s), "divergence": verdicts or None,
+                "final_train_loss": float(np.mean(finals)) if finals else None}
 
     def totals(self) -> dict:
         s = [t.state for t in self.trainers]
         return {"step": self.step, "flops": float(sum(x.tokens for x in s)) * self.job.method.model.flops_per_token(),
                 "wall_s": sum(x.wall_s for x in s)}
 
-    def ensemble(self) -> Ensemble:
-        return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), self.router)
+    def ensemble(self, top_k: int | None = None) -> Ensemble:
+        router = self.router
+        if top_k is not None and isinstance(router, Router):
+            router = Router(router.clustering, top_k, router.temperature)
+        return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
 
-    def score(self, corpus: Corpus) -> dict:
+    def score(self, corpus: Corpus, top_k: int | None = None) -> dict:
         """Nats/byte of the (routed) model on each name of corpus, and "overall"."""
-        by = evaluate_routed_corpus(self.ensemble(), corpus, self.ops, segment=self.cmp.segment,
+        by = evaluate_routed_corpus(self.ensemble(top_k), corpus, self.ops, segment=self.cmp.segment,
                                     context=self.cmp.context)
         return {name: r["routed"].nats_per_byte for name, r in by.items()}
 
@@ -339,9 +420,13 @@ def run_job(job: Job, cmp: Comparison, wikitext: str | None = None,
     (result.json) is read back instead. Returns the result record of zosoma.experiments.report's schema, or
     None when stopping() turned true first (the run is checkpointed where it was)."""
     folder = RunFolder(job.run_dir)
-    done = folder.read_result()
-    if done is not None:
-        return done
+    if folder.read_result() is None:
+        with folder.lock(wait=True):  # one writer per run folder (a killed comparison's worker may linger)
+            return folder.read_result() or _train_and_score(job, cmp, wikitext, stopping, folder)
+    return folder.read_result()
+
+
+def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunFolder) -> dict | None:
     run = _Run(job, cmp)
     curve = folder.read_curve()
     if job.curve:
@@ -351,19 +436,27 @@ def run_job(job: Job, cmp: Comparison, wikitext: str | None = None,
                 continue  # passed before a restart; its point was recorded then
             if not run.advance(target, stopping):
                 return None
+            if run.diverged:
+                break  # scored below where the guard stopped it
             if target not in {p["step"] for p in curve}:
                 point = {**run.totals(), "heldout": run.score(subset)["overall"]}
                 curve.append(point)
                 folder.append_curve(point)
     elif not run.advance(run.cfg.steps, stopping):
         return None
-    wiki = find_wikitext103(wikitext)
     m = job.method
     result = {"method": m.name, "kind": m.kind, "seed": job.seed, "loss": m.loss, "experts": m.experts,
-              "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps, **run.totals(),
-              "heldout": run.score(run.heldout), "wikitext103": run.score_bytes(load_text(wiki)) if wiki else None,
-              "curve": sorted(curve, key=lambda p: p["step"]), "model": dataclasses.asdict(m.model),
-              "train": dataclasses.asdict(run.cfg)}
+              "series": list(m.series), "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps,
+              **run.totals(), **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
+              "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(run.cfg)}
+    if job.tuning:  # tuning reads the validation split only
+        result["validation"] = run.score(load_corpus(None, "validation"))["overall"]
+    else:
+        wiki = find_wikitext103(wikitext)
+        result["heldout"] = run.score(run.heldout)
+        result["wikitext103"] = run.score_bytes(load_text(wiki)) if wiki else None
+        result["heldout_by_k"] = {str(k): run.score(run.heldout, k)["overall"]
+                                  for k in cmp.eval_top_k if k <= m.experts}
     folder.write_result(result)
     return result
 
@@ -375,8 +468,15 @@ class JobUnit:
     cmp: Comparison
     wikitext: str | None = None
 
+    @property
+    def run_dir(self) -> str:
+        return self.job.run_dir
+
     def __call__(self, stopping: Callable[[], bool]) -> Iterator:
-        result = run_job(self.job, self.cmp, self.wikitext, stopping)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointFallback)
+            result = run_job(self.job, self.cmp, self.wikitext, stopping)
+        yield from (Note(str(w.message)) for w in caught)
         if result is not None:
             yield Result(self.job.run_dir, result)
 
@@ -391,32 +491,51 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
                    device: str = "cpu", should_stop: Callable[[], bool] = lambda: False,
                    on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
     """Run every job not yet finished through `executor` (zosoma.runs.executor; default inline),
-    then write the report. on_result(job, result, error) is called as each job ends. When
-    should_stop() turns true every run checkpoints and stops, and Stopped is raised. Returns the
-    report's paths; raises ZosomaError when a job failed (the others still run to the end, and the
-    report is written from the finished ones)."""
+    then write the report. With [tuning], first the sweep (tuning_jobs), then the main runs at
+    each method's winning setting. on_result(job, result, error) is called as each job ends.
+    When should_stop() turns true every run checkpoints and stops, and Stopped is raised. Returns
+    the report's paths; raises ZosomaError when a job failed (the others still run to the end,
+    and the report is written from the finished ones)."""
     from zosoma.experiments.report import write_report
 
     out_dir = Path(out_dir)
-    todo = jobs(cmp, out_dir, device)
     results: dict[str, dict] = {}
-    errors = []
+    errors: list[str] = []
+    rows = None
+    with RunFolder(out_dir).lock():  # one comparison at a time in an output folder
+        if cmp.tuning is not None:
+            sweep = tuning_jobs(cmp, out_dir, device)
+            _run_jobs(executor, cmp, sweep, wikitext, should_stop, on_result, results, errors)
+            if should_stop():
+                raise Stopped(f"stopped during tuning: {len(results)} of {len(sweep)} sweep runs finished; the "
+                              "same command resumes the rest")
+            if errors:
+                raise ConfigError(f"{len(errors)} tuning run(s) failed; the first: {errors[0]}")
+            cmp, rows = tuned(cmp, results, out_dir)
+        todo = jobs(cmp, out_dir, device)
+        _run_jobs(executor, cmp, todo, wikitext, should_stop, on_result, results, errors)
+    if should_stop():
+        raise Stopped(f"stopped: {sum(j.run_dir in results for j in todo)} of {len(todo)} runs finished; the "
+                      "same command resumes the rest")
+    main = [results[j.run_dir] for j in todo if j.curve and j.run_dir in results]
+    pairs = ablation_pairs([results[j.run_dir] for j in todo if not j.curve and j.run_dir in results])
+    paths = write_report(main, pairs, out_dir, cmp.title, tuning=rows) if main else {}
+    if errors:
+        raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
+    return paths
+
+
+def _run_jobs(executor, cmp, todo, wikitext, should_stop, on_result, results, errors) -> None:
     for record in (executor or Inline()).run([JobUnit(job, cmp, wikitext) for job in todo], should_stop):
-        if isinstance(record, Result):
+        if isinstance(record, Note):
+            warnings.warn(record.message, CheckpointFallback, stacklevel=2)
+        elif isinstance(record, Result):
             results[record.unit] = record.value
             on_result(next(j for j in todo if j.run_dir == record.unit), record.value, None)
         elif isinstance(record, Failed):
             job = todo[record.unit]
             errors.append(f"{job.run_dir}: {record.error}")
             on_result(job, None, errors[-1])
-    if should_stop():
-        raise Stopped(f"stopped: {len(results)} of {len(todo)} runs finished; the same command resumes the rest")
-    main = [results[j.run_dir] for j in todo if j.curve and j.run_dir in results]
-    pairs = ablation_pairs([results[j.run_dir] for j in todo if not j.curve and j.run_dir in results])
-    paths = write_report(main, pairs, out_dir, cmp.title) if main else {}
-    if errors:
-        raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
-    return paths
 
 
 def ablation_pairs(results: list[dict]) -> list[dict]:

@@ -58,8 +58,32 @@ def summarise(results):
             "wikitext_mean": wiki_mean, "wikitext_std": wiki_std, "wikitext_seeds": len(wiki),
             "domains": {d: _mean_std([r["heldout"][d] for r in runs if d in r["heldout"]])[0]
                         for d in _domains(runs)},
+            "skipped_steps": sum(r.get("skipped_steps", 0) for r in runs),
+            "diverged": sum(bool(r.get("divergence")) for r in runs),
+            "final_train_loss": _mean_std([r["final_train_loss"] for r in runs
+                                           if r.get("final_train_loss") is not None])[0],
         })
+    at, by_method = equal_wall_clock(results)
+    for row in rows:
+        row["equal_wall_s"], row["heldout_at_equal_wall"] = at, by_method.get(row["method"])
     return rows
+
+
+def equal_wall_clock(results):
+    """The second view of equal compute: each method's held-out nats/byte (mean over seeds) at the
+    same training seconds, the shortest of the methods' mean final wall times, read off each run's
+    curve by linear interpolation in wall time. Returns (seconds, {method: nats/byte}); (None, {})
+    when no run has a curve."""
+    groups = {m: [r for r in runs if len(r.get("curve", [])) > 1] for m, runs in _by_method(results).items()}
+    groups = {m: runs for m, runs in groups.items() if runs}
+    if not groups:
+        return None, {}
+    at = min(np.mean([r["curve"][-1]["wall_s"] for r in runs]) for runs in groups.values())
+    value = {}
+    for m, runs in groups.items():
+        value[m] = float(np.mean([np.interp(at, [p["wall_s"] for p in r["curve"]], [p["heldout"] for p in r["curve"]])
+                                  for r in runs]))
+    return float(at), value
 
 
 def _flops(x):
@@ -83,10 +107,15 @@ def _table(header, rows):
 def markdown_table(rows):
     """The method table of summarise(): cost, held-out and WikiText-103 mean ± std, per-domain means."""
     domains = sorted({d for row in rows for d in row["domains"]})
+    at = rows[0].get("equal_wall_s") if rows else None
     header = ["method", "params", "seeds", "steps", "forward FLOPs", "wall s",
-              "held-out nats/byte (mean ± std)", "WikiText-103 nats/byte (mean ± std)", *domains]
-    body = [[row["method"], row["n_params"], row["seeds"], row["steps"], _flops(row["flops"]),
+              "held-out nats/byte (mean ± std)", "WikiText-103 nats/byte (mean ± std)",
+              f"held-out at {at:.0f} s" if at else "held-out at equal seconds", "final train loss",
+              "skipped steps", "diverged seeds", *domains]
+    body = [[row["method"], f"{row['n_params']:,}", row["seeds"], f"{row['steps']:,}", _flops(row["flops"]),
              f"{row['wall_s']:.0f}", _pm(row["heldout_mean"], row["heldout_std"]), _wikitext(row),
+             _nats(row.get("heldout_at_equal_wall")), _nats(row.get("final_train_loss")),
+             row.get("skipped_steps", 0), row.get("diverged", 0),
              *(_nats(row["domains"].get(d)) for d in domains)] for row in rows]
     return _table(header, body)
 
@@ -103,7 +132,7 @@ def write_csv(results, path):
     """One row per run; an empty cell where a run has no WikiText-103 or lacks a domain."""
     domains = _domains(results)
     fields = ["method", "kind", "seed", "n_params", "steps", "flops", "wall_s", "heldout_overall", "wikitext103",
-              *(f"heldout_{d}" for d in domains)]
+              "final_train_loss", "skipped_steps", "divergence", *(f"heldout_{d}" for d in domains)]
 
     with atomic_path(path, "report") as tmp:
         with open(tmp, "w", newline="") as f:
@@ -113,6 +142,10 @@ def write_csv(results, path):
                 row = {k: run[k] for k in fields[:7]}
                 row["heldout_overall"] = run["heldout"]["overall"]
                 row["wikitext103"] = run.get("wikitext103")
+                row["final_train_loss"] = run.get("final_train_loss")
+                row["skipped_steps"] = run.get("skipped_steps", 0)
+                row["divergence"] = "; ".join(f"expert {v['expert']} step {v['step']}: {v['verdict']}"
+                                              for v in run.get("divergence") or [])
                 row.update({f"heldout_{d}": run["heldout"].get(d) for d in domains})
                 out.writerow(row)
 
@@ -136,7 +169,8 @@ def _mean_curve(runs):
 def plot_curves(results, path_flops, path_wall, title=None):
     """Two PNGs: held-out nats/byte against forward FLOPs (log x) and against wall-clock seconds.
 
-    One line per method (mean over seeds) with a band from the best to the worst seed."""
+    One line per method (mean over seeds) with a band from the best to the worst seed. Returns
+    what was drawn: {path: {method: (x, y) of its line}}, read back from the figure."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -147,6 +181,7 @@ def plot_curves(results, path_flops, path_wall, title=None):
     curves = {method: curve for method, curve in curves.items() if curve is not None}
     axes = ((path_flops, "forward FLOPs", True),
             (path_wall, "training seconds (summed over a run's experts)", False))
+    drawn = {}
     for path, xlabel, log_x in axes:
         # Figure + Agg canvas directly, not pyplot: no global state, no display backend needed.
         fig = Figure(figsize=(7, 4.5), dpi=120)
@@ -169,6 +204,9 @@ def plot_curves(results, path_flops, path_wall, title=None):
         fig.tight_layout()
         with atomic_path(path, "plot") as tmp:
             fig.savefig(tmp, format="png")
+        drawn[str(path)] = {line.get_label(): (np.asarray(line.get_xdata()), np.asarray(line.get_ydata()))
+                            for line in ax.get_lines()}
+    return drawn
 
 
 def ablation_summary(pairs):
@@ -204,14 +242,85 @@ def ablation_markdown(summary):
     return _table(header, body)
 
 
-def write_report(results, ablation_pairs, out_dir, title):
-    """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir; returns their paths."""
+def tuning_markdown(rows):
+    """The tuning sweep: every method at every setting, its validation nats/byte, the choice."""
+    header = ["method", "setting", "lr", "sigma / eps", "validation nats/byte", "final train loss", "diverged", "chosen"]
+    body = [[r["method"], r["setting"], f"{r['lr']:.4g}", f"{r['eps']:.4g}", _nats(r["validation"]),
+             _nats(r.get("final_train_loss")), "yes" if r["diverged"] else "", "**yes**" if r["chosen"] else ""]
+            for r in rows]
+    return _table(header, body)
+
+
+def n_curve(results):
+    """SOMA's curve in N: per series and N, held-out nats/byte (mean ± std over seeds) at each
+    evaluated top-k. Rows: {"series", "N", "n_params", "k": {k: (mean, std)}}."""
+    groups: dict = {}
+    for r in results:
+        for series in r.get("series") or ():
+            groups.setdefault((series, r["experts"]), []).append(r)
+    rows = []
+    for (series, N), runs in sorted(groups.items()):
+        ks = sorted({int(k) for r in runs for k in r.get("heldout_by_k", {})})
+        rows.append({"series": series, "N": N, "n_params": runs[0]["n_params"], "seeds": len(runs),
+                     "k": {k: _mean_std([r["heldout_by_k"][str(k)] for r in runs]) for k in ks}})
+    return rows
+
+
+def n_curve_markdown(rows):
+    ks = sorted({k for row in rows for k in row["k"]})
+    header = ["series", "N", "params in all", "seeds", *(f"top-{k} held-out" for k in ks)]
+    body = [[r["series"], r["N"], f"{r['n_params']:,}", r["seeds"],
+             *(_pm(*r["k"][k]) if k in r["k"] else MISSING for k in ks)] for r in rows]
+    return _table(header, body)
+
+
+def plot_n_curve(rows, path, title=None):
+    """Held-out nats/byte against N (log2 x), one line per series and top-k."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for series in dict.fromkeys(r["series"] for r in rows):
+        mine = [r for r in rows if r["series"] == series]
+        for k in sorted({k for r in mine for k in r["k"]}):
+            pts = [(r["N"], r["k"][k][0]) for r in mine if k in r["k"]]
+            ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=f"{series}, top-{k}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("experts N")
+    ax.set_ylabel("held-out nats/byte")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path, "plot") as tmp:
+        fig.savefig(tmp, format="png")
+
+
+def write_report(results, ablation_pairs, out_dir, title, tuning=None):
+    """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir (and
+    n_curve.png when runs belong to series); returns their paths."""
     if not results:
         raise ConfigError("no finished runs to report")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: out_dir / name for name in ("results.md", "results.csv", "nats_vs_flops.png", "nats_vs_wall.png")}
     text = f"# {title}\n\n{NOTE}\n\n{markdown_table(summarise(results))}\n"
+    at, _ = equal_wall_clock(results)
+    if at:
+        text += (f"\nEqual compute, two views: every run has the same forward-FLOP budget (the table); the "
+                 f"held-out at {at:.0f} s column reads each run's curve at the same training seconds (the "
+                 f"shortest method's mean), summed over a run's experts.\n")
+    if tuning:
+        text += ("\n## Tuning: every method at each setting, seed 0, full budget, scored on validation "
+                 f"(a diverged run loses)\n\n{tuning_markdown(tuning)}\n")
+    curve = n_curve(results)
+    if curve:
+        text += f"\n## SOMA's curve in N (held-out nats/byte, routed top-k)\n\n{n_curve_markdown(curve)}\n"
+        paths["n_curve.png"] = out_dir / "n_curve.png"
+        plot_n_curve(curve, paths["n_curve.png"], title=title)
     if ablation_pairs:
         text += ("\n## Ablation: independent minus summed experts (negative: independent is better)\n\n"
                  f"{ablation_markdown(ablation_summary(ablation_pairs))}\n")

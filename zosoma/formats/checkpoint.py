@@ -1,25 +1,32 @@
 """Checkpoint I/O: one HDF5 file that says what it is (after Keras' legacy H5 format and anndata's
 `encoding-type` / `encoding-version`).
 
-Layout of format "zosoma-checkpoint", version 1:
+Layout of format "zosoma-checkpoint", version 2:
 
     /                    attrs: format, format_version, zosoma_version, config (config.to_json of
-                         ModelConfig and TrainConfig), created (ISO 8601, UTC), step, extra (JSON),
-                         checksum (SHA-256 of the content, see _digest)
-    /params              attr layout: JSON list of [name, shape, offset] rebuilding theta (d,)
+                         ModelConfig and TrainConfig), created (ISO 8601, UTC), step, checksum
+                         (SHA-256 of the content, h5util.content_digest); texts are fixed-length
+                         UTF-8 bytes
+    /extra               JSON object (uint8 text): seeds, data record, compute totals
+    /params/layout       JSON list of [name, shape, offset] rebuilding theta (d,) (uint8 text)
     /params/<name>       float32 tensor in zosoma's "x @ W" orientation (zosoma.model.params), attr offset
     /optimizer/<name>    one dataset per optimizer state array (e.g. m, v for Adam)
-    /metrics             JSON text: the list of metrics records
+    /metrics             JSON list of the metrics records (uint8 text)
 
-HDF5 checksums neither raw data nor variable-length strings, so a flipped byte inside a tensor
-would load silently; the `checksum` attribute covers every value the reader returns.
+Version 1 (still read) kept extra and layout as attributes and every text as a variable-length
+string; version 2 keeps text out of HDF5's global heap, which the HDF5 library loops on when it is
+damaged (zosoma.formats.h5util). HDF5 checksums neither raw data nor attributes, so a flipped
+byte inside a tensor would load silently; the `checksum` attribute covers every value the reader
+returns.
 
-Writes are atomic: a temporary file in the target's directory is written, fsynced and renamed
-onto the target, so a crash mid-write leaves the previous checkpoint intact.
+Writes are atomic: the file is built in memory, then written to a temporary file in the target's
+folder, fsynced and renamed onto the target, so a crash or a full disk mid-write leaves the
+previous checkpoint intact.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import textwrap
 from dataclasses import asdict, dataclass, field
@@ -32,12 +39,13 @@ import numpy as np
 from zosoma import __version__
 from zosoma.config import ModelConfig, TrainConfig, from_json, to_json
 from zosoma.errors import CheckpointError, ConfigError
-from zosoma.atomic import atomic_path
-from zosoma.formats.h5util import attr_int, attr_text, content_digest
+from zosoma.atomic import atomic_write
+from zosoma.formats.h5util import (attr_int, attr_text, check_global_heaps, content_digest, dataset_text,
+                                   text_array, text_attr)
 from zosoma.model.params import Layout
 
 FORMAT = "zosoma-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: text without HDF5's global heap (h5util); version 1 files are still read
 
 PathLike = Union[str, Path]
 
@@ -116,20 +124,25 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
     checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
                        [("optimizer/" + n, a) for n, a in optimizer])
 
-    with atomic_path(path, "checkpoint") as tmp, h5py.File(tmp, "w") as f:
-        for key in ("format", "zosoma_version", "config", "created", "extra"):
-            f.attrs[key] = texts[key]
+    # Built in memory, then written by zosoma.atomic: the HDF5 library never meets a full disk
+    # (it leaves half-flushed objects behind that fail again, noisily, until the process crashes).
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        for key in ("format", "zosoma_version", "config", "created"):
+            f.attrs[key] = text_attr(texts[key])
         f.attrs["format_version"] = np.int64(FORMAT_VERSION)
         f.attrs["step"] = np.int64(ckpt.step)
-        f.attrs["checksum"] = checksum
+        f.attrs["checksum"] = text_attr(checksum)
+        f.create_dataset("extra", data=text_array(texts["extra"]))
         group = f.create_group("params")
-        group.attrs["layout"] = texts["layout"]
+        group.create_dataset("layout", data=text_array(texts["layout"]))
         for (name, values), entry in zip(params, layout.entries):
             group.create_dataset(name, data=values).attrs["offset"] = np.int64(entry.offset)
         group = f.create_group("optimizer")
         for name, values in optimizer:
             group.create_dataset(name, data=values)
-        f.create_dataset("metrics", data=texts["metrics"], dtype=h5py.string_dtype())
+        f.create_dataset("metrics", data=text_array(texts["metrics"]))
+    atomic_write(path, image.getbuffer(), "checkpoint")
 
 
 class _Damaged(Exception):
@@ -144,6 +157,8 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} is not a file")
+    limit = path.stat().st_size  # no stored text can be longer than the file
+    check_global_heaps(path)
     with h5py.File(path, "r") as f:
         if "format" not in f.attrs:
             raise _Damaged("no 'format' attribute (not written by zosoma)")
@@ -160,8 +175,9 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
             raise _Damaged(f"invalid format_version {version}")
 
         texts = {"format": fmt, "format_version": str(version), "zosoma_version": written_by}
-        for key in ("config", "created", "extra"):
+        for key in ("config", "created"):
             texts[key] = attr_text(f.attrs[key])
+        texts["extra"] = attr_text(f.attrs["extra"]) if version == 1 else dataset_text(f["extra"], limit)
         step = attr_int(f.attrs["step"], "step")
         if step < 0:
             raise _Damaged(f"negative step {step}")
@@ -174,14 +190,14 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
 
         layout = Layout(model)
         group = f["params"]
-        texts["layout"] = attr_text(group.attrs["layout"])
+        texts["layout"] = attr_text(group.attrs["layout"]) if version == 1 else dataset_text(group["layout"], limit)
         stored = [(str(n), tuple(int(s) for s in shape), int(o)) for n, shape, o in json.loads(texts["layout"])]
         expected = [(e.name, e.shape, e.offset) for e in layout.entries]
         if stored != expected:
             raise CheckpointError(
                 f"checkpoint {path} has a parameter layout that does not match its {model} "
                 f"(shape mismatch: {_first_difference(stored, expected)})")
-        if set(group.keys()) != {e.name for e in layout.entries}:
+        if set(group.keys()) - {"layout"} != {e.name for e in layout.entries}:
             raise _Damaged(f"params holds {sorted(group.keys())}, expected the tensors of {model}")
         theta = np.empty(layout.size, np.float32)
         params = []
@@ -201,11 +217,11 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
         optimizer = {}
         for name in sorted(f["optimizer"].keys()):
             ds = f["optimizer"][name]
-            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "biufc":
-                raise _Damaged(f"optimizer state {name!r} is not a numeric dataset")
+            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "biufc" or ds.size > limit:
+                raise _Damaged(f"optimizer state {name!r} is not a numeric dataset of at most the file's size")
             optimizer[name] = np.asarray(ds[()])
 
-        texts["metrics"] = attr_text(f["metrics"][()])
+        texts["metrics"] = dataset_text(f["metrics"], limit)
         metrics = json.loads(texts["metrics"])
         if not isinstance(metrics, list):
             raise _Damaged("'metrics' is not a JSON list")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from zosoma.atomic import atomic_path
 from zosoma.errors import ZosomaError
 from zosoma.model.params import Layout
 
@@ -34,4 +35,5 @@ def export_torch(theta: np.ndarray, layout: Layout, path) -> None:
     except ImportError:
         raise ZosomaError("exporting to torch needs PyTorch: pip install torch") from None
     state = {k: torch.from_numpy(v.copy()) for k, v in torch_state_arrays(theta, layout).items()}
-    torch.save(state, path)
+    with atomic_path(path, "export") as tmp:  # an existing file is replaced whole or not at all
+        torch.save(state, tmp)

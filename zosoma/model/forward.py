@@ -1,23 +1,37 @@
 """The fast CPU forward: Numba kernels around BLAS, checked against zosoma.model.reference.
 
-Shapes: M population members, B batch, T time, E embedding, H hidden, V = 256, L layers.
+Shapes: M population members, P pairs of members, B batch, T time, E embedding, H hidden, G = 4H
+gates, V = 256, L layers.
 
 One member's forward (`_member_forward`, time loop compiled, so small models pay no Python
 overhead per step) does, per chunk of Tc timesteps:
 
-    layer 0:   x_t @ w_ih is a row of the table embed @ w_ih (V, 4H), computed once per member and
-               gathered (an exact identity; 256*E*4H multiply-adds instead of B*T*E*4H)
-    layer l>0: the input projection of all Tc steps as one (Tc*B, H) @ (H, 4H) GEMM
-    each step: gates = h @ w_hh (BLAS), then `lstm_cell_rows` adds the input projection and bias
-               and applies the gate and cell math in one vectorised pass (rational tanh, no libm
-               calls)
-    output:    logits = h @ out.w (one GEMM), then `output_rows`: log-softmax + NLL per row in
-               float32 with a vectorisable exp, the loss sum accumulated in float64
+    layer 0:   x_t @ w_ih is a row of the table embed @ w_ih (U, G) over the U distinct bytes of
+               the batch, computed once per member and gathered (an exact identity; U*E*G
+               multiply-adds instead of B*T*E*G, U <= 256, about 60 for the tiny preset's 256
+               bytes of text)
+    layer l>0: the input projection of all Tc steps as one (Tc*B, H) @ (H, G) GEMM
+    each step: the recurrent GEMM, for B <= 32 rows and H >= 32 in the transposed orientation
+               gates^T (G, B) = w_hh^T (G, H) @ h^T (H, B) (w_hh^T copied once per call;
+               OpenBLAS runs this shape 1.5-2.8x faster than h (B, H) @ w_hh at B = 8..32,
+               H = 64..512), else gates = h @ w_hh; then `lstm_cell_rows` adds the input
+               projection and bias and applies the gate and cell math in one vectorised pass
+               (rational tanh, no libm calls) on the gates in (B, G) rows (transposed back: a
+               copy that costs a tenth of what the orientation saves)
+    output:    logits = h @ out.w, max(128, 4H) rows at a time (the block stays in cache), then
+               `output_rows`: log-softmax + NLL per row in float32 with a vectorisable exp
+               (2**-k by a bit cast), the loss sum accumulated in float64
 
 Members run one after another with their own dense weights, so each member's weights stay in
-cache (PERF_NOTES: stacking members' weights into one batched matmul streams them from RAM).
-BLAS is called through Numba's np.dot (SciPy's OpenBLAS), keeping its two threads; the kernels
-are serial on purpose (PERF_NOTES: numba threads beside BLAS threads are 10-40x slower).
+cache (PERF_NOTES: stacking members' weights into one batched matmul streams them from RAM), and
+the members are spread over threads (zosoma.model.threads), each thread running whole members
+with one-thread BLAS; the kernels themselves are serial (PERF_NOTES: Numba threads beside BLAS
+threads are 10-40x slower). A single member's batch rows are split over the threads instead.
+
+SPSA's population (`perturbed_sums`) is never materialised: each thread builds a pair's two
+members theta +/- scale * delta_k from the counters (zosoma.model.noise) into its own two buffers
+right before their forwards, one noise pass for both.
+
 Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=1.
 `lstm_cell_rows` and `output_rows` are public: zosoma.model.lowrank's population forward reuses them.
 """
@@ -25,11 +39,15 @@ Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
 
 from zosoma.config import VOCAB
+from zosoma.model import noise, threads
 from zosoma.model.params import Layout
 
 # fastmath without nnan/ninf: reductions and FMAs may reassociate, but a diverged model still
@@ -37,8 +55,19 @@ from zosoma.model.params import Layout
 # that would otherwise stop the gate loop from vectorising. Public: zosoma.model.lowrank's kernels use it.
 JIT_OPTIONS = dict(cache=True, error_model="numpy",
                    fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
+# the thread-parallel entry points release the GIL (zosoma.model.threads)
+_NOGIL = dict(JIT_OPTIONS, nogil=True)
 
 _ROWS_PER_CHUNK = 1024  # target Tc*B: big enough for an efficient GEMM, small enough for cache
+# The recurrent GEMM runs transposed up to this many rows and from this hidden size: from 64 rows
+# at H = 512, and at H = 16 (a GEMM too small to repay the two transposes), h @ w_hh was faster.
+_TRANSPOSED_MAX_ROWS = 32
+_TRANSPOSED_MIN_HIDDEN = 32
+# Logits rows per output GEMM: few enough that the block is still in cache when the softmax reads
+# it, enough for an efficient GEMM; measured best: 128 rows at H = 16, 256 at H = 64, 1,024 from
+# H = 176 on (a small K makes the GEMM cheap and the softmax's memory traffic the cost).
+_OUTPUT_ROWS_PER_H = 4
+_OUTPUT_ROWS_MIN = 128
 
 # Rational tanh approximation on [-7.905, 7.905] (Eigen's generic_fast_tanh_float): odd degree-13
 # numerator over even degree-6 denominator, max abs error 3.9e-7 in float32. Constants are
@@ -54,15 +83,13 @@ _HALF = _F(0.5)
 _ONE = _F(1.0)
 
 # exp(d) for d <= 0 (a row shifted by its max) as 2**-k * p(r), d = -k*ln2 + r, |r| <= ln2/2, p the
-# degree-7 Taylor polynomial; 2**-k (k <= 126) is built from k's binary digits with compares and
-# selects, since numba has no scalar bit-cast and a table gather does not vectorise on every CPU.
-# Max relative error 3e-7.
+# degree-7 Taylor polynomial; 2**-k (k <= 126) is the float32 whose exponent field is 127 - k,
+# built with an integer shift and a bit cast, so the loop vectorises. Max relative error 3e-7.
 _EXP_FLOOR = _F(-87.0)  # exp(-87) = 1.6e-38, just above the smallest normal float32
 _LOG2E = _F(1.4426950408889634)
 _LN2_HI = _F(0.693359375)  # ln 2 in two parts (Cody-Waite): k * _LN2_HI is exact for k < 2**15
 _LN2_LO = _F(-2.12194440e-4)
 _C2, _C3, _C4, _C5, _C6, _C7 = (_F(1 / math.factorial(k)) for k in range(2, 8))
-_POW2_STEPS = tuple((_F(2 ** i), _F(2.0 ** -(2 ** i))) for i in range(6, -1, -1))  # (64, 2**-64)..
 _ZERO = _F(0.0)
 
 
@@ -80,15 +107,26 @@ def _sigmoid(x):
     return _HALF + _HALF * _tanh(_HALF * x)
 
 
-@njit(inline="always", **JIT_OPTIONS)
 def _pow2_neg(k):
-    """2**-k for an integral float32 k in [0, 127], exactly: one factor per binary digit."""
-    s = _ONE
-    for step, factor in _POW2_STEPS:
-        t = k >= step
-        s *= factor if t else _ONE
-        k -= step if t else _ZERO
-    return s
+    """2**-k for an integral float32 k in [0, 126], exactly (plain Python; compiled: a bit cast).
+    A NaN k (from a NaN logit) gives NaN, as the product it enters would be anyway."""
+    if k != k:
+        return _F(np.nan)
+    return np.array([(127 - int(k)) << 23], np.int32).view(np.float32)[0]
+
+
+@intrinsic
+def _int32_bits_as_float32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@overload(_pow2_neg, jit_options=dict(inline="always"))
+def _pow2_neg_compiled(k):
+    def impl(k):
+        return _int32_bits_as_float32(np.int32((np.int32(127) - np.int32(k)) << np.int32(23)))
+    return impl
 
 
 @njit(inline="always", **JIT_OPTIONS)
@@ -163,19 +201,62 @@ def output_rows(logits, bias, targets, nll, to_logp, fold):
 
 
 @njit(**JIT_OPTIONS)
-def _workspace(E, H, B, T, rows_per_chunk):
+def _transpose(a, out):
+    """out (n, m) = a (m, n)^T for small a (a timestep's rows): each output row in one pass."""
+    m, n = a.shape
+    for j in range(n):
+        oj = out[j]
+        for i in range(m):
+            oj[i] = a[i, j]
+
+
+@njit(**JIT_OPTIONS)
+def _transpose_tiled(a, out):
+    """out (n, m) = a (m, n)^T for a large a (a weight matrix), through a 16 x 16 tile buffer:
+    rows of a weight matrix lie a power of two apart, and reading them in place would thrash the
+    cache sets."""
+    m, n = a.shape
+    tile = np.empty((16, 16), np.float32)
+    for i0 in range(0, m, 16):
+        i1 = min(i0 + 16, m)
+        for j0 in range(0, n, 16):
+            j1 = min(j0 + 16, n)
+            for i in range(i0, i1):
+                for j in range(j0, j1):
+                    tile[j - j0, i - i0] = a[i, j]
+            for j in range(j0, j1):
+                for i in range(i0, i1):
+                    out[j, i] = tile[j - j0, i - i0]
+
+
+@njit(**JIT_OPTIONS)
+def _transposed(B, H):
+    """Whether the recurrent GEMM of B rows and hidden size H runs transposed."""
+    return B <= _TRANSPOSED_MAX_ROWS and H >= _TRANSPOSED_MIN_HIDDEN
+
+
+@njit(**JIT_OPTIONS)
+def _workspace(E, H, L, B, T, rows_per_chunk):
     """Work buffers for one member's forward, reused across members and timesteps."""
     Tc = max(1, min(T, (rows_per_chunk + B - 1) // B))
-    table = np.empty((VOCAB, 4 * H), np.float32)  # embed @ w_ih of layer 0
-    xproj = np.empty((Tc * B, 4 * H), np.float32)  # input projection of layers >= 1, one chunk
-    gates = np.empty((B, 4 * H), np.float32)
+    G = 4 * H
+    table = np.empty((VOCAB, G), np.float32)  # embed @ w_ih of layer 0, rows of the batch's bytes
+    embed_rows = np.empty((VOCAB, E), np.float32)  # their embeddings
+    slot = np.empty(VOCAB, np.intp)  # byte -> its table row, -1 when absent
+    xproj = np.empty((Tc * B, G), np.float32)  # input projection of layers >= 1, one chunk
+    gates = np.empty((B, G), np.float32)
     hs = np.empty((Tc, B, H), np.float32)  # one layer's outputs over the chunk
-    logits = np.empty((Tc * B, VOCAB), np.float32)
+    logits = np.empty((min(Tc * B, max(_OUTPUT_ROWS_MIN, _OUTPUT_ROWS_PER_H * H)), VOCAB), np.float32)
     rows = np.empty(B, np.intp)
     row_targets = np.empty(Tc * B, np.uint8)
     row_nll = np.empty(Tc * B, np.float32)
     fold = np.empty(VOCAB // 2, np.float32)
-    return table, xproj, gates, hs, logits, rows, row_targets, row_nll, fold
+    Lt = L if _transposed(B, H) else 0
+    w_hh_t = np.empty((Lt, G, H), np.float32)  # w_hh^T of each layer (transposed orientation only)
+    gates_t = np.empty((G, B), np.float32)
+    h_t = np.empty((H, B), np.float32)
+    return (table, embed_rows, slot, xproj, gates, hs, logits, rows, row_targets, row_nll, fold, w_hh_t,
+            gates_t, h_t)
 
 
 @njit(**JIT_OPTIONS)
@@ -185,15 +266,30 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
     embed, (w_ih, w_hh, bias) per layer, out.w, out.b; tokens, targets (B, T) uint8; h, c
     (L, B, H) carried state, updated in place; nll_out (B, T) and logp_out (B, T, V) written when
     wanted (else may be empty). Returns the float64 sum of the B*T nlls."""
-    table, xproj, gates, hs, logits, rows, row_targets, row_nll, fold = ws
+    (table, embed_rows, slot, xproj, gates, hs, logits, rows, row_targets, row_nll, fold, w_hh_t, gates_t,
+     h_t) = ws
     L = h.shape[0]
     B, T = tokens.shape
     Tc = hs.shape[0]
     G = 4 * H
     o = offsets[0]
     embed = theta[o:o + VOCAB * E].reshape((VOCAB, E))
+    slot[:] = -1
+    U = 0
+    for b in range(B):
+        for t in range(T):
+            v = tokens[b, t]
+            if slot[v] < 0:
+                slot[v] = U
+                embed_rows[U] = embed[v]
+                U += 1
     o = offsets[1]
-    np.dot(embed, theta[o:o + E * G].reshape((E, G)), table)
+    np.dot(embed_rows[:U], theta[o:o + E * G].reshape((E, G)), table[:U])
+    transposed = _transposed(B, H)
+    for layer in range(L):
+        if transposed:
+            o = offsets[3 * layer + 2]
+            _transpose_tiled(theta[o:o + H * G].reshape((H, G)), w_hh_t[layer])
     o = offsets[3 * L + 1]
     out_w = theta[o:o + H * VOCAB].reshape((H, VOCAB))
     o = offsets[3 * L + 2]
@@ -202,8 +298,6 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
         for layer in range(L):
-            o = offsets[3 * layer + 2]
-            w_hh = theta[o:o + H * G].reshape((H, G))
             o = offsets[3 * layer + 3]
             bias = theta[o:o + G]
             if layer > 0:
@@ -212,10 +306,16 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
                 np.dot(hs[:n].reshape((n * B, H)), w_ih, xproj[:n * B])
             for t in range(n):
                 h_prev = h[layer] if t == 0 else hs[t - 1]
-                np.dot(h_prev, w_hh, gates)
+                if transposed:
+                    _transpose(h_prev, h_t)
+                    np.dot(w_hh_t[layer], h_t, gates_t)
+                    _transpose(gates_t, gates)
+                else:
+                    o = offsets[3 * layer + 2]
+                    np.dot(h_prev, theta[o:o + H * G].reshape((H, G)), gates)
                 if layer == 0:
                     for b in range(B):
-                        rows[b] = tokens[b, t0 + t]
+                        rows[b] = slot[tokens[b, t0 + t]]
                     lstm_cell_rows(gates, table, rows, bias, c[layer], hs[t])
                 else:
                     for b in range(B):
@@ -223,52 +323,87 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
                     lstm_cell_rows(gates, xproj, rows, bias, c[layer], hs[t])
             h[layer] = hs[n - 1]
         R = n * B
-        np.dot(hs[:n].reshape((R, H)), out_w, logits[:R])
+        h_rows = hs[:n].reshape((R, H))
         for t in range(n):
             for b in range(B):
                 row_targets[t * B + b] = targets[b, t0 + t]
-        total += output_rows(logits[:R], out_b, row_targets[:R], row_nll[:R], want_logp, fold)
+        for r0 in range(0, R, logits.shape[0]):  # logits in blocks that stay in cache for the softmax
+            r1 = min(R, r0 + logits.shape[0])
+            block = logits[:r1 - r0]
+            np.dot(h_rows[r0:r1], out_w, block)
+            total += output_rows(block, out_b, row_targets[r0:r1], row_nll[r0:r1], want_logp, fold)
+            if want_logp:
+                for r in range(r0, r1):
+                    logp_out[r % B, t0 + r // B] = block[r - r0]
         if want_nll:
             for t in range(n):
                 for b in range(B):
                     nll_out[b, t0 + t] = row_nll[t * B + b]
-        if want_logp:
-            for t in range(n):
-                for b in range(B):
-                    logp_out[b, t0 + t] = logits[t * B + b]
     return total
 
 
-@njit(**JIT_OPTIONS)
-def _population_sums(thetas, offsets, E, H, L, batches, rows_per_chunk):
-    """Summed nll of each member. thetas (M, d); batches (1 or M, B, T+1) uint8, one shared by
-    all members or one per member."""
-    M = thetas.shape[0]
-    n_batches, B, T1 = batches.shape
+@njit(**_NOGIL)
+def _members_sums(thetas, members, rows, offsets, E, H, L, batches, sums, ws):
+    """sums[i] = summed nll of member members[i] on batch rows rows[0]:rows[1]. thetas (M, d);
+    batches (1 or M, B, T+1) uint8, one shared by all members or one per member; ws: _workspace
+    for rows[1] - rows[0] rows."""
+    n_batches, _, T1 = batches.shape
     T = T1 - 1
-    ws = _workspace(E, H, B, T, rows_per_chunk)
+    B = rows[1] - rows[0]
     tokens = np.empty((B, T), np.uint8)
     targets = np.empty((B, T), np.uint8)
     h = np.empty((L, B, H), np.float32)
     c = np.empty((L, B, H), np.float32)
     none2 = np.empty((0, 0), np.float32)
     none3 = np.empty((0, 0, VOCAB), np.float32)
-    sums = np.empty(M, np.float64)
-    for m in range(M):
-        if m == 0 or n_batches > 1:
-            batch = batches[m if n_batches > 1 else 0]
-            tokens[:, :] = batch[:, :T]
-            targets[:, :] = batch[:, 1:]
+    for i in range(members.shape[0]):
+        m = members[i]
+        batch = batches[m if n_batches > 1 else 0, rows[0]:rows[1]]
+        tokens[:, :] = batch[:, :T]
+        targets[:, :] = batch[:, 1:]
         h[:] = 0.0
         c[:] = 0.0
-        sums[m] = _member_forward(thetas[m], offsets, E, H, tokens, targets, h, c,
+        sums[i] = _member_forward(thetas[m], offsets, E, H, tokens, targets, h, c,
                                   False, none2, False, none3, ws)
-    return sums
+
+
+@njit(**_NOGIL)
+def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step, ks, plus, minus,
+               bufs, deltas, ws):
+    """plus[i], minus[i] = summed nll of theta + scale*delta_k and theta - scale*delta_k,
+    k = ks[i], both built from the counters into bufs (2, d) right before their forwards.
+    batch (B, T+1) uint8; deltas (len(ks), d) keeps each delta_k, or is empty; ws: _workspace."""
+    B, T1 = batch.shape
+    T = T1 - 1
+    tokens = np.ascontiguousarray(batch[:, :T])
+    targets = np.ascontiguousarray(batch[:, 1:])
+    h = np.empty((L, B, H), np.float32)
+    c = np.empty((L, B, H), np.float32)
+    none2 = np.empty((0, 0), np.float32)
+    none3 = np.empty((0, 0, VOCAB), np.float32)
+    for i in range(ks.shape[0]):
+        delta = deltas[i] if deltas.shape[0] else deltas[0:0, 0]
+        noise.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)
+        for s in range(2):
+            h[:] = 0.0
+            c[:] = 0.0
+            total = _member_forward(bufs[s], offsets, E, H, tokens, targets, h, c,
+                                    False, none2, False, none3, ws)
+            if s == 0:
+                plus[i] = total
+            else:
+                minus[i] = total
 
 
 def _offsets(layout: Layout) -> np.ndarray:
+    return _config_offsets(layout.config)
+
+
+@lru_cache(maxsize=64)
+def _config_offsets(config) -> np.ndarray:
+    layout = Layout(config)
     names = ["embed"]
-    for layer in range(layout.config.layers):
+    for layer in range(config.layers):
         names += [f"lstm{layer}.w_ih", f"lstm{layer}.w_hh", f"lstm{layer}.bias"]
     names += ["out.w", "out.b"]
     return np.array([layout[n].offset for n in names], np.int64)
@@ -290,24 +425,83 @@ def _check_bytes(tokens, name: str, ndim: int) -> np.ndarray:
     return np.ascontiguousarray(tokens)
 
 
+def _check_batch(batch, M: int | None) -> np.ndarray:
+    """batch (B, T+1), or (M, B, T+1) when M is given, as a contiguous uint8 array with T >= 1."""
+    batch = np.asarray(batch)
+    batches = _check_bytes(batch[None] if batch.ndim == 2 else batch, "batch", 3)
+    if batches.shape[0] not in (1, M or 1) or batches.shape[2] < 2:
+        per = f" or (M={M}, B, T+1)" if M else ""
+        raise ValueError(f"batch must be (B, T+1){per} with T >= 1, got {batch.shape}")
+    return batches
+
+
+def _row_blocks(M: int, B: int) -> list:
+    """How to cut M members x B rows into work items: whole members when there are enough of
+    them for the threads, else each member's rows in blocks."""
+    n = threads.n_threads()
+    parts = 1 if M >= n else -(-n // M)
+    return [(r.start, r.stop) for r in threads.split(B, parts)]
+
+
 def population_loss(thetas, layout: Layout, batch) -> np.ndarray:
-    """Mean nats per predicted byte of each member, from zero state: the SPSA hot path.
+    """Mean nats per predicted byte of each member, from zero state.
 
     thetas (M, d) float32, one parameter vector per member (e.g. the 2P perturbed copies of a
     model); batch (B, T+1) uint8 shared by all members, or (M, B, T+1) one per member; inputs
     batch[..., :-1], targets batch[..., 1:]. Returns (M,) float64.
     """
     thetas = _check_theta(thetas, layout, 2)
-    batch = np.asarray(batch)
-    batches = _check_bytes(batch[None] if batch.ndim == 2 else batch, "batch", 3)
-    if batches.shape[0] not in (1, thetas.shape[0]) or batches.shape[2] < 2:
-        raise ValueError(f"batch must be (B, T+1) or (M={thetas.shape[0]}, B, T+1) with T >= 1, "
-                         f"got {batch.shape}")
+    batches = _check_batch(batch, thetas.shape[0])
     cfg = layout.config
-    sums = _population_sums(thetas, _offsets(layout), cfg.embed, cfg.hidden, cfg.layers, batches,
-                            _ROWS_PER_CHUNK)
-    B, T = batches.shape[1], batches.shape[2] - 1
-    return sums / (B * T)
+    M, (B, T) = thetas.shape[0], (batches.shape[1], batches.shape[2] - 1)
+    blocks = _row_blocks(M, B)
+    sums = np.zeros((M, len(blocks)))
+    offsets = _offsets(layout)
+
+    def work(item, workspaces):  # workspaces: this thread's, by block size
+        m, r = divmod(item, len(blocks))
+        a, b = blocks[r]
+        if b - a not in workspaces:
+            workspaces[b - a] = _workspace(cfg.embed, cfg.hidden, cfg.layers, b - a, T, _ROWS_PER_CHUNK)
+        out = np.empty(1)
+        _members_sums(thetas, np.array([m]), np.array([a, b]), offsets, cfg.embed, cfg.hidden, cfg.layers,
+                      batches, out, workspaces[b - a])
+        sums[m, r] = out[0]
+
+    threads.run_items(work, M * len(blocks), dict)
+    return sums.sum(axis=1) / (B * T)
+
+
+def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert: int, step: int,
+                   kind: str, pairs: range, deltas: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Mean nats per predicted byte of the SPSA members theta + scale*delta_k ("plus") and
+    theta - scale*delta_k ("minus"), delta_k = noise(seed, expert, step, k, kind), for k in
+    `pairs`; each (len(pairs),) float64. theta (d,) float32; batch (B, T+1) uint8. The members
+    are built from the counters inside the forward (two buffers per thread), never all at once;
+    deltas (len(pairs), d) float32, if given, receives the directions."""
+    theta = _check_theta(theta, layout, 1)
+    batch = _check_batch(batch, None)[0]
+    cfg = layout.config
+    k0, k1 = noise.stream_key(seed)
+    code = noise.kind_code(kind)
+    ks = np.arange(pairs.start, pairs.stop, dtype=np.int64)
+    plus, minus = np.empty(ks.size), np.empty(ks.size)
+    offsets = _offsets(layout)
+
+    kept = np.empty((0, theta.size), np.float32) if deltas is None else deltas
+    B, T = batch.shape[0], batch.shape[1] - 1
+
+    def buffers():  # per thread: the pair's two members and the forward's work buffers
+        return (np.empty((2, theta.size), np.float32),
+                _workspace(cfg.embed, cfg.hidden, cfg.layers, B, T, _ROWS_PER_CHUNK))
+
+    def work(i, state):
+        _pair_sums(theta, offsets, cfg.embed, cfg.hidden, cfg.layers, batch, np.float32(scale), code, k0, k1,
+                   expert, step, ks[i:i + 1], plus[i:i + 1], minus[i:i + 1], state[0],
+                   kept[i:i + 1] if kept.shape[0] else kept, state[1])
+
+    threads.run_items(work, ks.size, buffers)
+    return plus / (B * T), minus / (B * T)
 
 
 def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_logp: bool):
@@ -332,10 +526,29 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_
             h[layer], c[layer] = h_l, c_l
     nll = np.empty((B, T) if want_nll else (0, 0), np.float32)
     logp = np.empty((B, T, VOCAB) if want_logp else (0, 0, VOCAB), np.float32)
-    ws = _workspace(cfg.embed, H, B, T, _ROWS_PER_CHUNK)
-    _member_forward(theta, _offsets(layout), cfg.embed, H, tokens, targets, h, c, want_nll, nll,
-                    want_logp, logp, ws)
+    offsets = _offsets(layout)
+    blocks = _row_blocks(1, B)
+
+    def work(item, _):
+        a, b = blocks[item]
+        hb, cb = np.ascontiguousarray(h[:, a:b]), np.ascontiguousarray(c[:, a:b])
+        nb = nll[a:b] if want_nll else nll
+        lb = logp[a:b] if want_logp else logp
+        _stream_rows(theta, offsets, cfg.embed, H, L, tokens[a:b], targets[a:b], hb, cb, want_nll, nb,
+                     want_logp, lb, _ROWS_PER_CHUNK)
+        h[:, a:b], c[:, a:b] = hb, cb
+
+    threads.run_items(work, len(blocks))
     return nll, logp, [(h[layer], c[layer]) for layer in range(L)]
+
+
+@njit(**_NOGIL)
+def _stream_rows(theta, offsets, E, H, L, tokens, targets, h, c, want_nll, nll, want_logp, logp,
+                 rows_per_chunk):
+    B, T = tokens.shape
+    ws = _workspace(E, H, L, B, T, rows_per_chunk)
+    _member_forward(theta, offsets, E, H, np.ascontiguousarray(tokens), np.ascontiguousarray(targets),
+                    h, c, want_nll, nll, want_logp, logp, ws)
 
 
 def nll_stream(theta, layout: Layout, tokens, targets, state=None):

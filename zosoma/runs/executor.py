@@ -10,6 +10,8 @@ a unit that raised:
     LocalProcesses(n)      n spawned worker processes on this machine, one BLAS thread each on a
                            machine with n cores; Ctrl-C reaches only the parent, which asks every
                            unit to stop through a shared Event; a worker whose parent died exits
+    RayExecutor(...)       Ray tasks on this machine or a cluster, retried when a worker or node
+                           dies (zosoma.runs.ray_executor; units name their folder as unit.run_dir)
 
 The rest of zosoma never asks which executor it got.
 """
@@ -91,10 +93,10 @@ def _init_worker(records, stop, parent: int) -> None:
     global _records, _stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the parent reacts to Ctrl-C
     _records, _stop = records, stop
-    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
 
 
-def _exit_with(parent: int) -> None:
+def exit_with_parent(parent: int) -> None:
     """End this worker as soon as its parent is gone (killed, even with SIGKILL): a worker must
     never train on, or write into a run folder, without the process that owns the run."""
     while os.getppid() == parent:

@@ -6,6 +6,8 @@ A single model's run (or one SOMA expert's folder):
     RUN/checkpoint.prev.h5   the one before it
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
     RUN/results.json         the final evaluation
+    RUN/scalars.jsonl        a population sharded over workers (zosoma.runs.population): each
+                             step's P update scalars, so a lost worker is rebuilt by replay
 
 A SOMA run:
 
@@ -17,18 +19,37 @@ A SOMA run:
 A comparison (zosoma.experiments.compare): OUT/runs/<method>-seed<s>/ is a single or SOMA run
 folder plus curve.jsonl (the held-out curve) and result.json (the finished run's record).
 
+A run driven on a cluster (zosoma.runs.ray_executor) holds RUN/.token, a random token the driver
+writes and every worker reads back, so a worker that does not see the driver's folder says so.
+
+One owner per folder: whoever trains in a folder holds its lock (RUN/.lock, an flock(2) lock that
+the kernel releases when the process dies, the file naming the owner's pid and host); a second
+writer is refused in one line, and a lock left by a dead process is simply taken over.
+
 Every write is atomic (zosoma.atomic): at every instant each file is complete, and at least one
-of checkpoint.h5, checkpoint.next.h5, checkpoint.prev.h5 holds a complete checkpoint.
+of checkpoint.h5, checkpoint.next.h5, checkpoint.prev.h5 holds a complete checkpoint. A damaged
+checkpoint is never used silently: readers say which file they fall back to and why
+(CheckpointFallback, a warning the command line prints as one line), or refuse when told not to
+fall back; a resume sets the damaged file aside as checkpoint.damaged-<time>.h5 so that rotation
+never writes over the good one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import signal
+import socket
+import threading
+import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 
-from zosoma.atomic import append_line, atomic_write
-from zosoma.errors import CheckpointError, ConfigError
+from zosoma.atomic import append_line, atomic_write, reason
+from zosoma.errors import CheckpointError, ConfigError, WriteError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, read_step, save_checkpoint
 
 CHECKPOINT = "checkpoint.h5"
@@ -41,6 +62,18 @@ SOMA = "soma.json"
 ROUTER = "router.h5"
 CURVE = "curve.jsonl"
 RESULT = "result.json"
+LOCK = ".lock"
+SCALARS = "scalars.jsonl"
+TOKEN = ".token"
+DAMAGED = "checkpoint.damaged-{time}.h5"
+
+
+class CheckpointFallback(UserWarning):
+    """A damaged newest checkpoint was passed over for an older one (one line: which, why)."""
+
+
+class RunInUse(ConfigError):
+    """Another live process owns the run folder."""
 
 
 class RunFolder:
@@ -77,36 +110,138 @@ class RunFolder:
         return self.path / ROUTER
 
     def make(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise WriteError(f"cannot create run folder {self.path}: {reason(err)}") from None
+
+    def require_empty(self) -> None:
+        """A new run starts only in a folder that is new or empty: nothing already there is ever
+        replaced (the lock file of a run that never wrote anything does not count)."""
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"{self.path} exists and is not a folder")
+        held = sorted(p.name for p in self.path.iterdir() if p.name != LOCK) if self.path.is_dir() else []
+        owner = self.owner() if held else None
+        if owner:
+            raise RunInUse(f"{self.path} is in use by {owner}: a run folder has one writer; wait for it to "
+                           "finish or stop it first")
+        if held and self.holds_run:
+            raise ConfigError(f"{self.path} already holds a run: continue it with --resume {self.path}, or choose "
+                              "an empty or new folder; nothing in it was changed")
+        if held:
+            listed = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            raise ConfigError(f"{self.path} is not empty ({listed}): choose an empty or new folder; nothing in it "
+                              "was changed")
+
+    def owner(self) -> str | None:
+        """'pid N on HOST' of the live process that holds this folder's lock, or None."""
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except OSError:
+            return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def lock(self, wait: bool = False):
+        """Own this folder for the block: an exclusive flock on RUN/.lock (released by the kernel
+        if this process dies), the file naming this pid and host. Another owner: RunInUse, or with
+        `wait`, block until it is gone (a worker of a killed run lives on for up to a second)."""
+        self.make()
+        path = self.path / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise WriteError(f"cannot lock run folder {self.path}: {reason(err)}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except OSError as err:
+                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise WriteError(f"cannot lock run folder {self.path}: {reason(err)}") from None
+                owner = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                raise RunInUse(f"{self.path} is in use by {owner}: a run folder has one writer; wait for it to "
+                               "finish or stop it first") from None
+            with contextlib.suppress(OSError):  # who holds it: for the message above, best effort
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            yield self
+        finally:
+            os.close(fd)
 
     # --- checkpoints ------------------------------------------------------------------------
 
     def write_checkpoint(self, ckpt: Checkpoint) -> None:
         """Atomically make `ckpt` the newest checkpoint, keeping the one it replaces as
-        checkpoint.prev.h5."""
+        checkpoint.prev.h5. Ctrl-C cannot fall between the two renames."""
         save_checkpoint(self.path / NEXT, ckpt)
-        if (self.path / CHECKPOINT).exists():
-            os.replace(self.path / CHECKPOINT, self.path / PREVIOUS)
-        os.replace(self.path / NEXT, self.path / CHECKPOINT)
+        try:
+            with _no_interrupts():
+                if (self.path / CHECKPOINT).exists():
+                    os.replace(self.path / CHECKPOINT, self.path / PREVIOUS)
+                os.replace(self.path / NEXT, self.path / CHECKPOINT)
+        except OSError as err:
+            raise WriteError(f"cannot write checkpoint {self.path / CHECKPOINT}: {reason(err)}") from None
 
-    def read_checkpoint(self, step: int | None = None) -> Checkpoint:
-        """The newest complete checkpoint, or the one at `step`. A damaged file is passed over only
-        when another one can take its place; otherwise its error is raised."""
-        found, errors = [], []
+    def _checkpoints(self):
+        """[(name, Checkpoint or the CheckpointError that reading it raised)], newest name first."""
+        found = []
         for name in CHECKPOINTS:
             if (self.path / name).exists():
                 try:
-                    found.append(load_checkpoint(self.path / name))
+                    found.append((name, load_checkpoint(self.path / name)))
                 except CheckpointError as e:
-                    errors.append(e)
-        if step is not None:
-            found = [c for c in found if c.step == step]
-        if not found:
-            if errors:
-                raise errors[0]
-            where = f"at step {step} " if step is not None else ""
-            raise CheckpointError(f"{self.path}: no {CHECKPOINT} {where}to resume from")
-        return max(found, key=lambda c: c.step)
+                    found.append((name, e))
+        return found
+
+    def read_checkpoint(self, step: int | None = None, fallback: bool = True, set_aside: bool = False) -> Checkpoint:
+        """The newest complete checkpoint, or the one at `step`. When a damaged file stands
+        before the one returned, a CheckpointFallback warning says so in one line; with
+        fallback=False a CheckpointError is raised instead (naming the intact file), and with
+        set_aside the damaged file is renamed checkpoint.damaged-<time>.h5 (for a resume, so that
+        rotation never moves it over the good one)."""
+        found = self._checkpoints()
+        good = [(n, c) for n, c in found if isinstance(c, Checkpoint) and (step is None or c.step == step)]
+        damaged = [(n, e) for n, e in found if isinstance(e, CheckpointError)]
+        if not good:
+            if damaged:
+                raise damaged[0][1]
+            if not self.path.is_dir():
+                raise CheckpointError(f"{self.path}: no such run folder")
+            where = f" at step {step}" if step is not None else ""
+            raise CheckpointError(f"{self.path}: no {CHECKPOINT}{where} (not a run folder, or a run that never "
+                                  "wrote its first checkpoint)")
+        name, ckpt = max(good, key=lambda nc: nc[1].step)
+        passed = [(n, e) for n, e in damaged if CHECKPOINTS.index(n) < CHECKPOINTS.index(name)]
+        if passed and step is None:
+            why = "; ".join(f"{self.path / n} is damaged ({_cause(e)})" for n, e in passed)
+            if not fallback:
+                raise CheckpointError(f"{why}; {name} (step {ckpt.step}) is intact: pass --previous to use it")
+            warnings.warn(f"{why}; using {self.path / name} (step {ckpt.step})", CheckpointFallback, stacklevel=2)
+            if set_aside:
+                for n, _ in passed:
+                    self._set_aside(n)
+        return ckpt
+
+    def checkpoint_file(self, fallback: bool = True) -> Path:
+        """The file read_checkpoint would read (for commands that show or convert one file)."""
+        ckpt = self.read_checkpoint(fallback=fallback)
+        for name, c in self._checkpoints():
+            if isinstance(c, Checkpoint) and c.step == ckpt.step:
+                return self.path / name
+        raise CheckpointError(f"{self.path}: its checkpoint vanished while being read")
+
+    def _set_aside(self, name: str) -> None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        try:
+            os.replace(self.path / name, self.path / DAMAGED.format(time=stamp))
+        except OSError as err:
+            raise WriteError(f"cannot set aside damaged {self.path / name}: {reason(err)}") from None
 
     def checkpoint_step(self) -> int:
         """The step of the newest checkpoint, read from its header only (no tensors)."""
@@ -168,11 +303,71 @@ class RunFolder:
     def append_curve(self, point: dict) -> None:
         append_line(self.path / CURVE, json.dumps(point), "curve")
 
+    # --- populations sharded over workers and runs on a cluster ------------------------------
 
-def checkpoint_path(path) -> Path:
-    """A checkpoint file named by itself, or by its run folder (the folder's checkpoint.h5)."""
+    def append_scalars(self, step: int, coeffs) -> None:
+        """Log step `step`'s P update scalars (JSON floats round-trip float64 exactly)."""
+        append_line(self.path / SCALARS, json.dumps({"step": step, "coeffs": [float(c) for c in coeffs]}),
+                    "scalars")
+
+    def read_scalars(self, start: int = 0) -> dict[int, list[float]]:
+        """{step: P scalars} for the logged steps >= start (a line cut short by a kill ends the log)."""
+        path, out = self.path / SCALARS, {}
+        for line in (path.read_text().splitlines() if path.exists() else []):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if record["step"] >= start:
+                out[record["step"]] = record["coeffs"]
+        return out
+
+    def cut_scalars(self, step: int) -> None:
+        """Drop the logged scalars of steps >= step (those past the checkpoint a run resumes from)."""
+        kept = {s: c for s, c in self.read_scalars().items() if s < step}
+        atomic_write(self.path / SCALARS, "".join(json.dumps({"step": s, "coeffs": c}) + "\n"
+                                                  for s, c in sorted(kept.items())), "scalars")
+
+    def write_token(self, token: str) -> None:
+        self.make()
+        atomic_write(self.path / TOKEN, token, "token")
+
+    def read_token(self) -> str | None:
+        try:
+            return (self.path / TOKEN).read_text()
+        except OSError:
+            return None
+
+
+def checkpoint_path(path, fallback: bool = True) -> Path:
+    """A checkpoint file named by itself, or by its run folder (its newest complete checkpoint,
+    RunFolder.checkpoint_file)."""
     path = Path(path)
-    return path / CHECKPOINT if path.is_dir() else path
+    return RunFolder(path).checkpoint_file(fallback) if path.is_dir() else path
+
+
+def _cause(err: CheckpointError) -> str:
+    """The reason part of a checkpoint reader's message ('... is damaged or not ...: REASON')."""
+    return str(err).split(": ", 1)[-1] if ": " in str(err) else str(err)
+
+
+@contextlib.contextmanager
+def _no_interrupts():
+    """Hold Ctrl-C (SIGINT) and SIGTERM back during a short critical section: they are recorded
+    and raised again once it is over. (A signal mask would not do: BLAS threads take the signal,
+    and Python raises it in the main thread at once.) Main thread only, where handlers run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in held:
+            signal.raise_signal(s)
 
 
 def write_json(path: Path, obj, what: str = "file") -> None:

@@ -38,9 +38,11 @@ class Started:
 
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step of one expert; `metrics` is the record written to metrics.jsonl."""
+    """One optimizer step of one expert; `metrics` is the record written to metrics.jsonl; `notes`
+    are lines the user should read about the step (a population worker rebuilt)."""
     expert: int
     metrics: dict = field(repr=False)
+    notes: tuple = ()
 
     @property
     def step(self) -> int:
@@ -67,6 +69,14 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Diverged:
+    """An expert's loss ran away (zosoma.runs.guard): it stopped at `step`, checkpointed."""
+    expert: int
+    step: int
+    verdict: str
+
+
+@dataclass(frozen=True)
 class Stopped:
     """An expert stopped on request, checkpointed at `step`; a resume continues it."""
     expert: int
@@ -85,6 +95,12 @@ class Result:
     """A unit of work's final value (e.g. a comparison run's result record)."""
     unit: Any
     value: Any = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the user should read, one line (e.g. a damaged checkpoint passed over)."""
+    message: str
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ The data a run trains on is recorded in its checkpoint (paths and a sha256 of th
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,12 +17,14 @@ from zosoma.corpus import BatchSampler, Corpus, describe, load_corpus, load_text
 from zosoma.download import find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import ConfigError, DataError
+from zosoma.errors import DataError
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Evaluated, Started, Stopped
+from zosoma.runs.folder import CheckpointFallback, RunFolder
+from zosoma.runs.population import Sharding, make_trainer
+from zosoma.runs.records import Diverged, Evaluated, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.soma.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
 
 
 def fingerprint(corpus: Corpus) -> str:
@@ -54,59 +57,84 @@ def load_data(train_paths: list[str] | None, heldout_paths: list[str] | None):
 
 
 def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, heldout_paths=None,
-              wikitext=None, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None) -> Iterator:
-    """A new run in run_dir (which must not hold one). Yields Started, the training records, then
-    Evaluated."""
+              wikitext=None, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
+              sharding: Sharding | None = None) -> Iterator:
+    """A new run in run_dir, which must be new or empty. Every input (data, held-out, WikiText-103)
+    is checked before anything is written. Yields Started, the training records, then Evaluated;
+    the folder is locked (RunFolder.lock) while it runs. With `sharding` the population is spread
+    over workers (zosoma.runs.population)."""
     folder = RunFolder(run_dir)
-    if folder.holds_run:
-        raise ConfigError(f"{run_dir} already holds a run: use --resume {run_dir} or another --run-dir")
+    folder.require_empty()
     train_corpus, heldout = load_data(train_paths, heldout_paths)
+    find_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
     sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
     data = data_record(train_corpus, train_paths, heldout_paths, wikitext)
-    trainer = Trainer(folder, model, cfg, sampler, new_state(model, cfg), extra={"data": data}, ops=ops)
-    trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
-    yield Started(str(run_dir), model, cfg, describe(train_corpus), device=trainer.ops.name)
-    yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
+    with folder.lock():
+        folder.require_empty()  # under the lock: another start may have won the race
+        trainer = make_trainer(folder, model, cfg, sampler, new_state(model, cfg), {"data": data}, ops, sharding)
+        trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
+        yield Started(str(run_dir), model, cfg, describe(train_corpus), device=trainer.ops.name)
+        yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
 
 
-def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None) -> Iterator:
+def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
+               sharding: Sharding | None = None) -> Iterator:
     """Continue the run in run_dir from its checkpoint, with the configuration and data it has."""
     folder = RunFolder(run_dir)
-    ckpt = folder.read_checkpoint()
-    data = ckpt.extra.get("data", {})
-    train_corpus, heldout = load_data(data.get("train") or None, data.get("heldout") or None)
-    if fingerprint(train_corpus) != data.get("fingerprint"):
-        raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
-    sampler = BatchSampler(train_corpus, ckpt.train.seq_len + 1)
-    trainer = Trainer(folder, ckpt.model, ckpt.train, sampler, from_checkpoint(ckpt), extra={"data": data}, ops=ops)
-    yield Started(str(run_dir), ckpt.model, ckpt.train, describe(train_corpus), steps=(ckpt.step,),
-                  device=trainer.ops.name)
-    yield from _train_and_evaluate(trainer, heldout, data.get("wikitext"), should_stop)
+    with folder.lock(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointFallback)
+        ckpt = folder.read_checkpoint(set_aside=True)
+        yield from (Note(str(w.message)) for w in caught)
+        data = ckpt.extra.get("data", {})
+        train_corpus, heldout = load_data(data.get("train") or None, data.get("heldout") or None)
+        if fingerprint(train_corpus) != data.get("fingerprint"):
+            raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
+        find_wikitext103(data.get("wikitext"))
+        sampler = BatchSampler(train_corpus, ckpt.train.seq_len + 1)
+        trainer = make_trainer(folder, ckpt.model, ckpt.train, sampler, from_checkpoint(ckpt), {"data": data}, ops,
+                               sharding)
+        yield Started(str(run_dir), ckpt.model, ckpt.train, describe(train_corpus), steps=(ckpt.step,),
+                      device=trainer.ops.name)
+        yield from _train_and_evaluate(trainer, heldout, data.get("wikitext"), should_stop)
 
 
 def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     for record in train(trainer, should_stop):
         yield record
-        if isinstance(record, Stopped):
+        if isinstance(record, (Stopped, Diverged)):
             return
     state, model = trainer.state, trainer.model
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)
     results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
-                   wall_s=state.wall_s, n_params=model.n_params())
+                   wall_s=state.wall_s, n_params=model.n_params(), **trainer.summary())
     trainer.folder.write_results(results)
     yield Evaluated(results)
 
 
-def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, streams: int = 16,
-                 ops: Ops | None = None) -> dict:
-    """{"heldout": {domain: nats/byte, ..., "overall": ...}, "wikitext103": nats/byte or None}."""
+def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,
+                 segment: int = 256, context: int = 512, streams: int | None = None) -> dict:
+    """{"heldout": {domain: nats/byte, ..., "overall": ...}, "wikitext103": nats/byte or None}.
+
+    By the one protocol every table uses (zosoma.soma.routing: segments of `segment` bytes after
+    `context` bytes of warm-up; the model as a one-expert ensemble, so SOMA runs and single
+    models compare like for like); with `streams`, instead, the model runs statefully over each
+    whole file in that many side-by-side parts (zosoma.model.evaluate)."""
     ops = ops or get_ops("cpu")
-    out: dict = {"heldout": None, "wikitext103": None}
+    out: dict = {"heldout": None, "wikitext103": None,
+                 "protocol": (f"each file streamed statefully in {streams} parts" if streams else
+                              f"segments of {segment} bytes after {context} bytes of context")}
+    if streams:
+        score_corpus = lambda corpus: evaluate_corpus(theta, layout, corpus, ops, streams=streams)  # noqa: E731
+        score_bytes = lambda data: evaluate_bytes(theta, layout, data, ops, streams=streams)  # noqa: E731
+    else:
+        one = Ensemble(((theta, layout),), Whole())
+        score_corpus = lambda corpus: {k: r["routed"] for k, r in evaluate_routed_corpus(  # noqa: E731
+            one, corpus, ops, segment=segment, context=context).items()}
+        score_bytes = lambda data: evaluate_routed(one, data, segment, context, ops=ops)["routed"]  # noqa: E731
     if heldout is not None:
-        out["heldout"] = {k: r.nats_per_byte for k, r in evaluate_corpus(theta, layout, heldout, ops,
-                                                                               streams=streams).items()}
+        out["heldout"] = {k: r.nats_per_byte for k, r in score_corpus(heldout).items()}
     wiki = find_wikitext103(wikitext)
     if wiki is not None:
-        out["wikitext103"] = evaluate_bytes(theta, layout, load_text(wiki), ops, streams=streams).nats_per_byte
+        out["wikitext103"] = score_bytes(load_text(wiki)).nats_per_byte
         out["wikitext103_path"] = str(wiki)
     return out

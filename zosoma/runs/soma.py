@@ -9,13 +9,16 @@ Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
 couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
-that was already one checkpoint ahead).
+that was already one checkpoint ahead). Given `workers` (zosoma.runs.population: local processes
+or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
+scalars travel each step, with the same numbers.
 
 The folder's files are zosoma.runs.folder's.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -24,15 +27,16 @@ import numpy as np
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import find_wikitext103
-from zosoma.engines import get_ops
+from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError, DataError
 from zosoma.model.params import Layout
 from zosoma.runs.executor import Inline
-from zosoma.runs.folder import CHECKPOINT, ROUTER, RunFolder
-from zosoma.runs.records import Clusters, Evaluated, Finished, Started, Stopped
+from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder
+from zosoma.runs.population import summed_trainers
+from zosoma.runs.records import Clusters, Evaluated, Finished, Note, Started, Stopped
 from zosoma.runs.single import data_record, fingerprint, load_data
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train, training_summary
 from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
@@ -63,35 +67,45 @@ class SomaRun:
         return {"data": self.soma["data"], "loss": self.soma["loss"]}
 
     def trainer(self, i: int, ops: Ops, step: int | None = None) -> Trainer:
-        """Expert i's Trainer from its newest checkpoint (or the one at `step`)."""
+        """Expert i's Trainer from its newest checkpoint (or the one at `step`); a damaged newest
+        one is set aside (with a CheckpointFallback warning)."""
         folder = self.folder.expert(i)
-        ckpt = folder.read_checkpoint(step)
+        ckpt = folder.read_checkpoint(step, set_aside=True)
         return Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpora[i], ckpt.train.seq_len + 1),
                        from_checkpoint(ckpt), expert=i, extra=self.extra(), ops=ops)
 
 
 def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                executor=None, chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
-               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu") -> Iterator:
-    """Cluster, initialise and train a new SOMA run; yields Clusters, Started, the experts' Step
-    records, Finished / Stopped / Failed per expert, then Evaluated."""
-    report, n_chunks = create_soma(run_dir, model, cfg, n_experts, loss, chunk_size, train_paths,
-                                   heldout_paths, wikitext, top_k)
-    run = open_soma(run_dir)
-    yield Clusters(report, n_chunks, chunk_size)
-    yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
-                  get_ops(device).name)
-    yield from _train_and_evaluate(run, executor, should_stop, device)
+               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu",
+               workers=None) -> Iterator:
+    """Cluster, initialise and train a new SOMA run in run_dir (new or empty); yields Clusters,
+    Started, the experts' Step records, Finished / Stopped / Failed per expert, then Evaluated.
+    The run folder is locked while it runs; each expert's folder by the unit training it."""
+    folder = RunFolder(run_dir)
+    folder.require_empty()
+    with folder.lock():
+        report, n_chunks = create_soma(run_dir, model, cfg, n_experts, loss, chunk_size, train_paths,
+                                       heldout_paths, wikitext, top_k)
+        run = open_soma(run_dir)
+        yield Clusters(report, n_chunks, chunk_size)
+        yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
+                      run_ops(get_ops(device), cfg.engine, cfg.forward_precision).name)
+        yield from _train_and_evaluate(run, executor, should_stop, device, workers)
 
 
 def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                 chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
-                top_k: int = 2) -> tuple[list[dict], int]:
+                top_k: int = 2, new_folder: bool = True) -> tuple[list[dict], int]:
     """Cluster the corpus and write a new SOMA run folder, every expert at step 0 (nothing is
-    trained). Returns the clusters' report and the number of chunks."""
+    trained). Returns the clusters' report and the number of chunks. The folder must be new or
+    empty, unless new_folder=False (a comparison redoing its own interrupted creation: the
+    clustering and step-0 checkpoints are seeded, so the same files are written again)."""
     folder = RunFolder(run_dir)
-    if folder.holds_run:
+    if folder.is_soma:
         raise ConfigError(f"{run_dir} already holds a run: use --resume {run_dir} or another --run-dir")
+    if new_folder:
+        folder.require_empty()
     if loss not in LOSSES:
         raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     strategy = make_strategy(cfg)
@@ -99,7 +113,8 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
         Summed([strategy])  # refuses strategies whose scalars do not add up
     if chunk_size < cfg.seq_len + 1:
         raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
-    train_corpus, _ = load_data(train_paths, heldout_paths)
+    train_corpus, _ = load_data(train_paths, heldout_paths)  # the held-out files are checked here too
+    find_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
     chunks = chunk(train_corpus, chunk_size)
     if n_experts > len(chunks):
         raise ConfigError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes")
@@ -131,14 +146,15 @@ def open_soma(run_dir) -> SomaRun:
     return SomaRun(folder, soma, train_corpus, tuple(corpora), heldout)
 
 
-def soma_summary(run_dir) -> str:
-    """A few lines for `zosoma info RUN`: what the run is and how far each expert got."""
+def soma_summary(run_dir, fallback: bool = False) -> str:
+    """A few lines for `zosoma info RUN`: what the run is and how far each expert got. A damaged
+    newest checkpoint is an error unless `fallback` (then a CheckpointFallback warning)."""
     folder = RunFolder(run_dir)
     soma = folder.read_soma()
     lines = [f"SOMA run {run_dir}: {soma['experts']} experts, {soma['loss']} losses, chunks of "
              f"{soma['chunk_size']} bytes, cluster sizes {soma['cluster_sizes']}"]
     for i in range(soma["experts"]):
-        c = folder.expert(i).read_checkpoint()
+        c = folder.expert(i).read_checkpoint(fallback=fallback)
         lines.append(f"  expert{i}: step {c.step}/{c.train.steps}, {c.model.n_params():,} parameters, "
                      f"last loss {c.metrics[-1]['loss']:.4f}" if c.metrics else f"  expert{i}: step 0")
     lines.append(f"details: zosoma info {folder.expert(0)}")
@@ -146,21 +162,33 @@ def soma_summary(run_dir) -> str:
 
 
 def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False,
-                device: str = "cpu") -> Iterator:
+                device: str = "cpu", workers=None) -> Iterator:
     """Continue every expert of a SOMA run where it stopped, then evaluate."""
-    run = open_soma(run_dir)
-    steps = tuple(run.folder.expert(i).checkpoint_step() for i in range(run.n_experts))
-    first = run.folder.expert(0).read_checkpoint()
-    yield Started(str(run_dir), first.model, first.train, describe(run.train_corpus), run.n_experts,
-                  run.soma["loss"], steps, get_ops(device).name)
-    yield from _train_and_evaluate(run, executor, should_stop, device)
+    folder = RunFolder(run_dir)
+    with folder.lock():
+        run = open_soma(run_dir)
+        find_wikitext103(run.soma["data"].get("wikitext"))
+        steps = tuple(run.folder.expert(i).checkpoint_step() for i in range(run.n_experts))
+        with warnings.catch_warnings():  # each expert's unit reports its own fallback
+            warnings.simplefilter("ignore", CheckpointFallback)
+            first = run.folder.expert(0).read_checkpoint()
+        yield Started(str(run_dir), first.model, first.train, describe(run.train_corpus), run.n_experts,
+                      run.soma["loss"], steps,
+                      run_ops(get_ops(device), first.train.engine, first.train.forward_precision).name)
+        yield from _train_and_evaluate(run, executor, should_stop, device, workers)
 
 
-def _train_and_evaluate(run: SomaRun, executor, should_stop, device):
+def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=None):
     finished = set()
     if run.soma["loss"] == "summed":
         ops = get_ops(device)
-        records = train_lockstep(lockstep_trainers(run, ops), should_stop)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointFallback)
+            trainers = lockstep_trainers(run, ops)
+        yield from (Note(str(w.message)) for w in caught)
+        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.runs.population)
+            trainers = summed_trainers(trainers, workers, device)
+        records = train_lockstep(trainers, should_stop)
     else:
         units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, device) for i in range(run.n_experts)]
         records = (executor or Inline()).run(units, should_stop)
@@ -183,16 +211,22 @@ class ExpertUnit:
 
     def __call__(self, stopping: Callable[[], bool]) -> Iterator:
         folder = RunFolder(self.run_dir).expert(self.expert)
-        ckpt = folder.read_checkpoint()
-        trainer = Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpus, ckpt.train.seq_len + 1),
-                          from_checkpoint(ckpt), expert=self.expert,
-                          extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
-        yield from train(trainer, stopping)
+        # wait: a worker of a killed run may still be finishing its step in this folder
+        with folder.lock(wait=True), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointFallback)
+            ckpt = folder.read_checkpoint(set_aside=True)
+            yield from (Note(str(w.message)) for w in caught)
+            trainer = Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpus, ckpt.train.seq_len + 1),
+                              from_checkpoint(ckpt), expert=self.expert,
+                              extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
+            yield from train(trainer, stopping)
 
 
 def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:
     """Every expert's Trainer at the newest step that all of them have a checkpoint for."""
-    step = min(run.folder.expert(i).read_checkpoint().step for i in range(run.n_experts))
+    with warnings.catch_warnings():  # said once, when each trainer reads its checkpoint below
+        warnings.simplefilter("ignore", CheckpointFallback)
+        step = min(run.folder.expert(i).read_checkpoint().step for i in range(run.n_experts))
     return [run.trainer(i, ops, step) for i in range(run.n_experts)]
 
 
@@ -209,6 +243,14 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
         shared, losses = summed.coefficients([t.losses() for t in trainers])
         for t, loss in zip(trainers, losses):
             yield t.update(shared, loss)
+        if any(t.halted for t in trainers):  # coupled experts stop together
+            for t in trainers:
+                if t.halted:
+                    yield t.halt()
+                else:
+                    t.checkpoint()
+                    yield Stopped(t.expert, t.state.step)
+            return
     for t in trainers:
         yield Finished(t.expert, t.state.step)
 
@@ -217,18 +259,22 @@ def _evaluate(run: SomaRun, ops: Ops):
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
     ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts),
                         Router(load_clustering(run.folder.router), run.soma["top_k"]))
+    ops = run_ops(ops, ckpts[0].train.engine, ckpts[0].train.forward_precision)  # the format it trained in
     results = evaluate_soma(ensemble, run.heldout, run.soma["data"].get("wikitext"), ops=ops)
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
-                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts))
+                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts),
+                   training=[training_summary(c.metrics, c.extra.get("divergence")) for c in ckpts])
     run.folder.write_results(results)
     yield Evaluated(results)
 
 
-def load_ensemble(run_dir, top_k: int, temperature: float = 0.1) -> Ensemble:
+def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool = False) -> Ensemble:
     """The ensemble of a SOMA run folder: its router (the clustering) and, for each of its N
     clusters, the newest checkpoint of expert i. CheckpointError names the missing or damaged
-    file; ConfigError for an impossible top-k or temperature (checked before reading experts)."""
+    file (with `fallback`, an older intact checkpoint is used instead, with a CheckpointFallback
+    warning); ConfigError for an impossible top-k or temperature (checked before reading
+    experts)."""
     folder = RunFolder(run_dir)
     if not folder.path.is_dir():
         raise CheckpointError(f"{run_dir}: no such run folder")
@@ -243,7 +289,7 @@ def load_ensemble(run_dir, top_k: int, temperature: float = 0.1) -> Ensemble:
         if not expert.has_checkpoint:
             raise CheckpointError(f"{expert}: no {CHECKPOINT} (the router has {N} clusters, so "
                                   f"the run needs expert0 .. expert{N - 1})")
-        ckpt = expert.read_checkpoint()
+        ckpt = expert.read_checkpoint(fallback=fallback)
         experts.append((ckpt.theta, Layout(ckpt.model)))
     return Ensemble(tuple(experts), router)
 

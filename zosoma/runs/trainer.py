@@ -24,13 +24,14 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler
-from zosoma.engines import get_ops
+from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Finished, Step, Stopped
+from zosoma.runs.guard import DivergenceGuard
+from zosoma.runs.records import Diverged, Finished, Step, Stopped
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 
@@ -44,6 +45,7 @@ class RunState:
     metrics: list = field(default_factory=list)
     tokens: int = 0  # bytes pushed through forward passes (2P * B * T per step)
     wall_s: float = 0.0  # training wall time summed over all sessions of this run
+    divergence: dict | None = None  # the guard's verdict and its step, once it has spoken
 
 
 def new_state(model: ModelConfig, cfg: TrainConfig, expert: int = 0) -> RunState:
@@ -53,7 +55,8 @@ def new_state(model: ModelConfig, cfg: TrainConfig, expert: int = 0) -> RunState
 
 def from_checkpoint(ckpt: Checkpoint) -> RunState:
     return RunState(ckpt.theta, ckpt.optimizer, ckpt.step, list(ckpt.metrics),
-                    int(ckpt.extra.get("tokens", 0)), float(ckpt.extra.get("wall_s", 0.0)))
+                    int(ckpt.extra.get("tokens", 0)), float(ckpt.extra.get("wall_s", 0.0)),
+                    ckpt.extra.get("divergence"))
 
 
 class Trainer:
@@ -68,10 +71,12 @@ class Trainer:
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         self.model, self.cfg, self.sampler, self.expert = model, cfg, sampler, expert
         self.strategy = make_strategy(cfg)
-        self.ops = ops or get_ops("cpu")
+        # the run's engine and forward precision are part of its config (a resume keeps them)
+        self.ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)
         self.layout = Layout(model)
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
         self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
+        self.comm_bytes = 0  # exchanged per step with other processes: none, the model is here
         state.theta = self.ops.asarray(state.theta)  # on the engine from here on
         state.optimizer = {k: self.ops.asarray(v) for k, v in state.optimizer.items()}
         self.state = state
@@ -79,6 +84,9 @@ class Trainer:
         self.folder.rewrite_metrics(state.metrics)  # drop records past the checkpoint
         self.timings: dict = {}  # seconds of the step in progress: data, noise, forward, update
         self._pop = None  # the population `losses` evaluated, for `update`
+        self.guard = DivergenceGuard.replay(state.metrics)
+        # a run resumed after its guard stopped it goes on: resuming says "continue"
+        self.stop_on_divergence = cfg.on_divergence == "stop" and state.divergence is None
 
     @property
     def run_dir(self):
@@ -108,15 +116,13 @@ class Trainer:
         cfg, state, step = self.cfg, self.state, self.state.step
         pop = self._pop if self._pop is not None else self.strategy.ask(self.expert, step)
         lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
-        skipped = not np.all(np.isfinite(coeffs))
-        theta, opt = state.theta, state.optimizer
-        if not skipped:
-            theta, opt = self.strategy.update(self.ops, self.layout, theta, opt, coeffs, pop, lr)
-        self.timings["update"] = time.perf_counter() - t0
+        theta, opt, skipped = self.apply(coeffs, pop, lr)
+        self.timings["update"] = self.timings.get("update", 0.0) + time.perf_counter() - t0
         dt = sum(self.timings.values())
         record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
                   "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
                   "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped),
+                  "comm_bytes": self.comm_bytes,
                   **{f"{k}_s": v for k, v in self.timings.items()}}
         record["flops"] = record["tokens"] * self.model.flops_per_token()
         # The state changes only here, once the step is complete (stop requests are polled).
@@ -124,14 +130,24 @@ class Trainer:
         state.tokens, state.wall_s = record["tokens"], record["wall_s"]
         state.metrics.append(record)
         self._pop = None
+        verdict = self.guard.observe(loss, skipped)
+        if verdict and state.divergence is None:
+            state.divergence = {"step": state.step, "verdict": verdict}
         self.folder.append_metrics(record)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             self.checkpoint()
         return Step(self.expert, record)
 
+    def apply(self, coeffs: np.ndarray, pop, lr: float):
+        """(theta, optimizer state, skipped) after the step's update (zosoma.runs.population
+        applies it on the workers instead)."""
+        return apply_update(self.strategy, self.ops, self.layout, self.state.theta, self.state.optimizer,
+                            coeffs, pop, lr)
+
     def to_checkpoint(self) -> Checkpoint:
         state, to_numpy = self.state, self.ops.to_numpy
         extra = dict(self.extra, tokens=state.tokens, flops=state.tokens * self.model.flops_per_token(),
+                     divergence=state.divergence,
                      wall_s=state.wall_s, data_cursor=state.step)
         return Checkpoint(model=self.model, train=self.cfg, theta=to_numpy(state.theta), step=state.step,
                           optimizer={k: to_numpy(v) for k, v in state.optimizer.items()},
@@ -141,9 +157,40 @@ class Trainer:
         self.folder.write_checkpoint(self.to_checkpoint())
 
     @property
+    def halted(self) -> bool:
+        """The guard found divergence and the run's action is to stop."""
+        return self.stop_on_divergence and self.state.divergence is not None
+
+    def halt(self) -> Diverged:
+        """Checkpoint a diverged run where it is and say so (a resume goes on from here)."""
+        self.checkpoint()
+        self.stop_on_divergence = False
+        return Diverged(self.expert, self.state.step, self.state.divergence["verdict"])
+
+    def summary(self) -> dict:
+        """What results record of the training itself (training_summary)."""
+        return training_summary(self.state.metrics, self.state.divergence)
+
+    @property
     def theta(self) -> np.ndarray:
         """theta on the host (for evaluation and export)."""
         return self.ops.to_numpy(self.state.theta)
+
+
+def apply_update(strategy, ops: Ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop, lr: float):
+    """(theta, state, skipped): the strategy's update from the P scalars, or, when one is not
+    finite, no update at all (a NaN would poison theta and the optimizer state)."""
+    if not np.all(np.isfinite(coeffs)):
+        return theta, state, True
+    theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
+    return theta, state, False
+
+
+def training_summary(metrics: list[dict], divergence: dict | None) -> dict:
+    """Of a run's step records: skipped (non-finite) steps, the divergence guard's verdict (None
+    when it never spoke) and the final training loss (the guard's smoothed minibatch loss)."""
+    guard = DivergenceGuard.replay(metrics)
+    return {"skipped_steps": guard.skipped, "divergence": divergence, "final_train_loss": guard.smoothed}
 
 
 def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
@@ -156,4 +203,7 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> 
             yield Stopped(trainer.expert, trainer.state.step)
             return
         yield trainer.update(*trainer.coefficients(*trainer.losses()))
+        if trainer.halted:
+            yield trainer.halt()
+            return
     yield Finished(trainer.expert, trainer.state.step)

@@ -47,6 +47,7 @@ shipped corpus at N=8: legal's 60 chunks plus about 95 from each of six other do
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -57,13 +58,13 @@ import numpy as np
 import scipy.sparse
 from numba import njit
 
-from zosoma.atomic import atomic_path
-from zosoma.formats.h5util import attr_int, attr_text, content_digest
+from zosoma.atomic import atomic_write
+from zosoma.formats.h5util import attr_int, attr_text, check_global_heaps, content_digest, text_attr
 from zosoma.corpus import Corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError
 
 FORMAT = "zosoma-clustering"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fixed-length text attributes (zosoma.formats.h5util); 1 is still read
 
 PathLike = Union[str, Path]
 
@@ -502,10 +503,10 @@ class Clustering:
     def save(self, group) -> None:
         """Write into an h5py Group: datasets idf, projection, centroids; attrs format,
         format_version, config (JSON) and checksum (SHA-256 over all of them)."""
-        group.attrs["format"] = FORMAT
+        group.attrs["format"] = text_attr(FORMAT)  # fixed-length text: no global heap (h5util)
         group.attrs["format_version"] = np.int64(FORMAT_VERSION)
-        group.attrs["config"] = self.config.to_json()
-        group.attrs["checksum"] = content_digest(*self._digest_parts())
+        group.attrs["config"] = text_attr(self.config.to_json())
+        group.attrs["checksum"] = text_attr(content_digest(*self._digest_parts()))
         for name, values in self._arrays():
             group.create_dataset(name, data=values)
 
@@ -539,7 +540,7 @@ class Clustering:
         if fmt != FORMAT:
             raise _Damaged(f"format is {fmt!r}, expected {FORMAT!r}")
         version = attr_int(group.attrs["format_version"], "format_version")
-        if version != FORMAT_VERSION:
+        if version not in (1, FORMAT_VERSION):
             raise CheckpointError(f"{where}: clustering format version {version} is not supported "
                                   f"(this zosoma reads version {FORMAT_VERSION})")
         config = ClusterConfig.from_json(attr_text(group.attrs["config"]))
@@ -552,15 +553,15 @@ class Clustering:
                                f"expected float32 {shape}")
             arrays[name] = np.ascontiguousarray(ds[()])
         clustering = cls(config, arrays["idf"], arrays["projection"], arrays["centroids"])
-        if content_digest(*clustering._digest_parts()) != attr_text(group.attrs["checksum"]):
+        if content_digest(*clustering._digest_parts(version)) != attr_text(group.attrs["checksum"]):
             raise _Damaged("checksum mismatch (modified or corrupted after writing)")
         return clustering
 
     def _arrays(self):
         return [("idf", self.idf), ("projection", self.projection), ("centroids", self.centroids)]
 
-    def _digest_parts(self):
-        texts = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+    def _digest_parts(self, version: int = None):
+        texts = {"format": FORMAT, "format_version": str(version or FORMAT_VERSION),
                  "config": self.config.to_json()}
         return texts, self._arrays()
 
@@ -574,8 +575,10 @@ def save_clustering(path: PathLike, clustering: Clustering) -> None:
     import h5py
 
     path = Path(path)
-    with atomic_path(path, "clustering") as tmp, h5py.File(tmp, "w") as f:
+    image = io.BytesIO()  # built in memory: the HDF5 library never meets a full disk (checkpoint.py)
+    with h5py.File(image, "w") as f:
         clustering.save(f)
+    atomic_write(path, image.getbuffer(), "clustering")
 
 
 def load_clustering(path: PathLike) -> Clustering:
@@ -587,8 +590,11 @@ def load_clustering(path: PathLike) -> Clustering:
     if not path.is_file():
         raise CheckpointError(f"clustering {path} does not exist or is not a file")
     try:
+        check_global_heaps(path)
         with h5py.File(path, "r") as f:
             return Clustering.load(f)
+    except ValueError as err:  # from check_global_heaps
+        raise CheckpointError(f"{path} is damaged or not an HDF5 file: {err}") from None
     except OSError as err:
         reason = " ".join(str(err).split())
         raise CheckpointError(f"{path} is damaged or not an HDF5 file: {reason}") from None

@@ -115,6 +115,16 @@ class Router:
         return out
 
 
+class Whole:
+    """The router of a one-model "ensemble": every segment goes to expert 0 with weight 1, so a
+    single model is scored by exactly the routed protocol (and its nats equal the model's)."""
+    n_experts = top_k = 1
+    temperature = None
+
+    def select(self, contexts):
+        return np.zeros((len(contexts), 1), np.int64), np.ones((len(contexts), 1), np.float32)
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: holds arrays
 class Ensemble:
     """N experts, each (theta (d_i,) float32, its Layout), and the router over their clusters.

@@ -27,9 +27,10 @@ from zosoma.errors import ConfigError
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
 
-# Fields every strategy reads (the schedule, the population size and scale, the run's bookkeeping).
+# Fields every strategy reads (the schedule, the population size and scale, the run's bookkeeping,
+# and where its forwards run).
 COMMON = frozenset({"steps", "batch", "seq_len", "perturbations", "eps", "lr", "schedule", "warmup", "seed",
-                    "checkpoint_every", "optimizer"})
+                    "checkpoint_every", "optimizer", "engine", "forward_precision", "on_divergence"})
 
 
 class Strategy:

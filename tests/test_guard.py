@@ -1,0 +1,84 @@
+"""The divergence guard: runaway losses are caught, healthy runs are left alone, and a resumed run
+reaches the same verdict."""
+
+import numpy as np
+import pytest
+
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.runs import guard as g
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.records import Diverged, Finished, Step
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+
+
+def verdicts(losses, skipped=None):
+    guard = g.DivergenceGuard()
+    skipped = skipped or [False] * len(losses)
+    return [(i + 1, v) for i, (x, s) in enumerate(zip(losses, skipped)) if (v := guard.observe(x, s))]
+
+
+def test_a_healthy_noisy_run_is_left_alone():
+    rng = np.random.default_rng(0)
+    losses = 5.5 * np.exp(-np.arange(4000) / 800) + 2.5 + rng.normal(0, 0.3, 4000)  # SPSA-like noise
+    assert verdicts(list(losses)) == []
+
+
+def test_a_rising_loss_is_caught_after_the_window():
+    losses = [3.0] * 300 + [3.0 * 2] * 400  # the loss doubles at step 301 and stays there
+    found = verdicts(losses)
+    assert found and found[0][1].startswith("rising: smoothed loss")
+    first = found[0][0]
+    # the EMA needs ~12 steps to pass 1.25 x the best, then WINDOW steps above it
+    assert 300 + g.WINDOW < first < 300 + g.WINDOW + 30
+
+
+def test_non_finite_steps_in_a_row_are_caught():
+    losses = [3.0] * 100 + [float("nan")] * 30
+    found = verdicts(losses, [False] * 100 + [True] * 30)
+    assert found[0] == (100 + g.SKIPS, f"non-finite: {g.SKIPS} steps in a row skipped")
+    assert verdicts([3.0] * 100 + [float("nan")] * 5 + [3.0] * 100, [False] * 100 + [True] * 5 + [False] * 100) == []
+
+
+def test_replay_equals_live_observation():
+    rng = np.random.default_rng(1)
+    records = [{"loss": float(x), "skipped": False} for x in 4 + rng.normal(0, 0.5, 500)]
+    live = g.DivergenceGuard()
+    for r in records:
+        live.observe(r["loss"], r["skipped"])
+    assert g.DivergenceGuard.replay(records) == live
+
+
+def corpus():
+    return Corpus(("t",), (np.frombuffer(b"a diverging run is caught, not trained on. " * 100, np.uint8),))
+
+
+def test_a_diverging_run_stops_with_a_checkpoint_and_a_resume_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(g, "WINDOW", 20)
+    monkeypatch.setattr(g, "WARMUP", 5)
+    cfg = TrainConfig(steps=400, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000)
+    sampler = BatchSampler(corpus(), cfg.seq_len + 1)
+    trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
+    records = list(train(trainer))
+    assert isinstance(records[-1], Diverged) and records[-1].step < 400
+    ckpt = RunFolder(tmp_path).read_checkpoint()
+    assert ckpt.step == records[-1].step and ckpt.extra["divergence"]["verdict"] == records[-1].verdict
+    summary = trainer.summary()
+    assert summary["divergence"]["step"] == ckpt.step and summary["final_train_loss"] > 5.6
+    resumed = Trainer(tmp_path, MODEL, cfg, sampler, from_checkpoint(ckpt))
+    more = list(train(resumed, should_stop=lambda: resumed.state.step >= ckpt.step + 30))
+    assert not any(isinstance(r, Diverged) for r in more)  # resuming says "go on"
+    assert sum(isinstance(r, Step) for r in more) == 30
+
+
+@pytest.mark.parametrize("action", ["continue"])
+def test_on_divergence_continue_trains_to_the_end(tmp_path, monkeypatch, action):
+    monkeypatch.setattr(g, "WINDOW", 20)
+    monkeypatch.setattr(g, "WARMUP", 5)
+    cfg = TrainConfig(steps=120, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, on_divergence=action)
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), 9), new_state(MODEL, cfg))
+    records = list(train(trainer))
+    assert isinstance(records[-1], Finished) and trainer.state.step == 120
+    assert trainer.summary()["divergence"] is not None  # recorded all the same

@@ -1,0 +1,146 @@
+"""Training through an inference-only runtime (zosoma.engines.onnxrt) and the engine names a run
+carries (engines.get_ops, TrainConfig.engine / forward_precision): the same seed takes the same
+steps as the Numba engine within float tolerance, a resume keeps the run's engine, and an engine
+that is not installed is one line."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import assert_close, one_line_error, run_cli as run
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, load_corpus
+from zosoma.engines import get_ops, run_ops
+from zosoma.errors import ConfigError
+from zosoma.formats.checkpoint import load_checkpoint
+from zosoma.model.params import Layout, init_params
+from zosoma.model.population import Population
+from zosoma.runs.records import Step
+from zosoma.runs.trainer import Trainer, new_state, train
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(None, split="train")
+
+
+def _train(corpus, tmp_path, model, cfg):
+    trainer = Trainer(tmp_path, model, cfg, BatchSampler(corpus, cfg.seq_len + 1), new_state(model, cfg))
+    losses = [r.loss for r in train(trainer) if isinstance(r, Step)]
+    return trainer, np.array(losses)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "eggroll"])
+def test_first_steps_agree_with_the_numba_engine(corpus, tmp_path, optimizer):
+    """The default tiny preset, same seed: ONNX Runtime (fed perturbed weights, reading back only
+    losses) and the Numba engine take the same first steps within float32 rounding."""
+    model = ModelConfig(embed=32, hidden=64, layers=1)
+    extra = {"optimizer": "eggroll", "eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {}
+    runs = {}
+    for engine in ("native", "onnxruntime"):
+        cfg = TrainConfig(steps=4, engine=engine, checkpoint_every=100, **extra)
+        runs[engine] = _train(corpus, tmp_path / engine, model, cfg)
+    (native, native_losses), (ort, ort_losses) = runs["native"], runs["onnxruntime"]
+    assert ort.ops.name == "onnxruntime" and native.ops.name == "cpu"
+    assert_close(ort_losses, native_losses, rtol=1e-6, name="losses")
+    assert_close(ort.theta, native.theta, atol=1e-5, rtol=0, name="theta after 4 steps")
+
+
+def test_a_short_run_ends_where_the_numba_engines_does(corpus, tmp_path):
+    """150 steps of a small model (the default-length comparison, 4,000 steps of the tiny preset, is
+    in results/onnxruntime-train.txt): final losses and held-out nats within 0.01."""
+    model = ModelConfig(embed=16, hidden=32, layers=1)
+    ends = {}
+    for engine in ("native", "onnxruntime"):
+        cfg = TrainConfig(steps=150, perturbations=8, batch=4, seq_len=16, lr=0.3, engine=engine, checkpoint_every=150)
+        trainer, losses = _train(corpus, tmp_path / engine, model, cfg)
+        ends[engine] = (losses[-20:].mean(), trainer)
+    assert ends["native"][0] < 4.5  # it trained
+    assert abs(ends["native"][0] - ends["onnxruntime"][0]) < 0.01
+    held = load_corpus(None, split="heldout").docs[0][:20000]
+    from zosoma.model.evaluate import evaluate_bytes
+    scores = [evaluate_bytes(t.theta, t.layout, held, t.ops).nats_per_byte for _, t in ends.values()]
+    assert abs(scores[0] - scores[1]) < 0.01
+
+
+def test_streaming_nll_with_carried_state():
+    layout = Layout(ModelConfig(embed=8, hidden=16, layers=2))
+    theta = init_params(layout.config, 3) * 2
+    data = np.random.default_rng(0).integers(0, 256, (3, 30), dtype=np.uint8)
+    ort, native = get_ops("cpu", "onnxruntime"), get_ops("cpu")
+    got, state = ort.nll_stream(theta, layout, data[:, :12], data[:, 1:13])
+    got2, _ = ort.nll_stream(theta, layout, data[:, 12:-1], data[:, 13:], state)
+    want, _ = native.nll_stream(theta, layout, data[:, :-1], data[:, 1:])
+    assert_close(np.concatenate([got, got2], 1), want, atol=2e-5, rtol=0, name="nll")
+    pop = Population(3, 1e-3, 0, 1, 2, "gaussian")
+    plus, minus = ort.perturbed_losses(theta, layout, data, pop)
+    want = native.perturbed_losses(theta, layout, data, pop)
+    assert_close(np.stack([plus, minus]), np.stack(want), rtol=1e-6, name="population")
+
+
+def test_engine_names():
+    assert get_ops("cpu", "native", "fp32") is not None and get_ops("cpu").name == "cpu"
+    assert get_ops("cpu", precision="int8").name == "cpu-int8"
+    native = get_ops("cpu")
+    assert run_ops(native) is native and run_ops(native, "onnxruntime").name == "onnxruntime"
+    for bad in (dict(engine="tensorrt"), dict(precision="fp8"), dict(engine="onnxruntime", precision="int8"),
+                dict(device="cuda", precision="bf16")):
+        with pytest.raises(ConfigError):
+            get_ops(**{"device": "cpu", **bad})
+    with pytest.raises(ConfigError, match="forward precision"):
+        TrainConfig(forward_precision="fp8")
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16", "-P", "2",
+        "--checkpoint-every", "2"]
+
+
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "t.txt"
+    path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 80)
+    return path
+
+
+def test_train_records_its_engine_and_a_resume_keeps_it(text, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", "--data", str(text), "--heldout", str(text), "--run-dir", str(run_dir), *TINY]
+    result = run(args + ["--steps", "2", "--engine", "onnxruntime"])
+    assert result.exit_code == 0 and "device onnxruntime" in result.output, result.output
+    ckpt = load_checkpoint(run_dir / "checkpoint.h5")
+    assert ckpt.train.engine == "onnxruntime"
+    assert "--engine" in one_line_error(run(["train", "--resume", str(run_dir), "--engine", "native"]))
+    result = run(args[:-len(TINY)] + ["--steps", "2", "--forward-precision", "bf16", *TINY,
+                                      "--run-dir", str(tmp_path / "bf16")])
+    assert result.exit_code == 0 and "device cpu-bf16" in result.output, result.output
+    assert load_checkpoint(tmp_path / "bf16" / "checkpoint.h5").train.forward_precision == "bf16"
+
+
+def test_an_engine_that_is_not_installed_is_one_line(text, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now fails
+    get_ops.cache_clear()
+    try:
+        result = run(["train", "--data", str(text), "--engine", "onnxruntime", "--run-dir", str(tmp_path / "r"),
+                      "--steps", "2", *TINY])
+        assert "pip install 'zosoma[onnx]'" in one_line_error(result)
+        assert not (tmp_path / "r").exists()
+        bench = run(["bench", "forward", "--engine", "onnxruntime", "--embed", "8", "--hidden", "8",
+                     "--layers", "1", "--batch", "2", "--seq-len", "4", "--no-numpy"])
+        assert "pip install 'zosoma[onnx]'" in one_line_error(bench)
+    finally:
+        get_ops.cache_clear()
+    assert "engine onnxruntime runs fp32" in one_line_error(
+        run(["train", "--data", str(text), "--engine", "onnxruntime", "--forward-precision", "int8",
+             "--run-dir", str(tmp_path / "r2"), *TINY]))
+
+
+def test_bench_forward_reports_onnxruntime_beside_numba():
+    result = run(["bench", "forward", "--engine", "onnxruntime", "--embed", "8", "--hidden", "8", "--layers", "1",
+                  "--batch", "2", "--seq-len", "8", "--repeats", "1", "--no-numpy"])
+    assert result.exit_code == 0, result.output
+    assert "onnxruntime population_loss M=1" in result.output and "cpu population_loss M=1" in result.output

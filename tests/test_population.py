@@ -1,0 +1,150 @@
+"""One model's population over W workers (zosoma.runs.population): the single-process run's numbers
+bit for bit, a lost worker rebuilt by replay, the summed-loss ablation through the same scalar
+exchange, communication accounting, and bad input in one line."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from zosoma.cli.main import cli
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.errors import ConfigError
+from zosoma.runs.executor import Inline
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.population import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
+from zosoma.runs.records import Step, Stopped
+from zosoma.runs.single import resume_run, start_run
+from zosoma.runs.soma import start_soma
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+CFG = TrainConfig(steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16", "-P", "4"]
+
+
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+
+def run(run_dir, two_domains, sharding=None, **kw):
+    paths = [str(two_domains / "prose.txt")]
+    return list(start_run(run_dir, MODEL, kw.pop("cfg", CFG), paths, paths, sharding=sharding, **kw))
+
+
+def theta(run_dir):
+    return RunFolder(run_dir).read_checkpoint().theta
+
+
+def steps(records):
+    return [r for r in records if isinstance(r, Step)]
+
+
+class Spy:
+    """A transport that keeps the handles it spawned (to kill one)."""
+
+    def __init__(self, workers):
+        self.workers, self.handles = workers, []
+
+    def spawn(self, spec, step, replay=()):
+        self.handles.append(self.workers.spawn(spec, step, replay))
+        return self.handles[-1]
+
+
+def test_pairs_split_into_contiguous_shares():
+    assert shard_pairs(10, 3) == [range(0, 3), range(3, 6), range(6, 10)]
+    assert shard_pairs(4, 4) == [range(i, i + 1) for i in range(4)]
+    with pytest.raises(ConfigError, match="5 population workers for 4 perturbation pairs"):
+        shard_pairs(4, 5)
+
+
+def test_sharded_population_equals_the_single_process_run(tmp_path, two_domains):
+    reference = run(tmp_path / "one", two_domains)
+    assert {r.metrics["comm_bytes"] for r in steps(reference)} == {0}
+    for W in (1, 2, 4):
+        records = run(tmp_path / f"w{W}", two_domains, Sharding(InProcess(), W))
+        assert np.array_equal(theta(tmp_path / f"w{W}"), theta(tmp_path / "one")), W
+        assert [r.loss for r in steps(records)] == [r.loss for r in steps(reference)]
+        assert {r.metrics["comm_bytes"] for r in steps(records)} == {exchange_bytes(4, W)} == {8 * (2 * 4 + W * 4)}
+    run(tmp_path / "processes", two_domains, Sharding(Processes(), 2))
+    assert np.array_equal(theta(tmp_path / "processes"), theta(tmp_path / "one"))
+    logged = RunFolder(tmp_path / "processes").read_scalars()
+    assert sorted(logged) == list(range(CFG.steps)) and all(len(c) == CFG.perturbations for c in logged.values())
+
+
+def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):
+    run(tmp_path / "one", two_domains)
+    spy = Spy(Processes())
+    records = []
+    for r in start_run(tmp_path / "w2", MODEL, CFG, [str(two_domains / "prose.txt")], sharding=Sharding(spy, 2)):
+        records.append(r)
+        if isinstance(r, Step) and r.step == 6:  # checkpoint at 4: rebuilt from it plus 2 logged steps
+            os.kill(spy.handles[1].pid, signal.SIGKILL)
+            spy.handles[1].process.join(10)
+    notes = [n for r in steps(records) for n in r.notes]
+    assert len(notes) == 1 and "population worker 1 was lost" in notes[0]
+    assert "rebuilt from the checkpoint at step 4 and 2 logged steps" in notes[0]
+    assert len(spy.handles) == 3
+    assert np.array_equal(theta(tmp_path / "w2"), theta(tmp_path / "one"))
+
+
+def test_a_stopped_sharded_run_resumes_on_any_number_of_workers(tmp_path, two_domains):
+    run(tmp_path / "one", two_domains)
+    seen = {"n": 0}
+
+    def stop_after_five():
+        seen["n"] += 1
+        return seen["n"] > 5
+
+    records = run(tmp_path / "part", two_domains, Sharding(InProcess(), 2), should_stop=stop_after_five)
+    assert isinstance(records[-1], Stopped) and records[-1].step == 5
+    list(resume_run(tmp_path / "part", sharding=Sharding(InProcess(), 4)))
+    assert np.array_equal(theta(tmp_path / "part"), theta(tmp_path / "one"))
+    assert sorted(RunFolder(tmp_path / "part").read_scalars()) == list(range(CFG.steps))
+
+
+def test_summed_ablation_through_the_scalar_exchange(tmp_path, two_domains):
+    kw = dict(n_experts=2, loss="summed", chunk_size=256, executor=Inline(), top_k=2,
+              train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])
+    list(start_soma(tmp_path / "lockstep", MODEL, CFG, **kw))
+    records = list(start_soma(tmp_path / "workers", MODEL, CFG, workers=Processes(), **kw))
+    assert {r.metrics["comm_bytes"] for r in steps(records)} == {exchange_bytes(4, 1)}
+    for i in range(2):
+        a = RunFolder(tmp_path / "lockstep").expert(i).read_checkpoint().theta
+        b = RunFolder(tmp_path / "workers").expert(i).read_checkpoint().theta
+        assert np.array_equal(a, b)
+
+
+def test_population_bad_input_is_one_line(tmp_path, two_domains):
+    with pytest.raises(ConfigError, match="not sharded over --population-workers"):
+        eggroll = TrainConfig(**{**CFG.__dict__, "optimizer": "eggroll"})
+        run(tmp_path / "eggroll", two_domains, Sharding(InProcess(), 2), cfg=eggroll)
+    base = ["train", "--data", str(two_domains / "prose.txt"), "--steps", "2", *TINY]
+    cases = {("--population-workers", "5"): "5 population workers for 4 perturbation pairs",
+             ("--population-workers", "2", "--experts", "2"): "--population-workers spreads one model's population",
+             ("--address", "auto"): "--address is for --executor ray",
+             ("--executor", "ray", "--workers", "2", "--experts", "2"): "--workers counts local processes"}
+    for i, (extra, message) in enumerate(cases.items()):
+        result = CliRunner().invoke(cli, base + ["--run-dir", str(tmp_path / f"bad{i}"), *extra])
+        assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+        assert message in result.output.strip().splitlines()[-1], result.output
+        assert not (tmp_path / f"bad{i}").exists()
+
+
+def test_train_command_shards_a_population(tmp_path, two_domains):
+    result = CliRunner().invoke(cli, ["train", "--data", str(two_domains / "prose.txt"), "--heldout", str(two_domains / "prose.txt"),
+                                      "--steps", "4", *TINY, "--run-dir", str(tmp_path / "run"),
+                                      "--population-workers", "2", "--executor", "inline"])
+    assert result.exit_code == 0, result.output
+    import json
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["comm_bytes"] for r in records] == [exchange_bytes(4, 2)] * 4
+
+
+def test_bench_comm_table():
+    result = CliRunner().invoke(cli, ["bench", "comm", "-W", "8"])
+    assert result.exit_code == 0, result.output
+    tiny = next(line.split() for line in result.output.splitlines() if line.startswith("tiny"))
+    d, P, soma, population = (int(x.replace(",", "")) for x in tiny[1:5])
+    assert (d, P, soma, population) == (49_664, 32, 0, exchange_bytes(32, 8))
+    assert int(tiny[7].replace(",", "")) == round(2 * 7 / 8 * 4 * d)  # ring all-reduce of fp32 gradients

@@ -1,0 +1,173 @@
+"""Low-precision forwards: the format rounding against independent converters, the compiled
+emulation against its NumPy version, and the engine's promise that theta never passes through the
+format (zosoma.model.precision, zosoma.model.precision_kernels, zosoma.engines.precision)."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_close
+from zosoma.config import VOCAB, ModelConfig
+from zosoma.engines import get_ops
+from zosoma.engines.ops import perturbed
+from zosoma.model import precision, precision_kernels, reference
+from zosoma.model.noise import noise
+from zosoma.model.params import Layout, init_params
+from zosoma.model.population import Population
+
+FORMATS = ("bf16", "fp16", "int8")
+
+
+def _model(embed=12, hidden=16, layers=2, scale=3.0):
+    layout = Layout(ModelConfig(embed=embed, hidden=hidden, layers=layers))
+    return (init_params(layout.config, 0) * scale).astype(np.float32), layout
+
+
+def _bytes(seed, shape):
+    return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.uint8)
+
+
+def _values():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 6, 4000),
+                        [0.0, -0.0, 1e-8, 5.9e-8, 6.1e-5, 6.0e-5, 65504.0, 65519.0, 65520.0, 1e6, -70000.0,
+                         1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -9, 1.0 + 2.0 ** -11]])
+    return x.astype(np.float32)
+
+
+def test_bf16_rounding_matches_torch_and_the_kernel():
+    x = _values()
+    want = torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
+    assert np.array_equal(precision.round_to(x, "bf16"), want)
+    got = x.copy()
+    precision_kernels.round_array(got, precision_kernels.BF16)
+    assert np.array_equal(got, want)
+
+
+def test_fp16_rounding_matches_ieee_and_the_kernel():
+    x = _values()
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)  # IEEE binary16: subnormals, overflow to inf
+    assert np.array_equal(precision.round_to(x, "fp16"), want)
+    got = x.copy()
+    precision_kernels.round_array(got, precision_kernels.FP16)
+    assert np.array_equal(got, want)
+    assert np.isinf(want[-6]) and want[-7] == 65504.0  # 65520 overflows, 65519 does not
+
+
+def test_int8_tables_and_quantisation():
+    q = np.arange(-32768, 32768, 37)
+    z = q / precision.Q_GATE
+    sig = precision.table_lookup(q, precision.SIGMOID_TABLE) / precision.Q_ACT
+    tanh = precision.table_lookup(q, precision.TANH_TABLE) / precision.Q_ACT
+    assert np.abs(sig - 1 / (1 + np.exp(-z))).max() < 2e-4  # interpolation error of the 1/16 grid
+    assert np.abs(tanh - np.tanh(z)).max() < 1e-3
+    assert np.all(np.diff(sig) >= 0) and np.all(np.diff(tanh) >= 0)
+    w = np.random.default_rng(0).standard_normal((7, 9)).astype(np.float32)
+    s = precision.int8_scale(w)
+    qw = precision.quantize_int8(w, s)
+    assert qw.min() >= -127 and qw.max() <= 127 and np.abs(qw).max() == 127
+    assert np.abs(qw * s - w).max() <= s / 2 + 1e-7
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("embed, hidden, layers, B, T", [(12, 16, 2, 3, 9), (8, 8, 1, 2, 17)])
+def test_compiled_emulation_matches_numpy(fmt, embed, hidden, layers, B, T):
+    theta, layout = _model(embed, hidden, layers)
+    batch = _bytes(1, (B, T + 1))
+    thetas = np.stack([theta, theta * 0.7])
+    got = precision_kernels.population_loss(thetas, layout, batch, fmt)
+    want = [precision.loss(t, layout, batch, fmt) for t in thetas]
+    # same arithmetic; only the fp32 log-softmax's exp and summation order differ
+    assert_close(got, want, rtol=2e-6, name=f"{fmt} loss")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_carried_state_and_per_byte_nats(fmt):
+    theta, layout = _model()
+    data = _bytes(2, (3, 21))
+    tokens, targets = data[:, :-1], data[:, 1:]
+    logits, _ = precision.forward(theta, layout, tokens, fmt)
+    want = precision.nll(logits, targets)
+    first, state = precision_kernels.nll_stream(theta, layout, tokens[:, :8], targets[:, :8], fmt)
+    rest, _ = precision_kernels.nll_stream(theta, layout, tokens[:, 8:], targets[:, 8:], fmt, state)
+    assert_close(np.concatenate([first, rest], axis=1), want, atol=2e-6, rtol=2e-6, name=f"{fmt} nll")
+
+
+@pytest.mark.parametrize("fmt, bound", [("bf16", 0.05), ("fp16", 0.005), ("int8", 0.1)])
+def test_emulation_stays_near_fp32(fmt, bound):
+    """Rounding costs something, not everything: each format's loss near the exact one."""
+    theta, layout = _model(scale=1.5)
+    batch = _bytes(4, (4, 33))
+    exact = reference.loss(theta.astype(np.float64), layout, batch)
+    got = precision.loss(theta, layout, batch, fmt)
+    assert got != exact and abs(got - exact) < bound * exact
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_members_are_copies_and_theta_never_passes_through_the_format(fmt):
+    theta, layout = _model(8, 8, 1)
+    before = theta.copy()
+    pop = Population(3, 1e-3, 5, 0, 2)
+    ops = get_ops("cpu", precision=fmt)
+    plus, minus = ops.perturbed_losses(theta, layout, _bytes(5, (2, 9)), pop)
+    assert np.array_equal(theta, before)  # bit for bit: nothing applied in place
+    members = perturbed(theta, pop, range(3))
+    want = precision_kernels.population_loss(members, layout, _bytes(5, (2, 9)), fmt)
+    assert np.array_equal(np.stack([plus, minus], 1).ravel(), want)
+
+
+def test_in_place_perturbation_in_fp16_would_lose_the_weights():
+    """The failure the engine avoids: MeZO's perturb, evaluate, restore, done in fp16 storage."""
+    theta, _ = _model(8, 8, 1, scale=1.0)
+    w = precision.round_to(theta, "fp16")
+    delta = noise(w.size, 0, 0, 0, 0)
+    eps = np.float32(1e-3)
+    restored = precision.round_to(precision.round_to(w + eps * delta, "fp16") - eps * delta, "fp16")
+    assert (restored != w).mean() > 0.01
+
+
+def test_format_step():
+    theta = np.array([0.1, -0.1, 0.3, 1e-9], np.float32)
+    layout = None  # float formats need no layout
+    spacing = precision.spacing(theta, layout, "bf16")
+    assert spacing[0] == spacing[1] == 2.0 ** (-4 - 7) and spacing[2] == 2.0 ** (-2 - 7)
+    assert precision.spacing(theta, layout, "fp16")[3] == 2.0 ** (-14 - 10)  # subnormal grid
+    t, lay = _model(8, 8, 1, scale=1.0)
+    steps = precision.spacing(t, lay, "int8")
+    assert steps[lay["lstm0.w_hh"].offset] == pytest.approx(np.abs(lay.view(t, "lstm0.w_hh")).max() / 127)
+    assert precision.format_step(t, lay, "int8") == np.median(steps)
+
+
+def test_study_plan_and_report(tmp_path):
+    """The study's runs (eps in the format's steps, SOMA first) and its report from records."""
+    from zosoma.experiments.precision import Study, jobs, write_report
+
+    todo = jobs(Study(steps=10, formats=("fp32", "int8"), multiples=(1.0, 4.0), soma_multiples=()))
+    assert [j.name for j in todo] == ["soma4-fp32-default-eps", "soma4-int8-default-eps",
+                                      "single-fp32-default-eps", "single-fp32-eps1step", "single-fp32-eps4step",
+                                      "single-int8-default-eps", "single-int8-eps1step", "single-int8-eps4step"]
+    int8 = [j for j in todo if j.fmt == "int8" and j.experts == 1]
+    assert int8[2].eps == pytest.approx(4 * int8[2].step_size) and int8[0].eps == 1e-3
+    assert int8[0].train_config().forward_precision == "int8"
+    results = [{**j.__dict__, "name": j.name, "eps_over_step": j.eps / j.step_size,
+                "heldout": {"overall": 3.0 + i / 10}, "heldout_fp32_eval": 3.0, "train_loss_last100": 3.1,
+                "skipped_steps": 0, "wall_s": 1.0} for i, j in enumerate(todo)]
+    results[3]["heldout"]["overall"] = float("inf")  # a diverged run reads n/a
+    paths = write_report(results, tmp_path)
+    md = paths["md"].read_text()
+    assert "| int8 | 0.00098 | 3.600 (3.000) | 3.700 (3.000) | 3.500 (3.000) [eps/step 1] |" in md
+    assert "n/a" in md and paths["png"].stat().st_size > 1000
+    assert len(paths["csv"].read_text().splitlines()) == len(todo) + 1
+
+
+def test_precision_study_plan():
+    from click.testing import CliRunner
+
+    from zosoma.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["precision-study", "--plan", "--steps", "10", "--formats", "bf16,int8",
+                                      "--multiples", "1", "--soma-multiples", "none"])
+    assert result.exit_code == 0 and "6 runs of 10 steps" in result.output, result.output
+    bad = CliRunner().invoke(cli, ["precision-study", "--plan", "--multiples", "x"])
+    assert bad.exit_code == 2 and "comma-separated numbers" in bad.output

@@ -1,0 +1,246 @@
+"""Ray (zosoma.runs.ray_executor): SOMA's experts as Ray tasks and a population over Ray actors give an
+inline run's numbers bit for bit, through a lost node, a worker process killed with os._exit, a lost
+actor and a driver killed with SIGKILL; a bad address, a folder the workers cannot see and a missing
+Ray are one line. One Ray instance serves the session (ray_local, 2 CPUs); the node-loss test, last,
+replaces it with a cluster of its own (ray_local starts it again for any test after it)."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from click.testing import CliRunner
+from ray.cluster_utils import Cluster
+
+from helpers import RAY_OPTIONS, zosoma_cmd
+from zosoma.cli.main import cli
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.errors import ConfigError
+from zosoma.runs.executor import Inline
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.population import Sharding
+from zosoma.runs.ray_executor import RayExecutor, RayWorkers
+from zosoma.runs.records import Failed, Finished, Note, Step
+from zosoma.runs.single import start_run
+from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
+
+# Ray workers cannot import this module (tests/ is no package): send the test's units by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+CFG = TrainConfig(steps=12, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16"]
+
+
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A unit that says where each attempt runs, sleeps `pause` s after each step (so a test can
+    act mid-training), and, on the first attempt only (no `marker` file yet), ends its worker
+    process with os._exit after step `die_at`."""
+    unit: ExpertUnit
+    pause: float = 0.0
+    die_at: int = 0
+    marker: str = ""
+
+    @property
+    def run_dir(self):
+        return self.unit.run_dir
+
+    def __call__(self, stopping):
+        yield Note(f"expert {self.unit.expert} pid {os.getpid()} node {ray.get_runtime_context().get_node_id()}")
+        for record in self.unit(stopping):
+            yield record
+            if isinstance(record, Step):
+                time.sleep(self.pause)
+                if record.step == self.die_at and not os.path.exists(self.marker):
+                    Path(self.marker).touch()
+                    os._exit(1)
+
+
+def soma_units(run_dir, two_domains, cfg=CFG):
+    create_soma(run_dir, MODEL, cfg, 2, chunk_size=256, train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])
+    run = open_soma(run_dir)
+    return [ExpertUnit(str(run_dir), run.soma, run.corpora[i], i, "cpu") for i in range(2)]
+
+
+def final_thetas(run_dir):
+    return [RunFolder(run_dir).expert(i).read_checkpoint().theta for i in range(2)]
+
+
+def assert_same_experts(a, b):
+    for i, (x, y) in enumerate(zip(final_thetas(a), final_thetas(b))):
+        assert np.array_equal(x, y), f"expert {i}"
+
+
+def attempts(records) -> dict:
+    """expert -> [(pid, node)] of each attempt, from Watched's notes."""
+    out: dict = {}
+    for r in records:
+        if isinstance(r, Note) and r.message.startswith("expert "):
+            _, i, _, pid, _, node = r.message.split()
+            out.setdefault(int(i), []).append((pid, node))
+    return out
+
+
+def test_soma_on_ray_equals_inline_from_the_command_line(tmp_path, two_domains, ray_local):
+    base = ["train", "--experts", "2", "--data", str(two_domains / "prose.txt"), "--data", str(two_domains / "digits.txt"),
+            "--chunk-size", "256", "--steps", "6", "-P", "4", *TINY]
+    for kind in ("inline", "ray"):
+        result = CliRunner().invoke(cli, base + ["--run-dir", kind, "--executor", kind])
+        assert result.exit_code == 0, result.output
+    assert_same_experts("inline", "ray")
+    metrics = [json.loads(line) for line in Path("ray/expert1/metrics.jsonl").read_text().splitlines()]
+    assert [m["comm_bytes"] for m in metrics] == [0] * 6  # SOMA's experts exchange nothing while training
+
+
+def test_a_worker_killed_with_os_exit_is_retried(tmp_path, two_domains, ray_local):
+    list(Inline().run(soma_units("inline", two_domains)))
+    units = soma_units("ray", two_domains)
+    units[0] = Watched(units[0], die_at=6, marker=str(tmp_path / "died"))
+    records = list(RayExecutor(max_retries=2).run(units))
+    assert not [r for r in records if isinstance(r, Failed)]
+    assert (tmp_path / "died").exists() and len(attempts(records)[0]) == 2  # a second process took over
+    assert sorted(r.expert for r in records if isinstance(r, Finished)) == [0, 1]
+    assert_same_experts("inline", "ray")
+
+
+def test_a_population_over_ray_actors_survives_a_lost_actor(tmp_path, two_domains, ray_local):
+    paths = [str(two_domains / "prose.txt")]
+    list(start_run("one", MODEL, CFG, paths))
+
+    class Spy(RayWorkers):
+        """Keeps the actors' handles, to kill one."""
+
+        def spawn(self, spec, step, replay=()):
+            self.handles = getattr(self, "handles", []) + [super().spawn(spec, step, replay)]
+            return self.handles[-1]
+
+    spy = Spy(RayExecutor())
+    notes = []
+    for r in start_run("w2", MODEL, CFG, paths, sharding=Sharding(spy, 2)):
+        if isinstance(r, Step):
+            notes += r.notes
+            if r.step == 6:  # the checkpoint is at step 4
+                ray.kill(spy.handles[0].actor)
+    assert len(notes) == 1 and "rebuilt from the checkpoint at step 4 and 2 logged steps" in notes[0]
+    assert np.array_equal(RunFolder("w2").read_checkpoint().theta, RunFolder("one").read_checkpoint().theta)
+
+
+def test_comparison_jobs_run_as_ray_tasks(tmp_path, ray_local):
+    Path("one.toml").write_text('title = "one"\nseeds = [0]\nflops = 2e8\ncurve_points = 1\ncurve_bytes = 256\n'
+                                'train = {batch = 2, seq_len = 8}\n[[method]]\nname = "SPSA P=2"\n'
+                                'model = {embed = 6, hidden = 11, layers = 1}\ntrain = {perturbations = 2}\n')
+    result = CliRunner().invoke(cli, ["compare", "one.toml", "--out", "out", "--executor", "ray"])
+    assert result.exit_code == 0, result.output
+    assert "finished spsa-p-2-seed0" in result.output and Path("out/runs/spsa-p-2-seed0/result.json").exists()
+
+
+def test_a_folder_the_workers_cannot_see_is_one_line(tmp_path, two_domains, ray_local, monkeypatch):
+    units = soma_units("run", two_domains)
+    monkeypatch.setattr(RunFolder, "write_token", lambda self, token: None)  # the workers see another disk
+    failed = [r for r in RayExecutor(token_wait=0).run(units) if isinstance(r, Failed)]
+    assert sorted(f.unit for f in failed) == [0, 1]
+    assert "does not see the driver's run folder run" in failed[0].error and "\n" not in failed[0].error
+    assert RunFolder("run").expert(0).read_checkpoint().step == 0  # nothing trained anywhere
+    with pytest.raises(ConfigError, match="does not see the driver's run folder"):
+        list(start_run("one", MODEL, CFG, [str(two_domains / "prose.txt")],
+                       sharding=Sharding(RayWorkers(RayExecutor(token_wait=0)), 2)))
+
+
+def test_an_unreachable_address_is_one_line_within_the_timeout(tmp_path, two_domains):
+    t0 = time.monotonic()
+    result = CliRunner().invoke(cli, ["train", "--experts", "2", "--data", str(two_domains / "prose.txt"), "--executor", "ray",
+                                      "--address", "127.0.0.1:1", "--run-dir", "run"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1] == ("Error: cannot reach the Ray cluster at 127.0.0.1:1 within "
+                                                      "15 s: Connection refused")
+    assert time.monotonic() - t0 < 15 and not Path("run").exists()
+
+
+def test_without_ray_the_executor_is_one_line_naming_the_extra(tmp_path, two_domains, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if it were not installed
+    args = ["train", "--experts", "2", "--data", str(two_domains / "prose.txt"), "--executor", "ray"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == "Error: --executor ray needs Ray: pip install 'zosoma[ray]'"
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_driver_killed_with_sigkill_reruns_without_retraining_finished_experts(tmp_path, two_domains, ray_local):
+    address = ray.get_runtime_context().gcs_address
+    # --cpus-per-unit 2 on a 2-CPU cluster: one expert after the other
+    cmd = zosoma_cmd() + ["train", "--experts", "2", "--data", str(two_domains / "prose.txt"), "--data",
+                          str(two_domains / "digits.txt"), "--chunk-size", "256", "--steps", "200", "-P", "16", *TINY,
+                          "--checkpoint-every", "50", "--executor", "ray", "--address", address, "--cpus-per-unit", "2"]
+    driver = subprocess.Popen(cmd + ["--run-dir", "run"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    experts = [Path("run") / f"expert{i}" for i in range(2)]
+
+    def steps(folder):
+        lines = (folder / "metrics.jsonl").read_text().splitlines() if (folder / "metrics.jsonl").exists() else []
+        return len(lines)
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (sorted(map(steps, experts))[0] > 0 and max(map(steps, experts)) == 200):
+        assert driver.poll() is None, driver.stderr.read().decode()
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    done = next(i for i in range(2) if steps(experts[i]) == 200)
+    other = experts[1 - done]
+    assert steps(other) < 200, "the second expert finished before the driver could be killed"
+    time.sleep(0.5)
+    left = steps(other)
+    time.sleep(1)
+    assert steps(other) == left  # its task ended with the driver: nobody trains without the driver
+    before = {name: sha(experts[done] / name) for name in ("checkpoint.h5", "metrics.jsonl")}
+    rerun = subprocess.run(zosoma_cmd() + ["train", "--resume", "run", "--executor", "ray", "--address", address,
+                                           "--cpus-per-unit", "2"], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert {name: sha(experts[done] / name) for name in before} == before  # not retrained, not rewritten
+    assert RunFolder(other).read_checkpoint().step == 200 and steps(other) == 200
+
+
+def test_a_lost_node_changes_nothing_but_the_time(tmp_path, two_domains):
+    """Two worker nodes of one CPU each under a head of none; one node is removed while both
+    experts train: its expert is retried on a node added in its place, from its last
+    checkpoint, and ends where an inline run ends, bit for bit."""
+    cfg = TrainConfig(**{**CFG.__dict__, "steps": 40, "checkpoint_every": 5})
+    list(Inline().run(soma_units("inline", two_domains, cfg)))
+    units = [Watched(u, pause=0.05) for u in soma_units("ray", two_domains, cfg)]
+    ray.shutdown()  # the session's instance, if any
+    fast = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200, "health_check_failure_threshold": 5}
+    store = RAY_OPTIONS["object_store_memory"]
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
+                                                                 object_store_memory=store, _system_config=fast))
+    try:
+        nodes = [cluster.add_node(num_cpus=1, object_store_memory=store) for _ in range(2)]
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        records, removed = [], False
+        for r in RayExecutor(max_retries=3).run(units):
+            records.append(r)
+            if not removed and isinstance(r, Step) and r.step >= 10:
+                cluster.remove_node(nodes[0])
+                cluster.add_node(num_cpus=1, object_store_memory=store)
+                removed = True
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert removed and not [r for r in records if isinstance(r, Failed)]
+    retried = [i for i, runs in attempts(records).items() if len(runs) == 2]
+    assert len(retried) == 1 and len({node for _, node in attempts(records)[retried[0]]}) == 2
+    assert_same_experts("inline", "ray")

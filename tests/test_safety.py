@@ -1,0 +1,352 @@
+"""A run folder is sacred: one writer, never overwritten, never silently replaced; faults end in one
+line and a resumable run. Real subprocesses and signals where the fault is a process's."""
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from helpers import zosoma_cmd
+from zosoma import atomic
+from zosoma.cli.main import cli
+from zosoma.errors import WriteError
+from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder, RunInUse
+
+TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(1)
+    words = [b"river", b"stone", b"light", b"green", b"0123", b"4567", b"\n"]
+    (root / "a.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 7, 3000)))
+    return root / "a.txt"
+
+
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+def invoke(args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def last_line(result, code=1):
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    return result.output.strip().splitlines()[-1]
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def train_args(text, run_dir, steps, *extra):
+    return ["train", "--data", text, "--heldout", text, "--run-dir", run_dir, "--steps", steps, *TINY, *extra]
+
+
+def steps_logged(folder: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (folder / METRICS).read_text().splitlines()]
+
+
+def wait_for(predicate, timeout=120.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+# --- 1. workers never outlive their parent ---------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_a_soma_run_kills_its_workers_and_the_resume_has_one_writer(text, tmp_path, sig):
+    run = tmp_path / "soma"
+    args = train_args(text, run, 100000, "--experts", "2", "--workers", "2", "--chunk-size", "256",
+                      "--checkpoint-every", "50")
+    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    logged = lambda i, n: (run / f"expert{i}" / METRICS).exists() and len(steps_logged(run / f"expert{i}")) > n
+    assert wait_for(lambda: logged(0, 20) and logged(1, 20))
+    workers = [p for p in children(proc.pid) if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) >= 2
+    proc.send_signal(sig)  # the parent only
+    proc.wait(timeout=30)
+    # resumed at once, while the old workers may still be alive: each expert folder waits for its lock
+    resume = subprocess.Popen(zosoma_cmd() + ["train", "--resume", str(run)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: not any(alive(p) for p in workers), timeout=10), "workers outlived their parent"
+    marks = [len(steps_logged(run / f"expert{i}")) for i in range(2)]
+    assert wait_for(lambda: logged(0, marks[0] + 20) and logged(1, marks[1] + 20))
+    resume.send_signal(signal.SIGINT)
+    assert resume.wait(timeout=60) == 130, resume.stderr.read()
+    for i in range(2):  # one writer per folder: every step once, in order
+        steps = steps_logged(run / f"expert{i}")
+        assert steps == list(range(1, len(steps) + 1))
+
+
+# --- 2. a folder that holds anything is never written into by a new run -----------------------------
+
+def test_run_dir_that_holds_anything_is_refused_and_left_untouched(text, tmp_path):
+    soma = tmp_path / "soma"
+    assert invoke(train_args(text, soma, 2, "--experts", "2", "--chunk-size", "256")).exit_code == 0
+    only_backups = tmp_path / "backups"
+    assert invoke(train_args(text, only_backups, 6, "--checkpoint-every", "3")).exit_code == 0
+    (only_backups / CHECKPOINT).rename(only_backups / NEXT)
+    (only_backups / METRICS).unlink()
+    (only_backups / "results.json").unlink()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for folder, words in ((soma, "already holds a run"), (only_backups, "already holds a run"),
+                          (other, "is not empty (notes.txt)")):
+        before = snapshot(folder)
+        line = last_line(invoke(train_args(text, folder, 2)))
+        assert words in line and "nothing in it was changed" in line
+        assert snapshot(folder) == before
+
+
+# --- 3. a damaged checkpoint is said, set aside, never silently used -------------------------------
+
+def damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[:len(data) // 3]))
+    elif how == "bit flip":  # inside a tensor's values: only the checksum notices
+        import h5py
+        with h5py.File(path, "r") as f:
+            at = f["params/out.w"].id.get_offset() + 10
+        data[at] ^= 0x10
+        path.write_bytes(bytes(data))
+    elif how == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    else:
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit flip", "garbage", "empty"])
+def test_a_damaged_latest_checkpoint_is_said_and_set_aside(text, tmp_path, how):
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    assert invoke(train_args(text, whole, 12, "--checkpoint-every", "4")).exit_code == 0
+    assert invoke(train_args(text, run, 12, "--checkpoint-every", "4")).exit_code == 0
+    damage(run / CHECKPOINT, how)
+    damaged = (run / CHECKPOINT).read_bytes()
+    for args in (["eval", run, "--data", text], ["info", run], ["export", run, "--out", tmp_path / "x.pt"]):
+        line = last_line(invoke(args))
+        assert "checkpoint.h5 is damaged" in line and "checkpoint.prev.h5 (step 8) is intact: pass --previous" in line
+    result = invoke(["eval", run, "--data", text, "--previous"])
+    assert result.exit_code == 0 and "warning: " in result.output and "using" in result.output
+    result = invoke(["train", "--resume", run])
+    assert result.exit_code == 0, result.output
+    assert "warning: " in result.output and "checkpoint.h5 is damaged" in result.output
+    aside = list(run.glob("checkpoint.damaged-*.h5"))
+    assert len(aside) == 1 and aside[0].read_bytes() == damaged  # kept, never rotated over the good one
+    a, b = RunFolder(whole).read_checkpoint(), RunFolder(run).read_checkpoint()
+    assert a.step == b.step == 12 and np.array_equal(a.theta, b.theta)  # steps 9-12 redone exactly
+    assert steps_logged(run) == list(range(1, 13))
+
+
+def test_a_soma_run_with_a_damaged_expert_checkpoint(text, tmp_path):
+    run = tmp_path / "soma"
+    assert invoke(train_args(text, run, 6, "--experts", "2", "--chunk-size", "256", "--checkpoint-every", "3",
+                             "--workers", "1")).exit_code == 0
+    damage(run / "expert1" / CHECKPOINT, "truncated")
+    for args in (["info", run], ["eval", run, "--data", text], ["sample", run, "--bytes", "5"]):
+        line = last_line(invoke(args))
+        assert "expert1" in line and "pass --previous" in line
+    assert invoke(["sample", run, "--bytes", "5", "--previous"]).exit_code == 0
+
+
+# --- 4. a full disk ends in one line and a resumable run --------------------------------------------
+
+def on_a_small_disk(tmp_path, argv, size="160k"):
+    """Run argv with tmp_path/disk a tmpfs of `size` (mounted as root, or in a user namespace with
+    `unshare -rm`), copying what it holds to tmp_path/copy afterwards. None where neither works."""
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    script = (f'mount -t tmpfs -o size={size} tmpfs {disk} 2>/dev/null || exit 99; "$@"; rc=$?; '
+              f'cp -r {disk} {copy}; umount {disk}; exit $rc')
+    for prefix in (["sh", "-c", script, "sh"], ["unshare", "-rm", "sh", "-c", script, "sh"]):
+        try:
+            proc = subprocess.run(prefix + argv, capture_output=True, text=True, timeout=300)
+        except FileNotFoundError:  # no unshare
+            continue
+        if proc.returncode != 99:
+            return proc
+    return None
+
+
+@pytest.mark.parametrize("checkpoint_every", ["10", "100000"])  # the checkpoint / the metrics append fills it
+def test_a_full_disk_is_one_line_and_the_run_resumes(text, tmp_path, checkpoint_every):
+    args = [str(a) for a in train_args(text, tmp_path / "disk" / "run", 3000, "--checkpoint-every", checkpoint_every)]
+    proc = on_a_small_disk(tmp_path, zosoma_cmd() + args)
+    folder = tmp_path / "copy" / "run"
+    if proc is None:  # no tmpfs to be had: the same failure through RLIMIT_FSIZE (EFBIG)
+        limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))  # noqa: E731
+        proc = subprocess.run(zosoma_cmd() + args, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+        folder = tmp_path / "disk" / "run"
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: cannot write ") and line.endswith(("No space left on device", "File too large"))
+    assert (folder / METRICS).read_bytes().endswith(b"\n")  # whole lines or nothing
+    assert all(json.loads(x) for x in (folder / METRICS).read_text().splitlines())
+    roomy = tmp_path / "roomy"
+    shutil.copytree(folder, roomy)
+    resumed = invoke(["train", "--resume", roomy])
+    assert resumed.exit_code == 0, resumed.output
+    assert steps_logged(roomy) == list(range(1, 3001))
+
+
+def test_a_failed_append_leaves_whole_lines(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    atomic.append_line(path, '{"step": 1}')
+    write = os.write
+    monkeypatch.setattr(atomic.os, "write", lambda fd, data: write(fd, data[:5]))  # a disk that fills up
+    with pytest.raises(WriteError, match="cannot write log .*: No space left on device$"):
+        atomic.append_line(path, '{"step": 2}')
+    assert path.read_text() == '{"step": 1}\n'
+
+
+# --- 5. one writer per folder -------------------------------------------------------------------------
+
+def test_two_trainers_on_one_folder(text, tmp_path):
+    run = tmp_path / "run"
+    args = [str(a) for a in train_args(text, run, 100000)]
+    procs = [subprocess.Popen(zosoma_cmd() + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    assert wait_for(lambda: any(p.poll() is not None for p in procs), timeout=120)
+    loser = next(p for p in procs if p.poll() is not None)
+    winner = next(p for p in procs if p is not loser)
+    err = loser.stderr.read()
+    assert loser.returncode == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("Error: ")
+    assert "in use by pid" in err or "already holds a run" in err
+    assert wait_for(lambda: (run / CHECKPOINT).exists())
+    line = last_line(invoke(["train", "--resume", run]))  # a live owner: refused in one line
+    assert f"in use by pid {winner.pid} on " in line
+    winner.send_signal(signal.SIGINT)
+    assert winner.wait(timeout=60) == 130
+    with RunFolder(run).lock():  # the owner is gone: the lock is free (a dead owner's too)
+        with pytest.raises(RunInUse, match="in use by pid"):
+            with RunFolder(run).lock():
+                pass
+
+
+def test_a_dead_owners_lock_is_taken_over(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    code = f"from zosoma.runs.folder import RunFolder; import os; RunFolder({str(folder.path)!r}).lock().__enter__(); os._exit(0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert "pid" in (folder.path / LOCK).read_text()  # left behind by the dead process
+    with folder.lock():
+        assert f"pid {os.getpid()}" in (folder.path / LOCK).read_text()
+
+
+# --- 6-8. every input checked before any work; odd inputs one line ------------------------------------
+
+def test_inputs_are_checked_before_training(text, tmp_path):
+    for extra, words in ((["--wikitext", tmp_path / "nowhere"], "no wiki.test.raw"),
+                         (["--heldout", tmp_path / "missing.txt"], "no such file")):
+        run = tmp_path / f"run{len(words)}"
+        assert words in last_line(invoke(train_args(text, run, 100000, *extra)))
+        assert not (run / CHECKPOINT).exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", fifo):
+        assert "not a regular file" in last_line(invoke(["train", "--data", path, "--run-dir", tmp_path / "x"]))
+    assert "--weight-decay" in last_line(invoke(["train", "--weight-decay", "inf"]), code=2)
+    assert "finite" in last_line(invoke(["train", "--momentum", "nan", "--optimizer", "momentum"]))
+
+
+def test_an_unwritable_run_dir_is_one_line(text, tmp_path):
+    if os.geteuid() == 0:  # root writes anywhere a mode allows nothing: use a folder under a file
+        (tmp_path / "file").write_text("x")
+        run_dir = tmp_path / "file" / "run"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        run_dir = locked / "run"
+    line = last_line(invoke(train_args(text, run_dir, 5)))
+    assert line.startswith("Error: cannot create run folder") or line.startswith("Error: cannot lock")
+
+
+def test_a_prompt_is_bytes(text, tmp_path):
+    run = tmp_path / "soma"
+    assert invoke(train_args(text, run, 2, "--experts", "2", "--chunk-size", "256")).exit_code == 0
+    prompt = b"caf\xe9 \xff"  # not UTF-8
+    proc = subprocess.run(zosoma_cmd() + [b"sample", str(run).encode(), b"--prompt", prompt, b"--bytes", b"20"],
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(prompt) and len(proc.stdout) == len(prompt) + 20 + 1  # + newline
+
+
+# --- 7 and 9. a second Ctrl-C, and the small things ---------------------------------------------------
+
+def test_a_signal_cannot_fall_between_the_renames(tmp_path, monkeypatch):
+    """Ctrl-C during a checkpoint rotation is held until both renames are done."""
+    from zosoma.formats.checkpoint import Checkpoint
+    from zosoma.config import ModelConfig, TrainConfig
+    from zosoma.model.params import init_params
+
+    model = ModelConfig(embed=4, hidden=4, layers=1)
+    folder = RunFolder(tmp_path)
+    folder.make()
+    folder.write_checkpoint(Checkpoint(model, TrainConfig(), init_params(model, 0), 1))
+    replace = os.replace
+
+    def replace_then_interrupt(a, b):
+        replace(a, b)
+        if Path(a).name == CHECKPOINT:  # between the two renames of the rotation
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "replace", replace_then_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not a handler a CliRunner test left behind
+    with pytest.raises(KeyboardInterrupt):
+        folder.write_checkpoint(Checkpoint(model, TrainConfig(), init_params(model, 0), 2))
+    monkeypatch.undo()
+    assert (tmp_path / CHECKPOINT).exists() and (tmp_path / PREVIOUS).exists() and not (tmp_path / NEXT).exists()
+    assert folder.read_checkpoint().step == 2
+
+
+def test_small_things(text, tmp_path, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args in (["eval", empty], ["info", empty]):
+        line = last_line(invoke(args))
+        assert "not a run folder" in line and "resume" not in line
+    run = tmp_path / "soma"
+    assert invoke(train_args(text, run, 2, "--experts", "2", "--chunk-size", "256")).exit_code == 0
+    line = last_line(invoke(["export", run, "--out", tmp_path / "m.pt"]))
+    assert "is a SOMA run: export one expert" in line and "expert1" in line
+    out = tmp_path / "m.pt"
+    assert invoke(["export", run / "expert0", "--out", out]).exit_code == 0
+    before = out.read_bytes()
+    import torch
+    monkeypatch.setattr(torch, "save", lambda obj, path: (Path(path).write_bytes(b"half"), 1 / 0))
+    assert invoke(["export", run / "expert1", "--out", out, "--force"]).exit_code != 0
+    assert out.read_bytes() == before  # --force replaces the file whole or not at all
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".m.pt")) == []

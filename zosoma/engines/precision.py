@@ -1,0 +1,36 @@
+"""The low-precision engine: every forward emulated in bf16, fp16 or int8 on the CPU.
+
+What a forward-only device with a narrow number format computes (zosoma.model.precision is the
+specification; zosoma.model.precision_kernels runs it compiled). The master weights and the
+update stay fp32 on the host (Ops' updates); each member of a step is a perturbed fp32 COPY of
+theta (ForwardOnlyOps), which the forward rounds or quantises, so theta never passes through the
+format and the plus/minus round trip of MeZO's in-place perturbation, which loses low bits in
+fp16, cannot happen. Evaluation (nll_stream) runs in the format too: the held-out figures of a
+run are what the device would measure. Sampling (log_probs) stays in fp32 on the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zosoma.engines.forward_only import ForwardOnlyOps
+from zosoma.model import precision_kernels
+from zosoma.model.params import Layout
+from zosoma.model.precision import check_format
+
+
+class PrecisionOps(ForwardOnlyOps):
+    """Ops whose forwards are emulated in `fmt` ("bf16", "fp16" or "int8")."""
+
+    def __init__(self, fmt: str):
+        check_format(fmt)
+        if fmt == "fp32":
+            raise ValueError("fp32 is the CPU engine itself (zosoma.engines.get_ops)")
+        self.fmt = fmt
+        self.name = f"cpu-{fmt}"
+
+    def population_loss(self, thetas, layout: Layout, batch) -> np.ndarray:
+        return precision_kernels.population_loss(thetas, layout, batch, self.fmt)
+
+    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None):
+        return precision_kernels.nll_stream(theta, layout, tokens, targets, self.fmt, state)

@@ -1,0 +1,282 @@
+"""What a forward-only device's number format costs: the precision study.
+
+The default single model (the tiny preset) and SOMA with N experts are trained with every forward
+in fp32, bf16, fp16 or int8 (zosoma.engines.precision: master weights and updates fp32 on the
+host), each at eps = m * step(F) for the multiples m, and at TrainConfig's default eps. step(F)
+is the format's step at the preset's initial parameters (zosoma.model.precision.format_step: the
+median over parameters of the distance to the neighbouring value in F; for int8 the tensor's
+scale): an eps well below it moves few weights to another representable value, so the two
+members of a pair often compute the same loss.
+
+Each finished run is scored on the held-out slices twice: in its format (what the device would
+measure; SOMA routed top-2) and with the same weights in fp32 (what the format cost training
+itself).
+
+Output folder:
+
+    OUT/runs/<name>/          a run folder (single model or SOMA) plus result.json, its record;
+                              a finished run is never repeated, an unfinished one resumes
+    OUT/results.md            the tables; results.csv one row per run; precision.png
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from zosoma.atomic import atomic_path, atomic_write
+from zosoma.config import PRECISIONS, PRESETS, TrainConfig
+from zosoma.corpus import load_corpus
+from zosoma.engines import get_ops
+from zosoma.errors import ConfigError
+from zosoma.model.params import Layout, init_params
+from zosoma.model.precision import format_step
+from zosoma.runs.executor import Inline
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.records import Evaluated, Failed, Result, Stopped
+from zosoma.runs.single import evaluate_run, resume_run, start_run
+from zosoma.runs.soma import evaluate_soma, load_ensemble, resume_soma, start_soma
+
+PRESET = "tiny"
+TOP_K = 2
+
+
+@dataclass(frozen=True)
+class Study:
+    steps: int = 4000  # the default run length
+    formats: tuple = PRECISIONS
+    multiples: tuple = (0.25, 1.0, 4.0, 16.0)  # eps = m * step(F), single model
+    experts: int = 4  # SOMA's N
+    soma_multiples: tuple = (0.25, 1.0, 4.0, 16.0)  # SOMA's multiples (besides the default eps)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 1 or self.experts < 2:
+            raise ConfigError("the study needs steps >= 1 and experts >= 2")
+        for fmt in self.formats:
+            if fmt not in PRECISIONS:
+                raise ConfigError(f"format must be one of {', '.join(PRECISIONS)}, got {fmt!r}")
+        if not all(m > 0 and math.isfinite(m) for m in self.multiples + self.soma_multiples):
+            raise ConfigError("eps multiples must be positive numbers")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # also the run folder's name
+    fmt: str
+    experts: int  # 1: the single model
+    eps: float
+    multiple: float | None  # eps / step(F) as asked; None: the default eps
+    step_size: float  # step(F)
+    steps: int
+    seed: int
+
+    def train_config(self) -> TrainConfig:
+        _, base = PRESETS[PRESET]
+        return TrainConfig(**{**TrainConfig().__dict__, **base, "steps": self.steps, "eps": self.eps,
+                              "seed": self.seed, "forward_precision": self.fmt,
+                              "checkpoint_every": min(500, self.steps)})
+
+
+def jobs(study: Study) -> list[Job]:
+    """Every run of the study, SOMA first (the longest)."""
+    model, _ = PRESETS[PRESET]
+    theta0 = init_params(model, study.seed)
+    default = TrainConfig().eps
+    out = []
+    for experts, multiples in ((study.experts, study.soma_multiples), (1, study.multiples)):
+        for fmt in study.formats:
+            step = format_step(theta0, Layout(model), fmt)
+            who = f"soma{experts}" if experts > 1 else "single"
+            for m in (None,) + tuple(multiples):
+                eps = default if m is None else m * step
+                tag = "default-eps" if m is None else f"eps{m:g}step"
+                out.append(Job(f"{who}-{fmt}-{tag}", fmt, experts, float(eps), m, step, study.steps, study.seed))
+    return out
+
+
+@dataclass(frozen=True)
+class JobUnit:
+    """One study run as an idempotent unit of work (zosoma.runs.executor)."""
+    job: Job
+    out: str
+
+    def __call__(self, stopping: Callable[[], bool]) -> Iterator:
+        result = run_job(self.job, Path(self.out) / "runs" / self.job.name, stopping)
+        if result is not None:
+            yield Result(self.job.name, result)
+
+
+def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: False) -> dict | None:
+    """Train (or resume) one run and score it; its record, or None when stopped first."""
+    folder = RunFolder(run_dir)
+    done = folder.read_result()
+    if done is not None:
+        return done
+    model, _ = PRESETS[PRESET]
+    if job.experts == 1:
+        records = (resume_run(run_dir, stopping) if folder.has_checkpoint
+                   else start_run(run_dir, model, job.train_config(), should_stop=stopping))
+    else:
+        records = (resume_soma(run_dir, Inline(), stopping) if folder.is_soma
+                   else start_soma(run_dir, model, job.train_config(), job.experts, executor=Inline(),
+                                   top_k=TOP_K, should_stop=stopping))
+    evaluated = None
+    for r in records:
+        if isinstance(r, Stopped):
+            return None
+        if isinstance(r, Failed):
+            raise ConfigError(f"{run_dir}: expert {r.unit} failed: {r.error}")
+        if isinstance(r, Evaluated):
+            evaluated = r.results
+    heldout = load_corpus(None, split="heldout")
+    if job.experts == 1:
+        in_format = evaluated["heldout"]
+        ckpts = [folder.read_checkpoint()]
+        fp32 = in_format["overall"] if job.fmt == "fp32" else evaluate_run(
+            ckpts[0].theta, Layout(ckpts[0].model), heldout, ops=get_ops("cpu"))["heldout"]["overall"]
+    else:
+        in_format = {name: v["routed"] for name, v in evaluated["heldout"].items()}
+        ckpts = [folder.expert(i).read_checkpoint() for i in range(job.experts)]
+        fp32 = in_format["overall"] if job.fmt == "fp32" else evaluate_soma(
+            load_ensemble(run_dir, TOP_K), heldout, ops=get_ops("cpu"))["heldout"]["overall"]["routed"]
+    metrics = [m for c in ckpts for m in c.metrics]
+    last = [m["loss"] for c in ckpts for m in c.metrics[-100:] if np.isfinite(m["loss"])]
+    result = {"name": job.name, **dataclasses.asdict(job), "eps_over_step": job.eps / job.step_size,
+              "heldout": in_format, "heldout_fp32_eval": fp32,
+              "train_loss_last100": float(np.mean(last)) if last else None,
+              "skipped_steps": int(sum(bool(m.get("skipped")) for m in metrics)),
+              "wall_s": float(sum(c.extra.get("wall_s", 0.0) for c in ckpts))}
+    folder.write_result(result)
+    return result
+
+
+def run_study(study: Study, out: Path, executor=None, should_stop: Callable[[], bool] = lambda: False,
+              on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
+    """Run every job not finished yet through `executor` (default inline), then write the report.
+    Returns the report's paths ({} when stopped before any run finished)."""
+    out = Path(out)
+    todo = jobs(study)
+    by_name = {j.name: j for j in todo}
+    results, errors = {}, []
+    with RunFolder(out).lock():  # one study at a time in an output folder
+        for record in (executor or Inline()).run([JobUnit(j, str(out)) for j in todo], should_stop):
+            if isinstance(record, Result):
+                results[record.unit] = record.value
+                on_result(by_name[record.unit], record.value, None)
+            elif isinstance(record, Failed):
+                errors.append(f"{todo[record.unit].name}: {record.error}")
+                on_result(todo[record.unit], None, errors[-1])
+    finished = [results[j.name] for j in todo if j.name in results]
+    paths = write_report(finished, out) if finished else {}
+    if errors:
+        raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
+    return paths
+
+
+# --------------------------------------------------------------------------------------- report
+
+def _cell(x) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"
+
+
+def _eps_label(r: dict) -> str:
+    return "default" if r["multiple"] is None else f"{r['multiple']:g}"
+
+
+def format_tables(results: list[dict]) -> str:
+    """Markdown: per model kind, held-out nats/byte by format and eps (in the format's steps),
+    then every run's details."""
+    lines = []
+    for experts in sorted({r["experts"] for r in results}):
+        runs = [r for r in results if r["experts"] == experts]
+        cols = sorted({r["multiple"] for r in runs if r["multiple"] is not None})
+        has_default = any(r["multiple"] is None for r in runs)
+        who = "single model" if experts == 1 else f"SOMA N={experts} (routed top-{TOP_K})"
+        lines += [f"**{who}**: held-out nats/byte, evaluated in the format (same weights in fp32)", ""]
+        head = ["format", "step"] + [f"eps = {m:g} step" for m in cols] + (["eps = 1e-3 (default)"] if has_default else [])
+        lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for fmt in dict.fromkeys(r["fmt"] for r in runs):
+            by = {r["multiple"]: r for r in runs if r["fmt"] == fmt}
+            row = [fmt, f"{next(iter(by.values()))['step_size']:.2g}"]
+            for m in cols + ([None] if has_default else []):
+                r = by.get(m)
+                row.append("" if r is None else f"{_cell(r['heldout']['overall'])} ({_cell(r['heldout_fp32_eval'])})"
+                           + (f" [eps/step {r['eps_over_step']:.2g}]" if m is None else ""))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["**Every run**", "",
+              "| run | format | N | eps | eps / step | held-out (format) | held-out (fp32 eval) | "
+              "train loss, last 100 steps | skipped steps | training s |",
+              "|" + " --- |" * 10]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['fmt']} | {r['experts']} | {r['eps']:.3g} | {r['eps_over_step']:.3g} | "
+                     f"{_cell(r['heldout']['overall'])} | {_cell(r['heldout_fp32_eval'])} | "
+                     f"{_cell(r['train_loss_last100'])} | {r['skipped_steps']} | {r['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: list[dict], out: Path) -> dict:
+    """results.md, results.csv and precision.png (when matplotlib is installed) in `out`."""
+    out = Path(out)
+    steps = sorted({r["steps"] for r in results})
+    md = (f"# What the forward's number format costs\n\nTiny preset (49,664 parameters per model), seed "
+          f"{results[0]['seed']}, {'/'.join(map(str, steps))} steps; master weights and updates fp32, every forward "
+          "emulated in the format (zosoma.model.precision). step = the format's step at the initial "
+          "parameters (median distance to the neighbouring representable value; int8: the tensor scale).\n\n"
+          + format_tables(results))
+    paths = {"md": out / "results.md", "csv": out / "results.csv"}
+    atomic_write(paths["md"], md, "report")
+    buf = io.StringIO()
+    fields = ["name", "fmt", "experts", "eps", "multiple", "step_size", "eps_over_step", "steps", "seed",
+              "heldout_overall", "heldout_fp32_eval", "train_loss_last100", "skipped_steps", "wall_s"]
+    writer = csv.DictWriter(buf, fields, extrasaction="ignore")
+    writer.writeheader()
+    for r in results:
+        writer.writerow({**r, "heldout_overall": r["heldout"]["overall"]})
+    atomic_write(paths["csv"], buf.getvalue(), "report")
+    try:
+        paths["png"] = _plot(results, out / "precision.png")
+    except ImportError:
+        pass
+    return paths
+
+
+def _plot(results: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({r["experts"] for r in results})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), sharey=True, squeeze=False)
+    for ax, experts in zip(axes[0], kinds):
+        runs = [r for r in results if r["experts"] == experts]
+        for i, fmt in enumerate(dict.fromkeys(r["fmt"] for r in runs)):
+            color = f"C{i}"
+            grid = sorted((r for r in runs if r["fmt"] == fmt and r["multiple"] is not None),
+                          key=lambda r: r["eps_over_step"])
+            ax.plot([r["eps_over_step"] for r in grid], [r["heldout"]["overall"] for r in grid], "o-",
+                    color=color, label=fmt)
+            for r in runs:
+                if r["fmt"] == fmt and r["multiple"] is None:
+                    ax.plot([r["eps_over_step"]], [r["heldout"]["overall"]], "*", color=color, markersize=12)
+        ax.set_xscale("log")
+        ax.set_xlabel("eps / the format's step (star: default eps 1e-3)")
+        ax.set_title("single model" if experts == 1 else f"SOMA N={experts}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out nats/byte (in the format)")
+    axes[0][0].legend()
+    fig.suptitle("What your hardware's precision costs (tiny preset)")
+    fig.tight_layout()
+    with atomic_path(path, "plot") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path

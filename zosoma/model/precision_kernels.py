@@ -1,0 +1,330 @@
+"""The low-precision forwards of zosoma.model.precision, compiled with Numba.
+
+Same specification, same arithmetic as that module's NumPy version, organised like
+zosoma.model.forward: one member at a time, its weights prepared once (rounded, or quantised to
+int8 with their scales), the time loop compiled, layer 0's input projection a table
+(embed @ w_ih: exact for int8, whose products are integers; float formats as one fp32 GEMM),
+then the log-softmax and NLL of zosoma.model.forward (fp32). Integer arithmetic is carried in
+float64, where every sum of int8 products is exact.
+
+No fastmath here: rounding, saturation and overflow to infinity must happen exactly as specified.
+Shapes: M members, B batch, T time, E embedding, H hidden, L layers, V = 256.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from zosoma.config import VOCAB
+from zosoma.model.forward import output_rows
+from zosoma.model.params import Layout
+from zosoma.model.precision import (FP16_MAX, FP16_MIN_NORMAL, Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE,
+                                    TANH_TABLE, check_format)
+
+_JIT = dict(cache=True, error_model="numpy")
+BF16, FP16, INT8 = 1, 2, 3
+CODES = {"bf16": BF16, "fp16": FP16, "int8": INT8}
+_SIG = SIGMOID_TABLE.astype(np.float64)
+_TANH = TANH_TABLE.astype(np.float64)
+
+
+@njit(**_JIT)
+def round_array(a, code):
+    """Round the float32 values of a (contiguous, any shape) to bf16 or fp16 in place."""
+    flat = a.reshape(a.size)
+    u = flat.view(np.uint32)
+    if code == BF16:
+        for k in range(flat.size):
+            v = np.uint64(u[k])
+            u[k] = np.uint32((v + np.uint64(0x7FFF) + ((v >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFF0000))
+        return
+    for k in range(flat.size):
+        x = flat[k]
+        if abs(x) < FP16_MIN_NORMAL:  # subnormal: a fixed grid of 2^-24
+            flat[k] = np.float32(np.rint(np.float64(x) * 16777216.0) / 16777216.0)
+        else:
+            v = np.uint64(u[k])
+            u[k] = np.uint32((v + np.uint64(0xFFF) + ((v >> np.uint64(13)) & np.uint64(1))) & np.uint64(0xFFFFE000))
+            if abs(flat[k]) > FP16_MAX:
+                flat[k] = np.float32(np.inf) if x > 0 else np.float32(-np.inf)
+
+
+@njit(**_JIT)
+def _lut(q, table):
+    """The interpolated table activation of one Q3.12 integer q (float64): a Q0.15 integer."""
+    u = q + 32768.0
+    k = int(u) >> 8
+    r = u - k * 256.0
+    lo = table[k]
+    return lo + math.floor(((table[k + 1] - lo) * r + 128.0) / 256.0)
+
+
+@njit(**_JIT)
+def _clip(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+@njit(**_JIT)
+def _sigmoid64(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@njit(**_JIT)
+def _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll_out):
+    """One model in bf16/fp16. w (d,) float32 already rounded; h, c (L, B, H) float32 format
+    values, updated in place; writes nll_out (B, T). Returns the float64 sum of the nlls."""
+    B, T = tokens.shape
+    G = 4 * H
+    o = offsets[0]
+    embed = w[o:o + VOCAB * E].reshape((VOCAB, E))
+    o = offsets[1]
+    table = np.dot(embed, w[o:o + E * G].reshape((E, G)))  # (V, 4H): x @ w_ih of every byte
+    gates = np.empty((B, G), np.float32)
+    z = np.empty((B, G), np.float32)
+    act = np.empty((B, G), np.float32)
+    tc = np.empty((B, H), np.float32)
+    xs = np.empty((T, B, H), np.float32)  # a layer's outputs, the next layer's inputs
+    for layer in range(L):
+        o = offsets[3 * layer + 2]
+        w_hh = w[o:o + H * G].reshape((H, G))
+        o = offsets[3 * layer + 3]
+        bias = w[o:o + G]
+        xproj = table
+        if layer > 0:
+            o = offsets[3 * layer + 1]
+            xproj = np.dot(xs.reshape((T * B, H)), w[o:o + H * G].reshape((H, G)))
+        for t in range(T):
+            np.dot(h[layer], w_hh, gates)
+            for b in range(B):
+                row = tokens[b, t] if layer == 0 else t * B + b
+                for j in range(G):
+                    z[b, j] = np.float32(np.float64(xproj[row, j]) + np.float64(gates[b, j]) + np.float64(bias[j]))
+            round_array(z, code)
+            for b in range(B):
+                for j in range(2 * H):  # i, f
+                    act[b, j] = np.float32(_sigmoid64(np.float64(z[b, j])))
+                for j in range(2 * H, 3 * H):  # g
+                    act[b, j] = np.float32(math.tanh(np.float64(z[b, j])))
+                for j in range(3 * H, G):  # o
+                    act[b, j] = np.float32(_sigmoid64(np.float64(z[b, j])))
+            round_array(act, code)
+            for b in range(B):
+                for j in range(H):
+                    c[layer, b, j] = np.float32(np.float64(act[b, H + j]) * c[layer, b, j]
+                                                + np.float64(act[b, j]) * act[b, 2 * H + j])
+            round_array(c[layer], code)
+            for b in range(B):
+                for j in range(H):
+                    tc[b, j] = np.float32(math.tanh(np.float64(c[layer, b, j])))
+            round_array(tc, code)
+            for b in range(B):
+                for j in range(H):
+                    h[layer, b, j] = act[b, 3 * H + j] * tc[b, j]
+            round_array(h[layer], code)
+            xs[t] = h[layer]
+    o = offsets[3 * L + 1]
+    logits = np.dot(xs.reshape((T * B, H)), w[o:o + H * VOCAB].reshape((H, VOCAB)))  # row t*B + b
+    o = offsets[3 * L + 2]
+    for r in range(T * B):
+        for v in range(VOCAB):
+            logits[r, v] = np.float32(np.float64(logits[r, v]) + np.float64(w[o + v]))
+    round_array(logits, code)
+    return _scores(logits, tokens, targets, nll_out)
+
+
+@njit(**_JIT)
+def _scores(logits, tokens, targets, nll_out):
+    """fp32 log-softmax + NLL of rows t*B + b (bias already added): sum of nlls; nll_out (B, T)."""
+    B, T = tokens.shape
+    row_targets = np.empty(T * B, np.uint8)
+    for t in range(T):
+        for b in range(B):
+            row_targets[t * B + b] = targets[b, t]
+    row_nll = np.empty(T * B, np.float32)
+    total = output_rows(logits, np.zeros(VOCAB, np.float32), row_targets, row_nll, False,
+                        np.empty(VOCAB // 2, np.float32))
+    for t in range(T):
+        for b in range(B):
+            nll_out[b, t] = row_nll[t * B + b]
+    return total
+
+
+@njit(**_JIT)
+def _is_bias(e, L):
+    """Whether layout entry e (embed, (w_ih, w_hh, bias) per layer, out.w, out.b) is a bias."""
+    return e == 3 * L + 2 or (0 < e <= 3 * L and e % 3 == 0)
+
+
+@njit(**_JIT)
+def _int8_prepare(theta, offsets, sizes, L):
+    """(q (d,) float64 integer values, scales per layout entry): weights symmetric int8, biases
+    int32 at their accumulator's scale (the input's scale times the weight's)."""
+    q = np.empty(theta.size, np.float64)
+    scales = np.ones(offsets.size, np.float64)
+    for e in range(offsets.size):
+        if _is_bias(e, L):
+            continue
+        o, n = offsets[e], sizes[e]
+        m = 0.0
+        for k in range(n):
+            m = max(m, abs(np.float64(theta[o + k])))
+        scales[e] = m / 127.0 if m > 0 else 1.0
+        for k in range(n):
+            q[o + k] = _clip(np.rint(np.float64(theta[o + k]) / scales[e]), -127.0, 127.0)
+    for layer in range(L):
+        s_x = scales[0] if layer == 0 else 1.0 / Q_H
+        scales[3 * layer + 3] = s_x * scales[3 * layer + 1]
+    scales[3 * L + 2] = scales[3 * L + 1] / Q_H
+    for e in range(offsets.size):
+        if _is_bias(e, L):
+            o, n = offsets[e], sizes[e]
+            for k in range(n):
+                q[o + k] = _clip(np.rint(np.float64(theta[o + k]) / scales[e]), -2.0 ** 31, 2.0 ** 31 - 1)
+    return q, scales
+
+
+@njit(**_JIT)
+def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out):
+    """One model in int8 (zosoma.model.precision). theta (d,) float32 master weights; h, c
+    (L, B, H) float64 real values on the int8 / Q4.11 grids, updated in place; writes nll_out."""
+    B, T = tokens.shape
+    G = 4 * H
+    q, s = _int8_prepare(theta, offsets, sizes, L)
+    o = offsets[0]
+    embed = q[o:o + VOCAB * E].reshape((VOCAB, E))
+    o = offsets[1]
+    table = np.dot(embed, q[o:o + E * G].reshape((E, G)))  # exact integer sums
+    qh = np.empty((B, H), np.float64)
+    qz = np.empty(4, np.float64)
+    xs = np.empty((T, B, H), np.float64)  # int8 h values of a layer, the next layer's inputs
+    for layer in range(L):
+        o = offsets[3 * layer + 2]
+        w_hh = q[o:o + H * G].reshape((H, G))
+        o = offsets[3 * layer + 3]
+        q_b = q[o:o + G]
+        xproj = table
+        if layer > 0:
+            o = offsets[3 * layer + 1]
+            xproj = np.dot(xs.reshape((T * B, H)), q[o:o + H * G].reshape((H, G)))
+        sx_sw = s[3 * layer + 3]  # the input's scale times w_ih's, the bias's scale
+        sh_sw = s[3 * layer + 2] / Q_H
+        for t in range(T):
+            for b in range(B):
+                for j in range(H):
+                    qh[b, j] = np.rint(h[layer, b, j] * Q_H)
+            acc_h = np.dot(qh, w_hh)
+            for b in range(B):
+                row = tokens[b, t] if layer == 0 else t * B + b
+                for j in range(H):
+                    for k in range(4):
+                        jj = k * H + j
+                        zr = (xproj[row, jj] + q_b[jj]) * sx_sw + acc_h[b, jj] * sh_sw
+                        qz[k] = _clip(np.rint(zr * Q_GATE), -32768.0, 32767.0)
+                    i = _lut(qz[0], _SIG)
+                    f = _lut(qz[1], _SIG)
+                    g = _lut(qz[2], _TANH)
+                    og = _lut(qz[3], _SIG)
+                    qc = np.rint(c[layer, b, j] * Q_CELL)
+                    qc = _clip(np.rint(f * qc / Q_ACT + i * g / (Q_ACT * Q_ACT) * Q_CELL), -32768.0, 32767.0)
+                    tq = _lut(_clip(2.0 * qc, -32768.0, 32767.0), _TANH)
+                    qhn = _clip(np.rint(og * tq * Q_H / (Q_ACT * Q_ACT)), -127.0, 127.0)
+                    c[layer, b, j] = qc / Q_CELL
+                    h[layer, b, j] = qhn / Q_H
+                    xs[t, b, j] = qhn
+    o = offsets[3 * L + 1]
+    acc = np.dot(xs.reshape((T * B, H)), q[o:o + H * VOCAB].reshape((H, VOCAB)))
+    o = offsets[3 * L + 2]
+    scale = s[3 * L + 2]
+    logits = np.empty((T * B, VOCAB), np.float32)
+    for r in range(T * B):
+        for v in range(VOCAB):
+            logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale)
+    return _scores(logits, tokens, targets, nll_out)
+
+
+@njit(**_JIT)
+def _population_sums(thetas, offsets, sizes, E, H, L, code, batches):
+    """Summed nll of each member (M,) float64; batches (1 or M, B, T+1) uint8; zero state."""
+    M = thetas.shape[0]
+    n_batches, B, T1 = batches.shape
+    T = T1 - 1
+    sums = np.empty(M, np.float64)
+    nll = np.empty((B, T), np.float32)
+    w = np.empty(thetas.shape[1], np.float32)
+    for m in range(M):
+        batch = batches[m if n_batches > 1 else 0]
+        tokens = np.ascontiguousarray(batch[:, :T])
+        targets = np.ascontiguousarray(batch[:, 1:])
+        if code == INT8:
+            h = np.zeros((L, B, H), np.float64)
+            c = np.zeros((L, B, H), np.float64)
+            sums[m] = _int8_member(thetas[m], offsets, sizes, E, H, L, tokens, targets, h, c, nll)
+        else:
+            w[:] = thetas[m]
+            round_array(w, code)
+            h = np.zeros((L, B, H), np.float32)
+            c = np.zeros((L, B, H), np.float32)
+            sums[m] = _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll)
+    return sums
+
+
+def _offsets(layout: Layout) -> np.ndarray:
+    """Offsets of embed, (w_ih, w_hh, bias) per layer, out.w, out.b: the layout's entry order."""
+    return np.array([e.offset for e in layout.entries], np.int64)
+
+
+def _sizes(layout: Layout) -> np.ndarray:
+    return np.array([e.size for e in layout.entries], np.int64)
+
+
+def _code(fmt: str) -> int:
+    check_format(fmt)
+    if fmt not in CODES:
+        raise ValueError("fp32 runs the ordinary forward (zosoma.model.forward)")
+    return CODES[fmt]
+
+
+def population_loss(thetas, layout: Layout, batch, fmt: str) -> np.ndarray:
+    """(M,) float64 mean nats/byte of M models thetas (M, d) float32 in format `fmt`, on one
+    (B, T+1) uint8 batch or one per member (M, B, T+1), from zero state."""
+    code = _code(fmt)
+    thetas = np.ascontiguousarray(thetas, np.float32)
+    if thetas.ndim != 2 or thetas.shape[1] != layout.size:
+        raise ValueError(f"thetas must be (M, {layout.size}), got {thetas.shape}")
+    batch = np.asarray(batch)
+    batches = np.ascontiguousarray(batch[None] if batch.ndim == 2 else batch)
+    if batches.dtype != np.uint8 or batches.ndim != 3 or batches.shape[0] not in (1, len(thetas)) \
+            or batches.shape[2] < 2:
+        raise ValueError(f"batch must be (B, T+1) or (M, B, T+1) uint8 with T >= 1, got {batch.dtype} {batch.shape}")
+    cfg = layout.config
+    sums = _population_sums(thetas, _offsets(layout), _sizes(layout), cfg.embed, cfg.hidden, cfg.layers, code,
+                            batches)
+    return sums / (batches.shape[1] * (batches.shape[2] - 1))
+
+
+def nll_stream(theta, layout: Layout, tokens, targets, fmt: str, state=None):
+    """Nats (B, T) float32 of each target byte of one model in format `fmt`, and the state after
+    the last step (format values), carried in from `state` (None: zeros)."""
+    from zosoma.model.precision import to_grid, zero_state
+
+    code = _code(fmt)
+    cfg = layout.config
+    theta = np.ascontiguousarray(theta, np.float32)
+    tokens, targets = np.ascontiguousarray(tokens, np.uint8), np.ascontiguousarray(targets, np.uint8)
+    B, T = tokens.shape
+    state = to_grid(zero_state(layout, B) if state is None else state, fmt)
+    dtype = np.float64 if code == INT8 else np.float32
+    h = np.ascontiguousarray(np.stack([s[0] for s in state]), dtype)
+    c = np.ascontiguousarray(np.stack([s[1] for s in state]), dtype)
+    nll = np.empty((B, T), np.float32)
+    args = (_offsets(layout), _sizes(layout), cfg.embed, cfg.hidden, cfg.layers)
+    if code == INT8:
+        _int8_member(theta, *args, tokens, targets, h, c, nll)
+    else:
+        w = theta.copy()
+        round_array(w, code)
+        _float_member(w, args[0], cfg.embed, cfg.hidden, cfg.layers, code, tokens, targets, h, c, nll)
+    return nll, [(h[layer].astype(np.float32), c[layer].astype(np.float32)) for layer in range(cfg.layers)]

@@ -1,0 +1,438 @@
+"""One model's population over W workers: only scalars travel, every worker applies the same update.
+
+The step's P pairs are split into W contiguous shares. Each worker holds theta and the strategy
+state (read from the run's checkpoint), draws the step's batch itself (a pure function of the
+counters), evaluates its share and returns only its members' losses. The driver gathers them in
+pair order, turns them into the P update scalars (the strategy's coefficients), logs them in the
+run folder (scalars.jsonl) and sends them to every worker; every worker applies the identical
+update. No parameters travel while training: theta comes to the driver for checkpoints only.
+
+    driver                                       worker w (pairs P_w)
+    -- apply(scalars of step t-1) ------------>  theta, state <- the strategy's update
+    -- losses(t) ----------------------------->  batch(seed, expert, t); plus, minus over P_w
+    <- plus, minus: 2 |P_w| float64 ----------
+
+A lost worker (a killed process, a dead node) is rebuilt from the run's last checkpoint plus a
+replay of the scalars logged since: updates only, no forward passes, the same numbers. The run
+ends bit for bit where the single-process run ends: a member's losses do not depend on which
+worker, or how many threads, computed them (zosoma.model.threads). EGGROLL is not sharded: its
+population shares one GEMM over all members, so splitting them changes the rounding.
+
+The summed-loss ablation runs through the same exchange: one worker per expert, each evaluating
+all P pairs of its own expert; the driver sums the experts' differences (zosoma.strategies.summed)
+and every expert applies the shared scalars.
+
+Workers come from a transport: InProcess (one after another in this process: the exchange
+without processes), Processes (spawned local processes) or zosoma.runs.ray_executor.RayWorkers
+(Ray actors on any node). A transport's spawn(spec, step, replay) returns a handle with
+call(method, *args) -> ticket (never blocks), result(ticket) (blocks; tickets are awaited in
+order; WorkerLost when the worker died) and close().
+
+Bytes exchanged per step, recorded as each step's comm_bytes: the 2P float64 losses gathered and
+the P float64 scalars sent to each of the model's W workers, 8 (2P + W P) (exchange_bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.engines import get_ops, run_ops
+from zosoma.errors import ConfigError, ZosomaError
+from zosoma.model.params import Layout
+from zosoma.runs.executor import child_threads, exit_with_parent, one_line
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.trainer import RunState, Trainer, apply_update
+from zosoma.strategies import make_strategy
+from zosoma.strategies.base import learning_rate
+
+MAX_REBUILDS = 3  # per worker and request: a worker that keeps dying is an error, not a loop
+
+
+class WorkerLost(Exception):
+    """A population worker died (its process, actor or node); the driver rebuilds it."""
+
+
+def exchange_bytes(P: int, W: int) -> int:
+    """Payload bytes per step of one model sharded over W workers: 2P float64 losses gathered, P
+    float64 scalars sent to each worker."""
+    return 8 * (2 * P + W * P)
+
+
+def shard_pairs(P: int, W: int) -> list[range]:
+    """The P pairs split into W contiguous shares, sizes differing by at most one."""
+    if W > P:
+        raise ConfigError(f"{W} population workers for {P} perturbation pairs (-P): each worker needs at "
+                          f"least one pair; use at most {P} workers")
+    bounds = [P * w // W for w in range(W + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def check_shardable(cfg: TrainConfig, W: int) -> None:
+    """ConfigError when `cfg` cannot be sharded over W workers bit for bit."""
+    if W > 1 and make_strategy(cfg).ask(0, 0).rank:
+        raise ConfigError(f"--optimizer {cfg.optimizer} evaluates its population as one shared GEMM, whose "
+                          "rounding depends on the split: it is not sharded over --population-workers")
+    shard_pairs(cfg.perturbations, W)
+
+
+# --- the worker side -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What one worker holds: a model's run folder, its training data, the pairs it evaluates."""
+    run_dir: str
+    corpus: Corpus
+    expert: int = 0
+    pairs: range | None = None  # None: all of the step's P pairs
+    device: str = "cpu"  # the run's device; its engine and forward precision come with its config
+
+
+class Shard:
+    """One worker's copy of a model: the checkpoint at `step` of spec.run_dir, then `replay` (the
+    logged scalars of steps step, step + 1, ...) applied."""
+
+    def __init__(self, spec: ShardSpec, step: int, replay: Sequence = ()):
+        ckpt = RunFolder(spec.run_dir).read_checkpoint(step)
+        self.cfg, self.expert, self.pairs = ckpt.train, spec.expert, spec.pairs
+        self.strategy = make_strategy(ckpt.train)
+        self.ops = run_ops(get_ops(spec.device), ckpt.train.engine, ckpt.train.forward_precision)
+        self.layout = Layout(ckpt.model)
+        self.sampler = BatchSampler(spec.corpus, ckpt.train.seq_len + 1)
+        self.theta = self.ops.asarray(ckpt.theta)
+        self.optimizer = {k: self.ops.asarray(v) for k, v in ckpt.optimizer.items()}
+        self.step = ckpt.step
+        for coeffs in replay:
+            self.apply(coeffs)
+        self.update_s = 0.0  # the last update's seconds, reported with the next losses
+
+    def apply(self, coeffs) -> None:
+        """The step's update from its P scalars, exactly as Trainer.update applies it."""
+        t0 = time.perf_counter()
+        cfg, step = self.cfg, self.step
+        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
+        self.theta, self.optimizer, _ = apply_update(self.strategy, self.ops, self.layout, self.theta,
+                                                     self.optimizer, np.asarray(coeffs, np.float64),
+                                                     self.strategy.ask(self.expert, step), lr)
+        self.step += 1
+        self.update_s = time.perf_counter() - t0
+
+    def losses(self, step: int):
+        """(plus, minus, timings) of this worker's pairs at `step`: (|pairs|,) float64 each."""
+        if step != self.step:
+            raise RuntimeError(f"population worker at step {self.step} was asked for step {step}")
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
+        timings = {"data": time.perf_counter() - t0, "update": self.update_s}
+        plus, minus = self.ops.perturbed_losses(self.theta, self.layout, batch, self.strategy.ask(self.expert, step),
+                                                pairs=self.pairs, timings=timings)
+        return plus, minus, timings
+
+    def state(self):
+        """(step, theta, optimizer state) as NumPy arrays, for a checkpoint."""
+        to_numpy = self.ops.to_numpy
+        return self.step, to_numpy(self.theta), {k: to_numpy(v) for k, v in self.optimizer.items()}
+
+
+def error_line(exc: BaseException) -> str:
+    """A worker's error as the driver shows it: a ZosomaError's own line, else its type and line."""
+    return str(exc) if isinstance(exc, ZosomaError) else one_line(exc)
+
+
+# --- transports ------------------------------------------------------------------------------------
+
+class InProcess:
+    """Workers in this process, one after another: the exchange without processes."""
+
+    def spawn(self, spec: ShardSpec, step: int, replay: Sequence = ()):
+        return _InProcessHandle(spec, step, replay)
+
+
+class _InProcessHandle:
+    """Runs each call at once; result() is the last call's (the driver awaits every reply it
+    needs before its next call), or the first error of any call."""
+
+    def __init__(self, spec, step, replay):
+        self.shard = Shard(spec, step, replay)
+        self.calls, self.value, self.error = 0, None, None
+
+    def call(self, method, *args) -> int:
+        if self.error is None:
+            try:
+                self.value = getattr(self.shard, method)(*args)
+            except Exception as e:
+                self.error = error_line(e)
+        self.calls += 1
+        return self.calls - 1
+
+    def result(self, ticket):
+        if self.error is not None:
+            raise ConfigError(self.error)
+        return self.value
+
+    def close(self):
+        self.shard = None
+
+
+class Processes:
+    """Workers in spawned local processes, `threads` BLAS threads each. A worker exits when the
+    driver's process dies."""
+
+    def __init__(self, threads: int = 1):
+        self.threads = max(1, int(threads))
+
+    def spawn(self, spec: ShardSpec, step: int, replay: Sequence = ()):
+        return _ProcessHandle(spec, step, replay, self.threads)
+
+
+class _ProcessHandle:
+    def __init__(self, spec, step, replay, threads):
+        ctx = multiprocessing.get_context("spawn")  # BLAS threads do not survive a fork
+        self.conn, child = ctx.Pipe()
+        with child_threads(threads):
+            self.process = ctx.Process(target=_serve, args=(child, spec, step, list(replay), os.getpid()),
+                                       daemon=True)
+            self.process.start()
+        child.close()
+        self.sent = self.received = 0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def call(self, method, *args) -> int:
+        try:
+            self.conn.send((method, args))
+        except OSError:
+            pass  # a dead worker: result() says so
+        self.sent += 1
+        return self.sent - 1
+
+    def result(self, ticket):
+        """The reply to `ticket`; replies to earlier calls (updates: None) are passed over, an
+        error in any of them is raised."""
+        while True:
+            try:
+                ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                self.process.join(1)
+                raise WorkerLost(f"process {self.process.pid} exited (code {self.process.exitcode})") from None
+            n, self.received = self.received, self.received + 1
+            if not ok:
+                raise ConfigError(value)
+            if n == ticket:
+                return value
+
+    def close(self):
+        self.conn.close()  # the worker sees EOF and exits
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def _serve(conn, spec: ShardSpec, step: int, replay: list, parent: int) -> None:
+    """A worker process: build the shard, then answer the driver's calls in order until EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        shard, error = Shard(spec, step, replay), None
+    except Exception as e:  # said in reply to every call
+        shard, error = None, error_line(e)
+    try:
+        while True:
+            method, args = conn.recv()
+            if error is None:
+                try:
+                    reply = (True, getattr(shard, method)(*args))
+                except Exception as e:
+                    reply = (False, error_line(e))
+            conn.send(reply if error is None else (False, error))
+    except (EOFError, OSError):  # the driver closed the pipe, or died
+        return
+
+
+# --- the driver side -------------------------------------------------------------------------------
+
+class Group:
+    """The driver's workers: one ShardSpec each, spawned at the first step asked for, rebuilt when
+    lost, closed when their model is done. Losses are asked of every worker at once, so the
+    experts of the summed ablation evaluate in parallel."""
+
+    def __init__(self, workers, specs: Sequence[ShardSpec]):
+        self.workers, self.specs = workers, list(specs)
+        self.handles: list = [None] * len(self.specs)
+        self.at = [0] * len(self.specs)  # steps each worker has been sent (its step)
+        self.since = [0] * len(self.specs)  # the checkpoint each worker would be rebuilt from
+        self._losses: tuple[int, list] | None = None  # (step, every worker's losses)
+        self.notes: list[str] = []  # rebuilt workers, one line each, for the next Step record
+        weakref.finalize(self, _close_all, self.handles)
+
+    def start(self, step: int) -> None:
+        for i, spec in enumerate(self.specs):
+            if self.handles[i] is None:
+                self.handles[i] = self.workers.spawn(spec, step)
+                self.at[i] = self.since[i] = step
+
+    def losses(self, step: int) -> list:
+        """Every worker's (plus, minus, timings) at `step` (asked once per step)."""
+        if self._losses is None or self._losses[0] != step:
+            self.start(step)
+            tickets = [h.call("losses", step) for h in self.handles]
+            self._losses = (step, [self._result(i, t, "losses", step) for i, t in enumerate(tickets)])
+        return self._losses[1]
+
+    def apply(self, i: int, coeffs: np.ndarray) -> None:
+        self.handles[i].call("apply", coeffs)
+        self.at[i] += 1
+
+    def state(self, i: int):
+        return self._result(i, self.handles[i].call("state"), "state")
+
+    def checkpointed(self, i: int, step: int) -> None:
+        self.since[i] = step
+
+    def close(self, i: int) -> None:
+        if self.handles[i] is not None:
+            self.handles[i].close()
+            self.handles[i] = None
+
+    def _result(self, i: int, ticket, method: str, *args):
+        """Worker i's reply to `ticket`; a lost worker is rebuilt and asked again."""
+        for attempt in range(MAX_REBUILDS + 1):
+            try:
+                return self.handles[i].result(ticket)
+            except WorkerLost as lost:
+                if attempt == MAX_REBUILDS:
+                    raise ConfigError(f"population worker {i} was lost {attempt + 1} times (last: {lost}); "
+                                      "its run resumes from its last checkpoint") from None
+                self._rebuild(i, lost)
+                ticket = self.handles[i].call(method, *args)
+
+    def _rebuild(self, i: int, lost: WorkerLost) -> None:
+        spec, since, at = self.specs[i], self.since[i], self.at[i]
+        logged = RunFolder(spec.run_dir).read_scalars(since)
+        missing = [s for s in range(since, at) if s not in logged]
+        if missing:
+            raise ConfigError(f"population worker {i} was lost and {spec.run_dir} lacks the scalars of step "
+                              f"{missing[0]} to rebuild it; its run resumes from its last checkpoint")
+        self.handles[i].close()
+        self.handles[i] = self.workers.spawn(spec, since, [logged[s] for s in range(since, at)])
+        self.notes.append(f"population worker {i} was lost ({lost}); rebuilt from the checkpoint at step "
+                          f"{since} and {at - since} logged steps of scalars")
+
+
+def _close_all(handles: list) -> None:
+    """Close what is still open (also at interpreter exit, when Ray may already be gone)."""
+    for h in handles:
+        if h is not None:
+            with contextlib.suppress(Exception):
+                h.close()
+
+
+class ShardedTrainer(Trainer):
+    """A Trainer whose model lives on workers (`members` of `group`): losses gathered in pair
+    order, scalars logged and sent back; theta reaches the driver only for checkpoints."""
+
+    def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
+                 group: Group, members: Sequence[int], expert: int = 0, extra: dict | None = None):
+        super().__init__(folder, model, cfg, sampler, state, expert=expert, extra=extra)
+        self.group, self.members = group, list(members)
+        self.comm_bytes = exchange_bytes(cfg.perturbations, len(self.members))
+        self.synced = state.step  # the driver's theta is the workers' at this step
+        self.folder.cut_scalars(state.step)  # scalars past the checkpoint belong to an abandoned session
+
+    def losses(self):
+        t0 = time.perf_counter()
+        step = self.state.step
+        self._pop = self.strategy.ask(self.expert, step)
+        every = self.group.losses(step)
+        mine = [every[m] for m in self.members]
+        wall = time.perf_counter() - t0
+        keys = {k for _, _, t in mine for k in t}
+        self.timings = {k: max(t.get(k, 0.0) for _, _, t in mine) for k in keys}  # the slowest worker's
+        self.timings["exchange"] = max(0.0, wall - sum(self.timings.values()))
+        return np.concatenate([p for p, _, _ in mine]), np.concatenate([m for _, m, _ in mine])
+
+    def update(self, coeffs, loss):
+        """Trainer.update, its record carrying any rebuilt worker's line."""
+        record = super().update(coeffs, loss)
+        notes, self.group.notes = tuple(self.group.notes), []
+        return replace(record, notes=notes) if notes else record
+
+    def apply(self, coeffs, pop, lr):
+        """Log the scalars, send them to the workers; the driver's theta waits for a checkpoint."""
+        self.folder.append_scalars(self.state.step, coeffs)  # logged before any worker applies them
+        for m in self.members:
+            self.group.apply(m, coeffs)
+        return self.state.theta, self.state.optimizer, not np.all(np.isfinite(coeffs))
+
+    def _sync(self) -> None:
+        """The driver's theta and optimizer state from a worker, when they are behind."""
+        if self.synced != self.state.step:
+            step, theta, optimizer = self.group.state(self.members[0])
+            if step != self.state.step:
+                raise RuntimeError(f"population worker at step {step}, driver at {self.state.step}")
+            self.state.theta = self.ops.asarray(theta)
+            self.state.optimizer = {k: self.ops.asarray(v) for k, v in optimizer.items()}
+            self.synced = step
+
+    def to_checkpoint(self):
+        self._sync()
+        return super().to_checkpoint()
+
+    def checkpoint(self) -> None:
+        super().checkpoint()
+        for m in self.members:
+            self.group.checkpointed(m, self.state.step)
+        if self.done:  # the model is finished: its workers go
+            for m in self.members:
+                self.group.close(m)
+
+    @property
+    def theta(self) -> np.ndarray:
+        self._sync()
+        return super().theta
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One model's population over `size` workers spawned by `workers` (a transport)."""
+    workers: object
+    size: int
+
+
+def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
+                 extra: dict | None = None, ops=None, sharding: Sharding | None = None) -> Trainer:
+    """One model (expert 0): a Trainer in this process, or with `sharding` a ShardedTrainer over
+    sharding.size workers, each evaluating a contiguous share of the P pairs."""
+    if sharding is None:
+        return Trainer(folder, model, cfg, sampler, state, extra=extra, ops=ops)
+    check_shardable(cfg, sharding.size)
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    device = (ops or get_ops("cpu")).name
+    specs = [ShardSpec(str(folder.path), sampler.corpus, 0, pairs, device)
+             for pairs in shard_pairs(cfg.perturbations, sharding.size)]
+    return ShardedTrainer(folder, model, cfg, sampler, state, Group(sharding.workers, specs), range(len(specs)),
+                          extra=extra)
+
+
+def summed_trainers(trainers: Sequence[Trainer], workers, device: str = "cpu") -> list[ShardedTrainer]:
+    """The summed ablation's experts (Trainers at one step, as zosoma.runs.soma.lockstep_trainers
+    makes them) moved onto one worker each; train them with zosoma.runs.soma.train_lockstep."""
+    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, device) for t in trainers]
+    group = Group(workers, specs)
+    return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], expert=t.expert, extra=t.extra)
+            for i, t in enumerate(trainers)]
