@@ -206,3 +206,19 @@ def test_rejects_bad_shapes():
         forward.population_loss(theta[None], layout, np.zeros((2, 5), np.int64))
     with pytest.raises(ValueError, match="targets"):
         forward.nll_stream(theta, layout, _bytes(0, (2, 5)), _bytes(0, (2, 4)))
+
+
+@pytest.mark.parametrize("scored_from", [1, 37, 64])
+def test_context_columns_skip_the_output_layer_and_change_nothing_after(scored_from):
+    """Routed inference scores a segment after its context: with scored_from the context only
+    carries the state (nll 0 there), and every scored column is bit for bit the full forward's,
+    across chunk boundaries (T > the rows per chunk / B)."""
+    layout = Layout(ModelConfig(embed=8, hidden=16, layers=2))
+    theta = init_params(layout.config, 5) * 2
+    data = np.random.default_rng(3).integers(0, 256, (20, 97), dtype=np.uint8)
+    full, full_state = forward.nll_stream(theta, layout, data[:, :-1], data[:, 1:])
+    part, state = forward.nll_stream(theta, layout, data[:, :-1], data[:, 1:], scored_from=scored_from)
+    assert np.array_equal(part[:, scored_from:], full[:, scored_from:])
+    assert not part[:, :scored_from].any()
+    for (h, c), (h2, c2) in zip(state, full_state):
+        assert np.array_equal(h, h2) and np.array_equal(c, c2)

@@ -154,8 +154,11 @@ def test_study_plan_and_report(tmp_path):
                 "heldout": {"overall": 3.0 + i / 10}, "heldout_fp32_eval": 3.0, "train_loss_last100": 3.1,
                 "skipped_steps": 0, "wall_s": 1.0} for i, j in enumerate(todo)]
     results[3]["heldout"]["overall"] = float("inf")  # a diverged run reads n/a
+    results[3]["divergence"] = {"step": 420, "verdict": "rising: smoothed loss 9.000"}
+    assert todo[3].train_config().on_divergence == "continue"  # trained to the end, verdict recorded
     paths = write_report(results, tmp_path)
     md = paths["md"].read_text()
+    assert "| step 420: rising: smoothed loss 9.000 |" in md
     assert "| int8 | 0.00098 | 3.600 (3.000) | 3.700 (3.000) | 3.500 (3.000) [eps/step 1] |" in md
     assert "n/a" in md and paths["png"].stat().st_size > 1000
     assert len(paths["csv"].read_text().splitlines()) == len(todo) + 1

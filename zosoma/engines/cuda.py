@@ -649,7 +649,7 @@ class CudaOps(Ops):
     def log_probs(self, theta, layout: Layout, tokens, state=None):
         return log_probs(theta, layout, tokens, state)
 
-    def models_nll(self, models, rows) -> list[np.ndarray]:
+    def models_nll(self, models, rows, scored_from=()) -> list[np.ndarray]:  # scored_from unused: every column
         """Models of one size run as ONE population forward, a member per model, its rows padded
         with zeros to the largest (a forward per model would be bound by kernel launches: a small
         expert does little work per step). Padding after a row's end changes nothing before it."""

@@ -120,11 +120,18 @@ class Ops:
         """Next-byte log-probabilities (B, T, V) float32 of one model, and the final state."""
         return forward.log_probs(theta, layout, tokens, state)
 
-    def models_nll(self, models: Sequence[tuple], rows: Sequence[tuple]) -> list[np.ndarray]:
+    def models_nll(self, models: Sequence[tuple], rows: Sequence[tuple],
+                   scored_from: Sequence[int] = ()) -> list[np.ndarray]:
         """Nats (B_i, T_i) float32 of model i = (theta, layout) on its rows (tokens, targets)
         (B_i, T_i) uint8, each from zero state: routed inference runs every selected expert on
-        its own segments. Here one model after another."""
-        return [self.nll_stream(theta, layout, tok, tgt)[0] for (theta, layout), (tok, tgt) in zip(models, rows)]
+        its own segments. scored_from[i], if given: columns before it are context, whose nats
+        the caller ignores (an engine may skip their output layer). Here one model after another,
+        the context's output layer skipped."""
+        froms = list(scored_from) or [0] * len(models)
+        if type(self).nll_stream is not Ops.nll_stream:  # another engine's forward: every column
+            return [self.nll_stream(theta, layout, tok, tgt)[0] for (theta, layout), (tok, tgt) in zip(models, rows)]
+        return [forward.nll_stream(theta, layout, tok, tgt, None, first)[0]
+                for (theta, layout), (tok, tgt), first in zip(models, rows, froms)]
 
     # --- updates ----------------------------------------------------------------------------
 

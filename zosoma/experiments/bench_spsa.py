@@ -26,45 +26,16 @@ import tempfile
 import time
 
 import numpy as np
-from numba import njit
 
 from zosoma.config import PRESETS, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
-from zosoma.experiments.bench_forward import matmul_peak_gflops
+from zosoma.experiments.bench_forward import peak_gflops
 from zosoma.model import noise as noise_mod
 from zosoma.model import threads
 from zosoma.runs.trainer import Trainer, new_state
 
 PARTS = ("forward", "noise", "data", "update")
 _PAUSE_S = 0.3  # between paths: the previous path's BLAS/OpenMP threads stop spinning
-
-
-@njit(nogil=True, cache=True)
-def _dot(a, b, out):
-    np.dot(a, b, out)
-
-
-def peak_gflops(n: int = 2048, repeats: int = 3) -> tuple[float, str]:
-    """The fp32 matmul peak, the larger of two measurements: NumPy's n^3 matmul on BLAS's own
-    threads (zosoma.experiments.bench_forward), and one n^3 one-thread GEMM per thread at once,
-    the way zosoma's forward uses the cores (on a shared machine a split GEMM waits for its
-    slowest thread). Returns GFLOP/s and which it was."""
-    numpy_peak = matmul_peak_gflops(n, repeats)
-    k = threads.n_threads()
-    rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    outs = [np.empty((n, n), np.float32) for _ in range(k)]
-    run = lambda: threads.run_items(lambda i, _: _dot(a, b, outs[i]), k)  # noqa: E731
-    run()
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - t0)
-    per_thread_peak = k * 2 * n ** 3 / float(np.median(seconds)) / 1e9
-    if per_thread_peak > numpy_peak:
-        return per_thread_peak, f"{k} one-thread {n}^3 GEMMs at once"
-    return numpy_peak, f"numpy {n}^3 matmul"
 
 
 def step_defaults(preset: str) -> dict:

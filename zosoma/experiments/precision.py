@@ -82,7 +82,10 @@ class Job:
         _, base = PRESETS[PRESET]
         return TrainConfig(**{**TrainConfig().__dict__, **base, "steps": self.steps, "eps": self.eps,
                               "seed": self.seed, "forward_precision": self.fmt,
-                              "checkpoint_every": min(500, self.steps)})
+                              "checkpoint_every": min(500, self.steps),
+                              # a run the format makes diverge is a result: train it to the end and
+                              # record the guard's verdict
+                              "on_divergence": "continue"})
 
 
 def jobs(study: Study) -> list[Job]:
@@ -136,6 +139,8 @@ def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: Fals
             raise ConfigError(f"{run_dir}: expert {r.unit} failed: {r.error}")
         if isinstance(r, Evaluated):
             evaluated = r.results
+    if evaluated is None:
+        raise ConfigError(f"{run_dir}: training ended without an evaluation")
     heldout = load_corpus(None, split="heldout")
     if job.experts == 1:
         in_format = evaluated["heldout"]
@@ -153,6 +158,7 @@ def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: Fals
               "heldout": in_format, "heldout_fp32_eval": fp32,
               "train_loss_last100": float(np.mean(last)) if last else None,
               "skipped_steps": int(sum(bool(m.get("skipped")) for m in metrics)),
+              "divergence": evaluated.get("divergence"),  # the guard's verdict (single models)
               "wall_s": float(sum(c.extra.get("wall_s", 0.0) for c in ckpts))}
     folder.write_result(result)
     return result
@@ -214,12 +220,14 @@ def format_tables(results: list[dict]) -> str:
         lines.append("")
     lines += ["**Every run**", "",
               "| run | format | N | eps | eps / step | held-out (format) | held-out (fp32 eval) | "
-              "train loss, last 100 steps | skipped steps | training s |",
-              "|" + " --- |" * 10]
+              "train loss, last 100 steps | skipped steps | divergence guard | training s |",
+              "|" + " --- |" * 11]
     for r in results:
+        verdict = r.get("divergence")
+        guard = f"step {verdict['step']}: {verdict['verdict']}" if verdict else ""
         lines.append(f"| {r['name']} | {r['fmt']} | {r['experts']} | {r['eps']:.3g} | {r['eps_over_step']:.3g} | "
                      f"{_cell(r['heldout']['overall'])} | {_cell(r['heldout_fp32_eval'])} | "
-                     f"{_cell(r['train_loss_last100'])} | {r['skipped_steps']} | {r['wall_s']:.0f} |")
+                     f"{_cell(r['train_loss_last100'])} | {r['skipped_steps']} | {guard} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

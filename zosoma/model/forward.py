@@ -261,11 +261,12 @@ def _workspace(E, H, L, B, T, rows_per_chunk):
 
 @njit(**JIT_OPTIONS)
 def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_out, want_logp,
-                    logp_out, ws):
+                    logp_out, ws, scored_from=0):
     """One model over one batch, time loop inside. theta (d,) float32; offsets (2 + 3L + 2,) of
     embed, (w_ih, w_hh, bias) per layer, out.w, out.b; tokens, targets (B, T) uint8; h, c
     (L, B, H) carried state, updated in place; nll_out (B, T) and logp_out (B, T, V) written when
-    wanted (else may be empty). Returns the float64 sum of the B*T nlls."""
+    wanted (else may be empty). Positions t < scored_from only carry the state: no logits (their
+    nll is 0, not counted). Returns the float64 sum of the scored nlls."""
     (table, embed_rows, slot, xproj, gates, hs, logits, rows, row_targets, row_nll, fold, w_hh_t, gates_t,
      h_t) = ws
     L = h.shape[0]
@@ -327,7 +328,10 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
         for t in range(n):
             for b in range(B):
                 row_targets[t * B + b] = targets[b, t0 + t]
-        for r0 in range(0, R, logits.shape[0]):  # logits in blocks that stay in cache for the softmax
+        skip = min(n, max(0, scored_from - t0)) * B  # rows before scored_from: state only
+        first = skip - skip % logits.shape[0]  # whole blocks only: the scored rows' GEMMs stay the same
+        row_nll[:first] = 0.0
+        for r0 in range(first, R, logits.shape[0]):  # logits in blocks that stay in cache for the softmax
             r1 = min(R, r0 + logits.shape[0])
             block = logits[:r1 - r0]
             np.dot(h_rows[r0:r1], out_w, block)
@@ -335,6 +339,9 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
             if want_logp:
                 for r in range(r0, r1):
                     logp_out[r % B, t0 + r // B] = block[r - r0]
+        for r in range(first, skip):
+            total -= row_nll[r]
+            row_nll[r] = 0.0
         if want_nll:
             for t in range(n):
                 for b in range(B):
@@ -504,7 +511,7 @@ def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert
     return plus / (B * T), minus / (B * T)
 
 
-def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_logp: bool):
+def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_logp: bool, scored_from: int = 0):
     cfg = layout.config
     L, H = cfg.layers, cfg.hidden
     theta = _check_theta(theta, layout, 1)
@@ -535,7 +542,7 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_
         nb = nll[a:b] if want_nll else nll
         lb = logp[a:b] if want_logp else logp
         _stream_rows(theta, offsets, cfg.embed, H, L, tokens[a:b], targets[a:b], hb, cb, want_nll, nb,
-                     want_logp, lb, _ROWS_PER_CHUNK)
+                     want_logp, lb, _ROWS_PER_CHUNK, scored_from)
         h[:, a:b], c[:, a:b] = hb, cb
 
     threads.run_items(work, len(blocks))
@@ -544,19 +551,20 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_
 
 @njit(**_NOGIL)
 def _stream_rows(theta, offsets, E, H, L, tokens, targets, h, c, want_nll, nll, want_logp, logp,
-                 rows_per_chunk):
+                 rows_per_chunk, scored_from):
     B, T = tokens.shape
     ws = _workspace(E, H, L, B, T, rows_per_chunk)
     _member_forward(theta, offsets, E, H, np.ascontiguousarray(tokens), np.ascontiguousarray(targets),
-                    h, c, want_nll, nll, want_logp, logp, ws)
+                    h, c, want_nll, nll, want_logp, logp, ws, scored_from)
 
 
-def nll_stream(theta, layout: Layout, tokens, targets, state=None):
+def nll_stream(theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):
     """Nats of each target byte under one model, carrying state across calls so a long text can be
     evaluated segment by segment. theta (d,) float32; tokens, targets (B, T) uint8; state None
     (zeros) or one (h, c) pair of (B, H) per layer, as reference.zero_state. Returns nll (B, T)
-    float32 and the state after the last step."""
-    nll, _, state = _stream(theta, layout, tokens, targets, state, True, False)
+    float32 and the state after the last step. Columns before scored_from are context only: the
+    state runs through them, their output layer is skipped and their nll is 0."""
+    nll, _, state = _stream(theta, layout, tokens, targets, state, True, False, scored_from)
     return nll, state
 
 

@@ -251,8 +251,8 @@ def run_selected(ensemble: Ensemble, segs: Segments, experts: np.ndarray, batch:
     grouped by expert and each expert scores its rows in batches of at most `batch` (the top-k
     inference path; experts[s] (K,) are the expert indices of segment s), all batches through one
     ops.models_nll call (a GPU runs the batches of experts of one size together; keep the weights
-    there with Ensemble.on). Columns past a row's stop are padding: 0, or the nats of padding
-    bytes."""
+    there with Ensemble.on). Columns outside a row's [start, stop) are context or padding: 0,
+    or nats no one reads."""
     ops = ops or Ops()
     S, K = experts.shape
     T = segs.tokens.shape[1]
@@ -268,7 +268,8 @@ def run_selected(ensemble: Ensemble, segs: Segments, experts: np.ndarray, batch:
         jobs += [(expert, rows[a:a + batch], slots[a:a + batch]) for a in range(0, rows.size, batch)]
     stops = [int(segs.stop[r].max()) for _, r, _ in jobs]
     nlls = ops.models_nll([ensemble.experts[e] for e, _, _ in jobs],
-                          [(segs.tokens[r, :Tb], segs.targets[r, :Tb]) for (_, r, _), Tb in zip(jobs, stops)])
+                          [(segs.tokens[r, :Tb], segs.targets[r, :Tb]) for (_, r, _), Tb in zip(jobs, stops)],
+                          [int(segs.start[r].min()) for _, r, _ in jobs])  # the context needs no output layer
     for (_, r, k), Tb, nll in zip(jobs, stops, nlls):
         out[r, k, :Tb] = nll
     return out
