@@ -138,6 +138,7 @@ def kind_code(kind: str) -> int:
 
 
 _BLOCK = 128  # parameters per block of the fast paths: one Rademacher Philox block, 32 Gaussian ones
+_SPAN = 32  # blocks the update adds at once (16 KiB of float32: L1)
 _THREADED_MIN = 1 << 20  # parameters x directions from which the update is split over threads
 
 
@@ -189,20 +190,23 @@ def _weighted_blocks(out, theta, weights, lr, decay, decay_on, kind, k0, k1, ste
     """For parameter blocks [b0, b1): acc = sum_k weights[k] * delta_k, accumulated in float32 in
     k order from zero (as add_noise into a zeroed vector, k by k), then out = acc, or, when theta
     is not empty, out = theta - lr * acc, then minus decay * theta when decay_on. delta_k is
-    regenerated, or read from kept (P, d) when that is not empty."""
+    regenerated, or read from kept (P, d) when that is not empty. Blocks go _SPAN at a time, so
+    each direction's values are added over a span that stays in L1, in one vectorised loop."""
     n = out.shape[0]
-    acc = np.empty(_BLOCK, np.float32)
-    values = np.empty(_BLOCK, np.float32)
-    for b in range(b0, b1):
-        j0 = b * _BLOCK
-        m = min(_BLOCK, n - j0)
-        acc[:] = 0.0
+    acc = np.empty(_SPAN * _BLOCK, np.float32)
+    values = np.empty(_SPAN * _BLOCK, np.float32)
+    for s0 in range(b0, b1, _SPAN):
+        s1 = min(b1, s0 + _SPAN)
+        j0 = s0 * _BLOCK
+        m = min(s1 * _BLOCK, n) - j0
+        acc[:m] = 0.0
         for k in range(weights.shape[0]):
             w = weights[k]
             if kept.shape[0]:
                 values[:m] = kept[k, j0:j0 + m]
             else:
-                _block_values(values, kind, b, k0, k1, k, step, expert)
+                for b in range(s0, s1):
+                    _block_values(values[(b - s0) * _BLOCK:(b - s0 + 1) * _BLOCK], kind, b, k0, k1, k, step, expert)
             for i in range(m):
                 acc[i] = acc[i] + w * values[i]
         if theta.shape[0] == 0:
