@@ -257,6 +257,14 @@ def write_report(results: list[dict], out: Path) -> dict:
     return paths
 
 
+_CEILING = 5.545  # the uniform model's nats/byte: a run above it is drawn on this line as diverged
+
+
+def _shown(r: dict) -> float:
+    x = r["heldout"]["overall"]
+    return _CEILING if not np.isfinite(x) or x > _CEILING else x
+
+
 def _plot(results: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -267,19 +275,22 @@ def _plot(results: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), sharey=True, squeeze=False)
     for ax, experts in zip(axes[0], kinds):
         runs = [r for r in results if r["experts"] == experts]
-        for i, fmt in enumerate(dict.fromkeys(r["fmt"] for r in runs)):
-            color = f"C{i}"
+        for fmt in dict.fromkeys(r["fmt"] for r in runs):
+            color = f"C{PRECISIONS.index(fmt)}"  # one colour per format in every panel
             grid = sorted((r for r in runs if r["fmt"] == fmt and r["multiple"] is not None),
                           key=lambda r: r["eps_over_step"])
-            ax.plot([r["eps_over_step"] for r in grid], [r["heldout"]["overall"] for r in grid], "o-",
-                    color=color, label=fmt)
+            ax.plot([r["eps_over_step"] for r in grid], [_shown(r) for r in grid], "o-", color=color, label=fmt)
             for r in runs:
                 if r["fmt"] == fmt and r["multiple"] is None:
-                    ax.plot([r["eps_over_step"]], [r["heldout"]["overall"]], "*", color=color, markersize=12)
+                    ax.plot([r["eps_over_step"]], [_shown(r)], "*", color=color, markersize=12)
+        ax.axhline(_CEILING, color="grey", lw=0.8, ls=":")
+        ax.text(0.02, _CEILING, "diverged (above the uniform model's 5.545)", va="bottom", fontsize=8,
+                color="grey", transform=ax.get_yaxis_transform())
         ax.set_xscale("log")
         ax.set_xlabel("eps / the format's step (star: default eps 1e-3)")
         ax.set_title("single model" if experts == 1 else f"SOMA N={experts}")
         ax.grid(alpha=0.3)
+    axes[0][0].set_ylim(min(_shown(r) for r in results) - 0.15, _CEILING + 0.3)
     axes[0][0].set_ylabel("held-out nats/byte (in the format)")
     axes[0][0].legend()
     fig.suptitle("What your hardware's precision costs (tiny preset)")
