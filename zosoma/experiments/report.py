@@ -10,6 +10,7 @@ Methods keep the order in which they first appear.
 """
 
 import csv
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -291,7 +292,7 @@ def plot_n_curve(rows, path, title=None):
     ax.set_xlabel("experts N")
     ax.set_ylabel("held-out nats/byte")
     if title:
-        ax.set_title(title)
+        ax.set_title("\n".join(textwrap.wrap(title, 60)), fontsize=10)  # long titles wrap, not clip
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
