@@ -54,3 +54,17 @@ def run_cli(args):
     from click.testing import CliRunner
     from zosoma.cli.main import cli
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def scaled_model(embed, hidden, layers, seed=0, scale=3.0):
+    """float32 parameters of a model, the default initialisation times `scale` (gates saturate,
+    predictions far from uniform: a harder test than the initialisation), and its Layout."""
+    from zosoma.config import ModelConfig
+    from zosoma.model.params import Layout, init_params
+    layout = Layout(ModelConfig(embed=embed, hidden=hidden, layers=layers))
+    return (init_params(layout.config, seed) * scale).astype(np.float32), layout
+
+
+def random_bytes(seed, shape):
+    """uint8 bytes uniform over the vocabulary, seeded."""
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)

@@ -6,23 +6,12 @@ Shapes stay tiny so the file passes in seconds (and with NUMBA_DISABLE_JIT=1).""
 import numpy as np
 import pytest
 
-from helpers import assert_close
-from zosoma.config import VOCAB, ModelConfig
+from helpers import assert_close, random_bytes, scaled_model
 from zosoma.engines.ops import Ops, perturbed
 from zosoma.model import forward, noise, reference, threads
-from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 
 LOSS_RTOL = 1e-5  # float32 forward vs the float64 reference (tests/test_forward.py)
-
-
-def _model(embed, hidden, layers, seed=0, scale=3.0):
-    layout = Layout(ModelConfig(embed=embed, hidden=hidden, layers=layers))
-    return (init_params(layout.config, seed) * scale).astype(np.float32), layout
-
-
-def _bytes(seed, shape):
-    return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.uint8)
 
 
 def _add_noise_loop(d, coeffs, pop):
@@ -45,8 +34,8 @@ def n_threads(request, monkeypatch):
     (6, 10, 2, 40, 5),  # h @ w_hh (B > 32)
 ])
 def test_members_built_in_the_forward_match_the_reference(kind, embed, hidden, layers, B, T, n_threads):
-    theta, layout = _model(embed, hidden, layers, scale=2.0)
-    batch = _bytes(1, (B, T + 1))
+    theta, layout = scaled_model(embed, hidden, layers, scale=2.0)
+    batch = random_bytes(1, (B, T + 1))
     pop = Population(4, 0.05, 2**33 + 3, 2, 7, kind)
     plus, minus = forward.perturbed_sums(theta, layout, batch, pop.scale, pop.seed, pop.expert, pop.step,
                                          kind, range(1, 4))
@@ -88,8 +77,8 @@ def test_fused_update_is_bit_identical_to_the_formula(kind, d, n_threads):
 
 
 def test_kept_gaussian_directions_give_the_same_update():
-    theta, layout = _model(6, 8, 1, scale=1.0)
-    batch = _bytes(2, (2, 7))
+    theta, layout = scaled_model(6, 8, 1, scale=1.0)
+    batch = random_bytes(2, (2, 7))
     coeffs = np.array([1.5, -2.0, 0.25])
     for kind in ("gaussian", "rademacher"):
         pop = Population(3, 1e-2, 4, 0, 1, kind)
@@ -105,9 +94,9 @@ def test_kept_gaussian_directions_give_the_same_update():
 
 def test_results_do_not_depend_on_the_thread_count(monkeypatch):
     """Whole members run in one thread each: the same numbers whatever the thread count."""
-    theta, layout = _model(8, 12, 2)
-    thetas = np.stack([_model(8, 12, 2, seed=m)[0] for m in range(3)])
-    batch = _bytes(3, (6, 10))
+    theta, layout = scaled_model(8, 12, 2)
+    thetas = np.stack([scaled_model(8, 12, 2, seed=m)[0] for m in range(3)])
+    batch = random_bytes(3, (6, 10))
     pop = Population(3, 1e-2, 5, 0, 0)
     results = []
     for n in (1, 2, 3):
@@ -125,8 +114,8 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
 
 def test_one_member_split_into_row_blocks(monkeypatch):
     monkeypatch.setattr(threads, "n_threads", lambda: 3)
-    theta, layout = _model(5, 9, 2)
-    batch = _bytes(4, (7, 13))
+    theta, layout = scaled_model(5, 9, 2)
+    batch = random_bytes(4, (7, 13))
     assert_close(forward.population_loss(theta[None], layout, batch)[0],
                  reference.loss(theta.astype(np.float64), layout, batch), rtol=LOSS_RTOL, name="row blocks")
     state = [(np.full((7, 9), 0.1, np.float32), np.full((7, 9), -0.2, np.float32)) for _ in range(2)]
@@ -159,8 +148,8 @@ def test_torch_peers_compute_the_reference_loss():
     pytest.importorskip("torch")
     from zosoma.experiments import torch_peers
 
-    theta, layout = _model(6, 10, 2, scale=1.5)
-    batch = _bytes(5, (3, 9))
+    theta, layout = scaled_model(6, 10, 2, scale=1.5)
+    batch = random_bytes(5, (3, 9))
     want = reference.loss(theta.astype(np.float64), layout, batch)
     for name, make in torch_peers.PEERS.items():
         step = make(layout.config, 2, batch, eps=1e-4, lr=0.0, theta=theta, threads=1)

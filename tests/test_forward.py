@@ -8,7 +8,7 @@ default init every model predicts about ln 256 and a loss check would prove litt
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, random_bytes, scaled_model
 from zosoma.model import forward
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
@@ -16,15 +16,6 @@ from zosoma.model.params import Layout, init_params
 
 LOSS_RTOL = 1e-5  # mean loss vs the float64 reference (the accuracy requirement)
 NLL_ATOL = 1e-4  # per-position nats and log-probabilities
-
-
-def _model(embed, hidden, layers, seed=0, scale=3.0):
-    layout = Layout(ModelConfig(embed=embed, hidden=hidden, layers=layers))
-    return (init_params(layout.config, seed) * scale).astype(np.float32), layout
-
-
-def _bytes(seed, shape):
-    return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.uint8)
 
 
 def _ref_loss(theta, layout, batch):
@@ -37,8 +28,8 @@ def _ref_nll(theta, layout, tokens, targets, state=None):
 
 
 def test_model_is_not_trivial():
-    theta, layout = _model(16, 16, 1)
-    data = _bytes(0, (2, 31))
+    theta, layout = scaled_model(16, 16, 1)
+    data = random_bytes(0, (2, 31))
     nll, _ = _ref_nll(theta, layout, data[:, :-1], data[:, 1:])
     assert nll.std() > 0.5  # confident, varied predictions: the checks below can fail
 
@@ -51,8 +42,8 @@ def test_model_is_not_trivial():
     (24, 12, 3, 4, 9),
 ])
 def test_loss_matches_reference(embed, hidden, layers, B, T):
-    theta, layout = _model(embed, hidden, layers)
-    batch = _bytes(1, (B, T + 1))
+    theta, layout = scaled_model(embed, hidden, layers)
+    batch = random_bytes(1, (B, T + 1))
     loss = forward.population_loss(theta[None], layout, batch)
     assert loss.shape == (1,) and loss.dtype == np.float64
     assert_close(loss[0], _ref_loss(theta, layout, batch), rtol=LOSS_RTOL, name="loss")
@@ -61,18 +52,18 @@ def test_loss_matches_reference(embed, hidden, layers, B, T):
 def test_loss_matches_reference_at_full_width():
     # E = H = 512 (the benchmark width): the rational tanh, the exp and float32 GEMMs with
     # K = 512..1024 must still hold the loss to 1e-5 relative.
-    theta, layout = _model(512, 512, 2, scale=1.5)
-    batch = _bytes(2, (2, 9))
+    theta, layout = scaled_model(512, 512, 2, scale=1.5)
+    batch = random_bytes(2, (2, 9))
     loss = forward.population_loss(theta[None], layout, batch)
     assert_close(loss[0], _ref_loss(theta, layout, batch), rtol=LOSS_RTOL, name="loss E=H=512")
 
 
 def test_population_shared_and_per_member_batches():
     M, B, T = 4, 3, 11
-    _, layout = _model(10, 12, 2)
-    thetas = np.stack([_model(10, 12, 2, seed=m)[0] for m in range(M)])
-    shared = _bytes(3, (B, T + 1))
-    per_member = _bytes(4, (M, B, T + 1))
+    _, layout = scaled_model(10, 12, 2)
+    thetas = np.stack([scaled_model(10, 12, 2, seed=m)[0] for m in range(M)])
+    shared = random_bytes(3, (B, T + 1))
+    per_member = random_bytes(4, (M, B, T + 1))
     loss_shared = forward.population_loss(thetas, layout, shared)
     loss_each = forward.population_loss(thetas, layout, per_member)
     assert loss_shared.shape == loss_each.shape == (M,)
@@ -85,9 +76,9 @@ def test_population_shared_and_per_member_batches():
 
 def test_population_member_order_does_not_matter():
     # Work buffers are reused across members: nothing may leak from one member to the next.
-    _, layout = _model(6, 8, 2)
-    thetas = np.stack([_model(6, 8, 2, seed=m)[0] for m in range(3)])
-    batch = _bytes(5, (2, 40))  # T = 39: several output rows, carried c and h
+    _, layout = scaled_model(6, 8, 2)
+    thetas = np.stack([scaled_model(6, 8, 2, seed=m)[0] for m in range(3)])
+    batch = random_bytes(5, (2, 40))  # T = 39: several output rows, carried c and h
     forward_order = forward.population_loss(thetas, layout, batch)
     reverse_order = forward.population_loss(thetas[::-1].copy(), layout, batch)[::-1]
     assert_close(forward_order, reverse_order, rtol=0.0, name="member order")
@@ -95,15 +86,15 @@ def test_population_member_order_does_not_matter():
 
 def test_long_sequence_spans_several_chunks(monkeypatch):
     monkeypatch.setattr(forward, "_ROWS_PER_CHUNK", 8)  # B = 2: chunks of 4 steps, last one short
-    theta, layout = _model(6, 10, 2)
-    batch = _bytes(6, (2, 15))
+    theta, layout = scaled_model(6, 10, 2)
+    batch = random_bytes(6, (2, 15))
     loss = forward.population_loss(theta[None], layout, batch)
     assert_close(loss[0], _ref_loss(theta, layout, batch), rtol=LOSS_RTOL, name="chunked loss")
 
 
 def test_nll_stream_carries_state():
-    theta, layout = _model(9, 11, 2)
-    data = _bytes(7, (3, 26))
+    theta, layout = scaled_model(9, 11, 2)
+    data = random_bytes(7, (3, 26))
     tokens, targets = data[:, :-1], data[:, 1:]
     whole, state_whole = forward.nll_stream(theta, layout, tokens, targets)
     first, state = forward.nll_stream(theta, layout, tokens[:, :10], targets[:, :10])
@@ -125,16 +116,16 @@ def test_nll_stream_carries_state():
 
 
 def test_nll_stream_leaves_the_given_state_alone():
-    theta, layout = _model(4, 6, 1)
+    theta, layout = scaled_model(4, 6, 1)
     state = [(np.full((2, 6), 0.25, np.float32), np.full((2, 6), -0.5, np.float32))]
-    tokens = _bytes(8, (2, 5))
+    tokens = random_bytes(8, (2, 5))
     forward.nll_stream(theta, layout, tokens, tokens, state)
     assert (state[0][0] == 0.25).all() and (state[0][1] == -0.5).all()
 
 
 def test_log_probs_normalised_and_match_reference():
-    theta, layout = _model(7, 9, 2)
-    tokens = _bytes(9, (2, 13))
+    theta, layout = scaled_model(7, 9, 2)
+    tokens = random_bytes(9, (2, 13))
     state = [(np.full((2, 9), 0.1 * (layer + 1), np.float32), np.full((2, 9), -0.3, np.float32))
              for layer in range(2)]
     logp, new_state = forward.log_probs(theta, layout, tokens, state)
@@ -155,7 +146,7 @@ def test_matches_torch():
     # An independent referee: torch's nn.LSTM built from zosoma's parameters (x @ W orientation,
     # gate blocks i, f, g, o; torch keeps two biases, here b_ih = bias, b_hh = 0).
     torch = pytest.importorskip("torch")
-    theta, layout = _model(10, 14, 2)
+    theta, layout = scaled_model(10, 14, 2)
     p = layout.views(theta)
     E, H = 10, 14
     lstm = torch.nn.LSTM(E, H, 2, batch_first=True)
@@ -165,7 +156,7 @@ def test_matches_torch():
             getattr(lstm, f"weight_hh_l{layer}").copy_(torch.from_numpy(p[f"lstm{layer}.w_hh"].T))
             getattr(lstm, f"bias_ih_l{layer}").copy_(torch.from_numpy(p[f"lstm{layer}.bias"]))
             getattr(lstm, f"bias_hh_l{layer}").zero_()
-        batch = _bytes(10, (3, 21))
+        batch = random_bytes(10, (3, 21))
         x = torch.from_numpy(p["embed"])[torch.from_numpy(batch[:, :-1].astype(np.int64))]
         y, _ = lstm(x)
         logits = y @ torch.from_numpy(p["out.w"]) + torch.from_numpy(p["out.b"])
@@ -176,11 +167,11 @@ def test_matches_torch():
 
 
 def test_diverged_model_gives_non_finite_loss():
-    theta, layout = _model(4, 6, 1)
+    theta, layout = scaled_model(4, 6, 1)
     bad = theta.copy()
     bad[layout["out.w"].offset] = np.nan
     thetas = np.stack([theta, bad])
-    loss = forward.population_loss(thetas, layout, _bytes(11, (2, 6)))
+    loss = forward.population_loss(thetas, layout, random_bytes(11, (2, 6)))
     assert np.isfinite(loss[0]) and not np.isfinite(loss[1])
 
 
@@ -197,15 +188,15 @@ def test_fast_math_helpers():
 
 
 def test_rejects_bad_shapes():
-    theta, layout = _model(4, 6, 1)
+    theta, layout = scaled_model(4, 6, 1)
     with pytest.raises(ValueError, match="theta"):
-        forward.population_loss(theta, layout, _bytes(0, (2, 5)))
+        forward.population_loss(theta, layout, random_bytes(0, (2, 5)))
     with pytest.raises(ValueError, match="batch"):
-        forward.population_loss(np.stack([theta] * 3), layout, _bytes(0, (2, 2, 5)))
+        forward.population_loss(np.stack([theta] * 3), layout, random_bytes(0, (2, 2, 5)))
     with pytest.raises(ValueError, match="uint8"):
         forward.population_loss(theta[None], layout, np.zeros((2, 5), np.int64))
     with pytest.raises(ValueError, match="targets"):
-        forward.nll_stream(theta, layout, _bytes(0, (2, 5)), _bytes(0, (2, 4)))
+        forward.nll_stream(theta, layout, random_bytes(0, (2, 5)), random_bytes(0, (2, 4)))
 
 
 @pytest.mark.parametrize("scored_from", [1, 37, 64])
