@@ -56,13 +56,18 @@ def damaged(data, raw: bytes) -> bytes:
     return bytes(out)
 
 
-def check(read, path: Path, same):
-    try:
-        got = read(path)
-    except CheckpointError as e:
-        assert str(path) in str(e) and "\n" not in str(e), str(e)
-        return
-    assert same(got), "a damaged file was read as different values"
+def check(read, name: str, raw: bytes, same):
+    """Write `raw` to a fresh file `name` and read it back: a one-line error naming the file, or
+    values that `same` accepts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(raw)
+        try:
+            got = read(path)
+        except CheckpointError as e:
+            assert str(path) in str(e) and "\n" not in str(e), str(e)
+            return
+        assert same(got), "a damaged file was read as different values"
 
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
@@ -73,20 +78,15 @@ SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
 @given(data=st.data())
 def test_damaged_checkpoints_are_one_line_errors_or_exact_reads(originals, data):
     raw, want = originals["checkpoint"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "checkpoint.h5"
-        path.write_bytes(damaged(data, raw))
-        check(load_checkpoint, path, lambda c: (np.array_equal(c.theta, want.theta) and c.step == want.step
-                                                and all(np.array_equal(c.optimizer[k], want.optimizer[k])
-                                                        for k in want.optimizer) and c.metrics == want.metrics))
+    check(load_checkpoint, "checkpoint.h5", damaged(data, raw),
+          lambda c: (np.array_equal(c.theta, want.theta) and c.step == want.step
+                     and all(np.array_equal(c.optimizer[k], want.optimizer[k]) for k in want.optimizer)
+                     and c.metrics == want.metrics))
 
 
 @SETTINGS
 @given(data=st.data())
 def test_damaged_routers_are_one_line_errors_or_exact_reads(originals, data):
     raw, want = originals["router"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "router.h5"
-        path.write_bytes(damaged(data, raw))
-        check(load_clustering, path, lambda c: (np.array_equal(c.centroids, want.centroids)
-                                                and np.array_equal(c.idf, want.idf)))
+    check(load_clustering, "router.h5", damaged(data, raw),
+          lambda c: np.array_equal(c.centroids, want.centroids) and np.array_equal(c.idf, want.idf))

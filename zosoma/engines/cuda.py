@@ -643,7 +643,7 @@ class CudaOps(Ops):
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
         return result
 
-    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None):
+    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):  # every column
         return nll_stream(theta, layout, tokens, targets, state)
 
     def log_probs(self, theta, layout: Layout, tokens, state=None):

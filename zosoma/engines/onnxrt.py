@@ -95,7 +95,7 @@ class OnnxRuntimeOps(ForwardOnlyOps):
             out[m] = nll.sum(dtype=np.float64) / nll.size
         return out
 
-    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None):
+    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):  # every column
         """Nats (B, T) float32 of each target byte and the state after the last step, carried in
         from `state` (one (h, c) pair of (B, H) per layer; None: zeros)."""
         cfg = layout.config

@@ -111,10 +111,12 @@ class Ops:
             plus[at], minus[at] = losses[0::2], losses[1::2]
         return plus, minus
 
-    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None):
+    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):
         """Nats (B, T) float32 of each target byte under one model, and the state after the last
-        step (one (h, c) pair of (B, H) per layer), carried in from `state` (None: zeros)."""
-        return forward.nll_stream(theta, layout, tokens, targets, state)
+        step (one (h, c) pair of (B, H) per layer), carried in from `state` (None: zeros).
+        Columns before scored_from are context whose nats no one reads: an engine may skip their
+        output layer (here it does: they read 0) or compute them."""
+        return forward.nll_stream(theta, layout, tokens, targets, state, scored_from)
 
     def log_probs(self, theta, layout: Layout, tokens, state=None):
         """Next-byte log-probabilities (B, T, V) float32 of one model, and the final state."""
@@ -125,12 +127,9 @@ class Ops:
         """Nats (B_i, T_i) float32 of model i = (theta, layout) on its rows (tokens, targets)
         (B_i, T_i) uint8, each from zero state: routed inference runs every selected expert on
         its own segments. scored_from[i], if given: columns before it are context, whose nats
-        the caller ignores (an engine may skip their output layer). Here one model after another,
-        the context's output layer skipped."""
+        the caller ignores (nll_stream's). Here one model after another."""
         froms = list(scored_from) or [0] * len(models)
-        if type(self).nll_stream is not Ops.nll_stream:  # another engine's forward: every column
-            return [self.nll_stream(theta, layout, tok, tgt)[0] for (theta, layout), (tok, tgt) in zip(models, rows)]
-        return [forward.nll_stream(theta, layout, tok, tgt, None, first)[0]
+        return [self.nll_stream(theta, layout, tok, tgt, None, first)[0]
                 for (theta, layout), (tok, tgt), first in zip(models, rows, froms)]
 
     # --- updates ----------------------------------------------------------------------------

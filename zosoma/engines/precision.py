@@ -32,5 +32,5 @@ class PrecisionOps(ForwardOnlyOps):
     def population_loss(self, thetas, layout: Layout, batch) -> np.ndarray:
         return precision_kernels.population_loss(thetas, layout, batch, self.fmt)
 
-    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None):
+    def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):  # every column
         return precision_kernels.nll_stream(theta, layout, tokens, targets, self.fmt, state)
