@@ -115,6 +115,14 @@ def test_a_worker_killed_with_os_exit_is_retried(tmp_path, two_domains, ray_loca
     assert_same_experts("inline", "ray")
 
 
+def kill_and_wait(actor):
+    """ray.kill returns before the actor dies: wait, so the next step is the one that meets the loss."""
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:
+            ray.get(actor.call.remote("state"))
+
+
 def test_a_population_over_ray_actors_survives_a_lost_actor(tmp_path, two_domains, ray_local):
     paths = [str(two_domains / "prose.txt")]
     list(start_run("one", MODEL, CFG, paths))
@@ -132,7 +140,7 @@ def test_a_population_over_ray_actors_survives_a_lost_actor(tmp_path, two_domain
         if isinstance(r, Step):
             notes += r.notes
             if r.step == 6:  # the checkpoint is at step 4
-                ray.kill(spy.handles[0].actor)
+                kill_and_wait(spy.handles[0].actor)
     assert len(notes) == 1 and "rebuilt from the checkpoint at step 4 and 2 logged steps" in notes[0]
     assert np.array_equal(RunFolder("w2").read_checkpoint().theta, RunFolder("one").read_checkpoint().theta)
 
