@@ -61,7 +61,7 @@ def test_antithetic_pair_is_add_noise_with_both_signs():
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
-@pytest.mark.parametrize("d", [1, 127, 129, 3000])
+@pytest.mark.parametrize("d", [1, 127, 129, 3000, 9000])
 def test_fused_update_is_bit_identical_to_the_formula(kind, d, n_threads):
     rng = np.random.default_rng(d)
     theta = rng.standard_normal(d).astype(np.float32)

@@ -140,6 +140,11 @@ def kind_code(kind: str) -> int:
 _BLOCK = 128  # parameters per block of the fast paths: one Rademacher Philox block, 32 Gaussian ones
 _SPAN = 32  # blocks the update adds at once (16 KiB of float32: L1)
 _THREADED_MIN = 1 << 20  # parameters x directions from which the update is split over threads
+# For byte c of a Rademacher word, the float32 sign bits of its 8 parameters, two per uint64 (the
+# lower-numbered parameter in the low half: little-endian, as x86 and ARM are). Flipping w's sign
+# bit gives w * delta exactly, so the update adds the same numbers without a multiply.
+_SIGN_BITS = np.array([[((c >> (2 * p)) & 1) << 31 | ((c >> (2 * p + 1)) & 1) << 63 for p in range(4)]
+                       for c in range(256)], np.uint64)
 
 
 @_jit
@@ -162,6 +167,20 @@ def _block_values(values, kind, block, k0, k1, member, step, expert):
                 r = math.sqrt(-2.0 * math.log(u1))
                 values[4 * q + 2 * p] = np.float32(r * math.cos(2.0 * math.pi * u2))
                 values[4 * q + 2 * p + 1] = np.float32(r * math.sin(2.0 * math.pi * u2))
+
+
+@_jit
+def _signed_block(pairs, w2, block, k0, k1, member, step, expert):
+    """pairs (64,) uint64, read as (128,) float32, = w * delta[128*block : 128*block + 128] of
+    (member, step, expert), Rademacher: w2 is w's float32 bits in both halves of a uint64."""
+    x = philox4x32_10(block, member, step, expert, k0, k1)
+    for w in range(4):
+        word = x[w]
+        for q in range(4):  # a byte of the word: 8 parameters, 4 pairs
+            c = (word >> np.uint32(8 * q)) & np.uint32(255)
+            o = (w << 4) + (q << 2)
+            for p in range(4):
+                pairs[o + p] = w2 ^ _SIGN_BITS[c, p]
 
 
 @_jit
@@ -195,6 +214,10 @@ def _weighted_blocks(out, theta, weights, lr, decay, decay_on, kind, k0, k1, ste
     n = out.shape[0]
     acc = np.empty(_SPAN * _BLOCK, np.float32)
     values = np.empty(_SPAN * _BLOCK, np.float32)
+    pairs = np.empty(_SPAN * _BLOCK // 2, np.uint64)
+    signed = pairs.view(np.float32)  # weights[k] * delta_k, built from sign bits
+    bits = weights.view(np.uint32)
+    fast = kind == RADEMACHER and kept.shape[0] == 0
     for s0 in range(b0, b1, _SPAN):
         s1 = min(b1, s0 + _SPAN)
         j0 = s0 * _BLOCK
@@ -202,6 +225,13 @@ def _weighted_blocks(out, theta, weights, lr, decay, decay_on, kind, k0, k1, ste
         acc[:m] = 0.0
         for k in range(weights.shape[0]):
             w = weights[k]
+            if fast:
+                w2 = np.uint64(bits[k]) | (np.uint64(bits[k]) << np.uint64(32))
+                for b in range(s0, s1):
+                    _signed_block(pairs[(b - s0) * (_BLOCK // 2):], w2, b, k0, k1, k, step, expert)
+                for i in range(m):
+                    acc[i] = acc[i] + signed[i]
+                continue
             if kept.shape[0]:
                 values[:m] = kept[k, j0:j0 + m]
             else:
