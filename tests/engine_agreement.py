@@ -23,8 +23,8 @@ ENGINES = ("native", "onnxruntime")
 def train(engine: str, seed: int, run_dir: Path) -> dict:
     if not (run_dir / "results.json").exists():
         cmd = ["zosoma", "train", "--engine", engine, "--seed", str(seed), "--run-dir", str(run_dir)]
-        if run_dir.exists():
-            cmd.append("--resume")
+        if run_dir.exists():  # an interrupted run: it keeps its engine and seed
+            cmd = ["zosoma", "train", "--resume", str(run_dir)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((run_dir / "results.json").read_text())
 
