@@ -14,8 +14,8 @@ from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 
 
-def verdicts(losses, skipped=None):
-    guard = g.DivergenceGuard()
+def verdicts(losses, skipped=None, window=g.WINDOW):
+    guard = g.DivergenceGuard(window)
     skipped = skipped or [False] * len(losses)
     return [(i + 1, v) for i, (x, s) in enumerate(zip(losses, skipped)) if (v := guard.observe(x, s))]
 
@@ -33,6 +33,17 @@ def test_a_rising_loss_is_caught_after_the_window():
     first = found[0][0]
     # the EMA needs ~12 steps to pass 1.25 x the best, then WINDOW steps above it
     assert 300 + g.WINDOW < first < 300 + g.WINDOW + 30
+
+
+def test_a_short_run_that_blows_up_early_is_caught():
+    # the shape of SPSA P=1024 at twice its tuned rate (165 steps): down to 4.2, then ~500 from step 45
+    losses = list(np.linspace(5.5, 4.2, 44)) + [500.0] * 121
+    assert g.window_for(165) == g.MIN_WINDOW and g.window_for(4000) == g.WINDOW
+    found = verdicts(losses, window=g.window_for(len(losses)))
+    # above its best from the first judged step (51), caught a window later; the best is the
+    # descent's (the EMA lags it), not the blown-up level the EMA had reached by step 51
+    assert found[0][0] == g.WARMUP + g.MIN_WINDOW and "1.25 x its best 5.060 for 20 steps" in found[0][1]
+    assert verdicts(losses) == []  # a 200-step window is longer than the run
 
 
 def test_non_finite_steps_in_a_row_are_caught():

@@ -4,16 +4,20 @@ It watches the minibatch loss estimate of every step (the strategies' `loss`, th
 members' losses) and the steps skipped for non-finite losses:
 
     smoothed = EMA of the finite losses (decay 0.98: about the last 50 steps)
-    best     = the lowest smoothed loss so far, once the first WARMUP steps are past
+    best     = the lowest smoothed loss so far, from the first step
+    window   = WINDOW steps, or an eighth of a shorter run (at least MIN_WINDOW)
     verdict  "non-finite: N steps in a row skipped"    after SKIPS consecutive skipped steps
              "rising: smoothed loss X, RATIO x its best Y for N steps"
-                                                     after WINDOW consecutive steps with
-                                                     smoothed > RATIO * best
+                                                     after `window` consecutive steps past the
+                                                     first WARMUP with smoothed > RATIO * best
 
 A healthy SPSA run's smoothed loss wanders by a few percent and never sits 25% above its best for
 200 steps; the diverged runs seen so far (a SOMA expert at lr 0.3, the summed ablation at 0.15)
-left their best for good within tens of steps. The guard is a pure function of the loss sequence,
-so a resumed run reaches the same verdict at the same step (it replays the logged losses).
+left their best for good within tens of steps. The window shrinks with the run so a short one
+(SPSA P=1024's 165 steps at CPU scale) is judged too, and the best counts from the first step so a
+run that blows up within its first WARMUP steps is caught. The guard is a pure function of the
+loss sequence, so a resumed run reaches the same verdict at the same step (it replays the logged
+losses).
 """
 
 from __future__ import annotations
@@ -25,11 +29,18 @@ DECAY = 0.98
 WARMUP = 50
 RATIO = 1.25
 WINDOW = 200
+MIN_WINDOW = 20
 SKIPS = 20
+
+
+def window_for(steps: int) -> int:
+    """How many steps a run's loss must sit above RATIO x its best to be called diverged."""
+    return max(MIN_WINDOW, min(WINDOW, steps // 8))
 
 
 @dataclass
 class DivergenceGuard:
+    window: int = WINDOW
     smoothed: float | None = None
     best: float = math.inf
     steps: int = 0
@@ -48,19 +59,19 @@ class DivergenceGuard:
             return None
         self.skipped_run = 0
         self.smoothed = loss if self.smoothed is None else DECAY * self.smoothed + (1 - DECAY) * loss
+        self.best = min(self.best, self.smoothed)
         if self.steps <= WARMUP:
             return None
-        self.best = min(self.best, self.smoothed)
         self.above = self.above + 1 if self.smoothed > RATIO * self.best else 0
-        if self.above >= WINDOW:
+        if self.above >= self.window:
             return (f"rising: smoothed loss {self.smoothed:.3f}, over {RATIO} x its best {self.best:.3f} "
                     f"for {self.above} steps")
         return None
 
     @classmethod
-    def replay(cls, metrics: list[dict]) -> "DivergenceGuard":
+    def replay(cls, metrics: list[dict], window: int = WINDOW) -> "DivergenceGuard":
         """The guard as it stood after the logged steps (a resumed run)."""
-        guard = cls()
+        guard = cls(window)
         for record in metrics:
             guard.observe(record["loss"], record.get("skipped", False))
         return guard

@@ -30,7 +30,7 @@ from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.guard import DivergenceGuard
+from zosoma.runs.guard import DivergenceGuard, window_for
 from zosoma.runs.records import Diverged, Finished, Step, Stopped
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
@@ -84,7 +84,7 @@ class Trainer:
         self.folder.rewrite_metrics(state.metrics)  # drop records past the checkpoint
         self.timings: dict = {}  # seconds of the step in progress: data, noise, forward, update
         self._pop = None  # the population `losses` evaluated, for `update`
-        self.guard = DivergenceGuard.replay(state.metrics)
+        self.guard = DivergenceGuard.replay(state.metrics, window_for(cfg.steps))
         # a run resumed after its guard stopped it goes on: resuming says "continue"
         self.stop_on_divergence = cfg.on_divergence == "stop" and state.divergence is None
 
