@@ -17,20 +17,22 @@ from pathlib import Path
 
 import numpy as np
 
+from zosoma.runs.folder import RESULTS, RunFolder
+
 ENGINES = ("native", "onnxruntime")
 
 
 def train(engine: str, seed: int, run_dir: Path) -> dict:
-    if not (run_dir / "results.json").exists():
+    if not (run_dir / RESULTS).exists():
         cmd = ["zosoma", "train", "--engine", engine, "--seed", str(seed), "--run-dir", str(run_dir)]
         if run_dir.exists():  # an interrupted run: it keeps its engine and seed
             cmd = ["zosoma", "train", "--resume", str(run_dir)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((run_dir / "results.json").read_text())
+    return json.loads((run_dir / RESULTS).read_text())
 
 
 def losses(run_dir: Path) -> np.ndarray:
-    return np.array([json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    return np.array([r["loss"] for r in RunFolder(run_dir).read_checkpoint().metrics])
 
 
 def first_above(diff: np.ndarray, bound: float) -> str:
