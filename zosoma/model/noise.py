@@ -224,21 +224,22 @@ def _weighted_blocks(out, theta, weights, lr, decay, decay_on, kind, k0, k1, ste
         m = min(s1 * _BLOCK, n) - j0
         acc[:m] = 0.0
         for k in range(weights.shape[0]):
-            w = weights[k]
             if fast:
                 w2 = np.uint64(bits[k]) | (np.uint64(bits[k]) << np.uint64(32))
                 for b in range(s0, s1):
                     _signed_block(pairs[(b - s0) * (_BLOCK // 2):], w2, b, k0, k1, k, step, expert)
                 for i in range(m):
                     acc[i] = acc[i] + signed[i]
-                continue
-            if kept.shape[0]:
-                values[:m] = kept[k, j0:j0 + m]
             else:
-                for b in range(s0, s1):
-                    _block_values(values[(b - s0) * _BLOCK:(b - s0 + 1) * _BLOCK], kind, b, k0, k1, k, step, expert)
-            for i in range(m):
-                acc[i] = acc[i] + w * values[i]
+                if kept.shape[0]:
+                    values[:m] = kept[k, j0:j0 + m]
+                else:
+                    for b in range(s0, s1):
+                        _block_values(values[(b - s0) * _BLOCK:(b - s0 + 1) * _BLOCK], kind, b, k0, k1, k, step,
+                                      expert)
+                w = weights[k]
+                for i in range(m):
+                    acc[i] = acc[i] + w * values[i]
         if theta.shape[0] == 0:
             for i in range(m):
                 out[j0 + i] = acc[i]
