@@ -703,7 +703,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     finished = sum(RunFolder(j.run_dir).read_result() is not None for j in sweep + todo)
     if sweep:
         t = cmp.tuning
-        click.echo(f"tuning first: every method at lr x{', x'.join(f'{f:g}' for f in t.lr_factors)} (EGGROLL and "
+        which = "every method" if t.methods is None else ", ".join(t.methods)
+        click.echo(f"tuning first: {which} at lr x{', x'.join(f'{f:g}' for f in t.lr_factors)} (EGGROLL and "
                    f"ES also sigma x{', x'.join(f'{f:g}' for f in t.sigma_factors)}), seed {t.seed}, scored on "
                    f"validation: {len(sweep)} runs; then each method's winner")
     click.echo(f"{len(sweep) + len(todo)} runs, {finished} already finished")

@@ -79,6 +79,7 @@ def test_shipped_configs_load():
     equal = [m.experts * m.model.n_params() for m in curve.methods if "equal params" in m.series]
     assert max(equal) / min(equal) < 1.05 and sorted(m.experts for m in curve.methods
                                                      if "equal params" in m.series) == [1, 2, 4, 8, 16]
+    assert curve.tuning.methods == ("N=4 E=20 H=40", "N=8 E=16 H=20", "N=16 E=8 H=12")
     paper = load_comparison(find_config("paper"))
     assert abs(paper.methods[0].experts * paper.methods[0].model.n_params() / 8.44e6 - 1) < 0.001
 
@@ -92,6 +93,7 @@ def test_shipped_configs_load():
     (MINI.replace('"SPSA P=2"', '"SOMA N=2"'), "distinct"),
     (MINI.replace("layers = 1}", "layers = 0}", 1), "layers must be at least 1"),
     ("title = [", "bad.toml"),
+    (MINI + '[tuning]\nmethods = ["SPSA P=3"]\n', "no such method"),
 ])
 def test_bad_configs_are_one_line_errors(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -240,3 +242,18 @@ def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_pa
     assert final["train"]["lr"] == best and "heldout" in final
     text = paths["results.md"].read_text()
     assert "## Tuning" in text and text.count("**yes**") == 1
+
+
+def test_tuning_only_the_methods_named(mini, tmp_path):
+    """[tuning] methods = [...]: only those are swept; the others run every seed as configured."""
+    from zosoma.experiments.compare import Tuning, run_comparison, tuning_jobs
+
+    cmp = dataclasses.replace(mini, seeds=(0,), ablation=(), ablation_seeds=(),
+                              tuning=Tuning(seed=0, lr_factors=(0.5, 2.0), methods=("SPSA P=2",)))
+    sweep = tuning_jobs(cmp, tmp_path / "out")
+    assert [(j.method.name, j.method.train.lr) for j in sweep] == [("SPSA P=2", 0.025), ("SPSA P=2", 0.1)]
+    paths = run_comparison(cmp, tmp_path / "out")
+    soma = RunFolder(tmp_path / "out" / "runs" / "soma-n-2-seed0").read_result()
+    assert soma["train"]["lr"] == 0.05 and "heldout" in soma
+    text = paths["results.md"].read_text()
+    assert text.count("| SPSA P=2 |") >= 2 and "| SOMA N=2 | lr" not in text

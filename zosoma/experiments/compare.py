@@ -130,12 +130,17 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Equal tuning for every method: the learning rate (and sigma, for EGGROLL and ES) at each
-    factor of its configured value, one seed, the full budget, scored on the validation split; a
-    diverged run counts as a loss. The winner then runs every seed of the comparison."""
+    """Equal tuning for every method (or the methods named): the learning rate (and sigma, for
+    EGGROLL and ES) at each factor of its configured value, one seed, the full budget, scored on
+    the validation split; a diverged run counts as a loss. The winner then runs every seed of the
+    comparison; a method not named runs as configured."""
     seed: int = 0
     lr_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
     sigma_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
+    methods: tuple[str, ...] | None = None  # None: every method
+
+    def tunes(self, method: Method) -> bool:
+        return self.methods is None or method.name in self.methods
 
 
 _TOP_KEYS = {"title", "seeds", "flops", "curve_points", "curve_bytes", "segment", "context", "top_k",
@@ -173,9 +178,11 @@ def load_comparison(path: Path) -> Comparison:
                              for loss in ("independent", "summed"))
         tuning = None
         if "tuning" in raw:
-            _known(raw["tuning"], {"seed", "lr_factors", "sigma_factors"}, f"{path} [tuning]")
-            tuning = Tuning(**{k: (int(v) if k == "seed" else tuple(float(x) for x in v))
-                               for k, v in raw["tuning"].items()})
+            t = dict(raw["tuning"])
+            _known(t, {"seed", "lr_factors", "sigma_factors", "methods"}, f"{path} [tuning]")
+            names = _names(t.pop("methods")) if "methods" in t else None
+            tuning = Tuning(**{k: (int(v) if k == "seed" else tuple(float(x) for x in v)) for k, v in t.items()},
+                            methods=names)
         cmp = Comparison(title=str(raw.get("title", Path(path).stem)), seeds=tuple(int(s) for s in raw["seeds"]),
                          flops=budget, methods=methods, ablation=ablation, ablation_seeds=ablation_seeds,
                          tuning=tuning, eval_top_k=tuple(int(k) for k in raw.get("eval_top_k", ())),
@@ -190,6 +197,9 @@ def load_comparison(path: Path) -> Comparison:
     names = [m.name for m in cmp.methods]
     if len(set(map(slug, names))) != len(names):
         raise ConfigError(f"{path}: method names must be distinct: {names}")
+    unknown = sorted(set(cmp.tuning.methods or ()) - set(names)) if cmp.tuning else []
+    if unknown:
+        raise ConfigError(f"{path} [tuning]: no such method(s) {unknown}; the methods are {names}")
     if cmp.curve_points < 1 or cmp.curve_bytes < 2:
         raise ConfigError(f"{path}: curve_points must be >= 1 and curve_bytes >= 2")
     return cmp
@@ -271,27 +281,34 @@ def tuning_jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job
     tune = Path(out_dir) / "runs" / "tune"
     return [Job(str(tune / f"{slug(m.name)}-{slug(label)}-seed{cmp.tuning.seed}"), v, cmp.tuning.seed, False,
                 device, tuning=True)
-            for m in cmp.methods for label, v in variants(m, cmp.tuning)]
+            for m in cmp.methods if cmp.tuning.tunes(m) for label, v in variants(m, cmp.tuning)]
 
 
 def tuned(cmp: Comparison, results: dict[str, dict], out_dir: Path) -> tuple[Comparison, list[dict]]:
-    """The comparison with each method at its best setting on validation (a diverged run loses),
-    and one row per sweep run for the tuning table."""
+    """The comparison with each tuned method at its best setting on validation (a diverged run
+    loses), and one row per sweep run for the tuning table."""
     rows, methods = [], []
+    sweep = tuning_jobs(cmp, out_dir)
     for m in cmp.methods:
-        best = None
-        for (label, v), job in zip(variants(m, cmp.tuning), (j for j in tuning_jobs(cmp, out_dir) if
-                                                               j.method.name == m.name)):
-            r = results[job.run_dir]
-            score = math.inf if r.get("divergence") else r["validation"]
-            rows.append({"method": m.name, "setting": label, "lr": v.train.lr, "eps": v.train.eps,
-                         "validation": r["validation"], "diverged": bool(r.get("divergence")),
-                         "final_train_loss": r.get("final_train_loss"), "chosen": False})
-            if best is None or score < best[0]:
-                best = (score, v, len(rows) - 1)
-        rows[best[2]]["chosen"] = True
-        methods.append(best[1])
+        if cmp.tuning.tunes(m):
+            m = _best(m, cmp.tuning, [results[j.run_dir] for j in sweep if j.method.name == m.name], rows)
+        methods.append(m)
     return dataclasses.replace(cmp, methods=tuple(methods)), rows
+
+
+def _best(method: Method, tuning: Tuning, results: list[dict], rows: list[dict]) -> Method:
+    """The setting of `method` whose sweep run (results, in variants' order) scored best; appends
+    one tuning-table row per setting, the winner's marked chosen."""
+    best = None
+    for (label, v), r in zip(variants(method, tuning), results):
+        score = math.inf if r.get("divergence") else r["validation"]
+        rows.append({"method": method.name, "setting": label, "lr": v.train.lr, "eps": v.train.eps,
+                     "validation": r["validation"], "diverged": bool(r.get("divergence")),
+                     "final_train_loss": r.get("final_train_loss"), "chosen": False})
+        if best is None or score < best[0]:
+            best = (score, v, len(rows) - 1)
+    rows[best[2]]["chosen"] = True
+    return best[1]
 
 
 # ------------------------------------------------------------------------------------------ runs

@@ -315,7 +315,7 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None):
                  f"held-out at {at:.0f} s column reads each run's curve at the same training seconds (the "
                  f"shortest method's mean), summed over a run's experts.\n")
     if tuning:
-        text += ("\n## Tuning: every method at each setting, seed 0, full budget, scored on validation "
+        text += ("\n## Tuning: each swept method at every setting, seed 0, full budget, scored on validation "
                  f"(a diverged run loses)\n\n{tuning_markdown(tuning)}\n")
     curve = n_curve(results)
     if curve:
