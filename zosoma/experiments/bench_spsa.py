@@ -36,6 +36,8 @@ from zosoma.runs.trainer import Trainer, new_state
 
 PARTS = ("forward", "noise", "data", "update")
 _PAUSE_S = 0.3  # between paths: the previous path's BLAS/OpenMP threads stop spinning
+# After the pause every path runs one untimed step before its timed one: training runs its steps
+# back to back, and a step straight after a sleep ran 30% slower (cores and caches still cold).
 
 
 def step_defaults(preset: str) -> dict:
@@ -79,7 +81,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     T = seq_len or defaults["seq_len"]
     model, overrides = PRESETS[preset]
     cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides, "perturbations": P, "batch": B, "seq_len": T,
-                         "steps": steps + 1, "noise": noise, "seed": seed, "checkpoint_every": 10**9})
+                         "steps": 2 * steps + 1, "noise": noise, "seed": seed, "checkpoint_every": 10**9})
     sampler = BatchSampler(load_corpus(None, "train"), T + 1)
     n_threads = threads.n_threads()
     per_step, in_forward = [], []
@@ -95,7 +97,8 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
                     peer_steps[name, n] = make(model, P, peer_batch, eps=cfg.eps, kind=noise, threads=n, seed=seed)
                     peer_times[name, n] = []
         for s in range(steps + 1):  # round 0 warms up every path (JIT, caches)
-            trainer.update(*trainer.coefficients(*trainer.losses()))
+            for _ in range(2 if s else 1):
+                trainer.update(*trainer.coefficients(*trainer.losses()))
             if s:
                 per_step.append(dict(trainer.timings))
             if on_cpu:
@@ -107,6 +110,8 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
                     in_forward.append(time.perf_counter() - t0)
             for key, step in list(peer_steps.items()):
                 time.sleep(_PAUSE_S)
+                if s:
+                    step(s)
                 t0 = time.perf_counter()
                 step(s)
                 peer_times[key].append(time.perf_counter() - t0)
@@ -156,8 +161,8 @@ def format_spsa(r: dict) -> str:
     m = r["model"]
     lines = [f"SPSA step, preset {r['preset']} (E={m.embed} H={m.hidden} L={m.layers}, {r['n_params']:,} parameters), "
              f"P={r['perturbations']} ({2 * r['perturbations']} forward passes), B={r['batch']} T={r['seq_len']}, "
-             f"{r['noise']} noise, device {r['device']}, {r['threads']} threads; median of {r['steps']} steps "
-             f"after a warm-up",
+             f"{r['noise']} noise, device {r['device']}, {r['threads']} threads; median of {r['steps']} steps, each after "
+             f"an untimed one (after a warm-up round)",
              f"  {'part':<10} {'s/step':>9} {'share':>7}"]
     lines += [f"  {k:<10} {v:>9.4f} {v / r['step_s']:>7.1%}" for k, v in r["parts"].items()]
     lines.append(f"  {'total':<10} {r['step_s']:>9.4f}")

@@ -260,8 +260,9 @@ def _weighted(n, theta, weights, lr, decay, decay_on, seed, expert, step, kind, 
     if kept.size and kept.shape != (weights.size, n):
         raise ValueError(f"kept directions must be ({weights.size}, {n}), got {kept.shape}")
     out = np.empty(n, np.float32)
-    # threads from about a millisecond of work (the tiny preset's update: 1.9 ms on one thread,
-    # 1.3 ms on two, AVX2 EPYC); a smaller one would wait longer for a busy core than it runs
+    # threads from about a million parameter-directions: at d x P = 0.8M one thread and two take
+    # the same time (0.45-0.6 ms); the tiny preset's update (1.6M) takes 0.83 ms on one thread and
+    # 0.63 ms on two (medians, AVX2 EPYC, sign-bit path); below that a busy core costs more than it saves
     many = n * weights.size >= _THREADED_MIN
     parts = threads.split((n + _BLOCK - 1) // _BLOCK, 4 * threads.n_threads() if many else 1)
 
