@@ -704,9 +704,10 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     if sweep:
         t = cmp.tuning
         which = "every method" if t.methods is None else ", ".join(t.methods)
-        click.echo(f"tuning first: {which} at lr x{', x'.join(f'{f:g}' for f in t.lr_factors)} (EGGROLL and "
-                   f"ES also sigma x{', x'.join(f'{f:g}' for f in t.sigma_factors)}), seed {t.seed}, scored on "
-                   f"validation: {len(sweep)} runs; then each method's winner")
+        sigma = any(j.method.kind in ("eggroll", "es") for j in sweep)
+        click.echo(f"tuning first: {which} at lr x{', x'.join(f'{f:g}' for f in t.lr_factors)}"
+                   + (f" (EGGROLL and ES also sigma x{', x'.join(f'{f:g}' for f in t.sigma_factors)})" if sigma else "")
+                   + f", seed {t.seed}, scored on validation: {len(sweep)} runs; then each method's winner")
     click.echo(f"{len(sweep) + len(todo)} runs, {finished} already finished")
     if plan:
         return
