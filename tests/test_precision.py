@@ -70,6 +70,33 @@ def test_int8_tables_and_quantisation():
     assert np.abs(qw * s - w).max() <= s / 2 + 1e-7
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_activation_tables_are_the_activations_of_every_format_value(fmt):
+    """The compiled forward looks the activations up by the input's bit pattern: the tables must
+    hold the rounded activation of every value, and a value must find its own pattern."""
+    code = precision_kernels.CODES[fmt]
+    values = precision_kernels._format_values(code)
+    sig, tanh = precision_kernels.activation_tables(code)
+    finite = np.isfinite(values)
+    x = values[finite].astype(np.float64)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(sig[finite], precision.round_to(1.0 / (1.0 + np.exp(-x)), fmt))
+    assert np.array_equal(tanh[finite], precision.round_to(np.tanh(x), fmt))
+    patterns = [precision_kernels._pattern(v, u, code) for v, u in zip(values, values.view(np.uint32))]
+    same = np.array(patterns) == np.arange(65536)
+    assert same[~np.isnan(values)].all() and np.isnan(sig[np.array(patterns)[np.isnan(values)]]).all()
+
+
+def test_members_on_threads_give_each_member_alone():
+    theta, layout = _model(8, 8, 1)
+    thetas = np.stack([theta * s for s in (1.0, 0.9, 1.1, 0.8)])
+    batch = _bytes(6, (4, 3, 10))
+    for fmt in FORMATS:
+        together = precision_kernels.population_loss(thetas, layout, batch, fmt)
+        alone = [precision_kernels.population_loss(t[None], layout, b, fmt)[0] for t, b in zip(thetas, batch)]
+        assert np.array_equal(together, alone)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("embed, hidden, layers, B, T", [(12, 16, 2, 3, 9), (8, 8, 1, 2, 17)])
 def test_compiled_emulation_matches_numpy(fmt, embed, hidden, layers, B, T):

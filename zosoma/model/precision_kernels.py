@@ -1,11 +1,15 @@
 """The low-precision forwards of zosoma.model.precision, compiled with Numba.
 
 Same specification, same arithmetic as that module's NumPy version, organised like
-zosoma.model.forward: one member at a time, its weights prepared once (rounded, or quantised to
-int8 with their scales), the time loop compiled, layer 0's input projection a table
-(embed @ w_ih: exact for int8, whose products are integers; float formats as one fp32 GEMM),
-then the log-softmax and NLL of zosoma.model.forward (fp32). Integer arithmetic is carried in
-float64, where every sum of int8 products is exact.
+zosoma.model.forward: members spread over threads (zosoma.model.threads), each one's weights
+prepared once (rounded, or quantised to int8 with their scales), the time loop compiled, layer 0's
+input projection a table (embed @ w_ih: exact for int8, whose products are integers; float
+formats as one fp32 GEMM), then the log-softmax and NLL of zosoma.model.forward (fp32). Integer
+arithmetic is carried in float64, where every sum of int8 products is exact.
+
+Activations are table lookups, exact by construction: a bf16 or fp16 input is one of 65,536
+values, so each format has a table of its rounded sigmoid and tanh indexed by the input's bit
+pattern; int8's interpolated tables are expanded to all 65,536 Q3.12 inputs.
 
 No fastmath here: rounding, saturation and overflow to infinity must happen exactly as specified.
 Shapes: M members, B batch, T time, E embedding, H hidden, L layers, V = 256.
@@ -19,16 +23,20 @@ import numpy as np
 from numba import njit
 
 from zosoma.config import VOCAB
+from zosoma.model import threads
 from zosoma.model.forward import output_rows
 from zosoma.model.params import Layout
 from zosoma.model.precision import (FP16_MAX, FP16_MIN_NORMAL, Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE,
-                                    TANH_TABLE, check_format)
+                                    TANH_TABLE, check_format, table_lookup)
 
 _JIT = dict(cache=True, error_model="numpy")
 BF16, FP16, INT8 = 1, 2, 3
 CODES = {"bf16": BF16, "fp16": FP16, "int8": INT8}
-_SIG = SIGMOID_TABLE.astype(np.float64)
-_TANH = TANH_TABLE.astype(np.float64)
+# int8's interpolated table activations at every Q3.12 input, -32768..32767 (index q + 32768):
+# a lookup instead of the interpolation, the same integers
+_Q_INPUTS = np.arange(-32768, 32768)
+_SIG = table_lookup(_Q_INPUTS, SIGMOID_TABLE).astype(np.float32)
+_TANH = table_lookup(_Q_INPUTS, TANH_TABLE).astype(np.float32)
 
 
 @njit(**_JIT)
@@ -41,25 +49,21 @@ def round_array(a, code):
             v = np.uint64(u[k])
             u[k] = np.uint32((v + np.uint64(0x7FFF) + ((v >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFF0000))
         return
-    for k in range(flat.size):
+    for k in range(flat.size):  # written as selects, so that the loop vectorizes
         x = flat[k]
-        if abs(x) < FP16_MIN_NORMAL:  # subnormal: a fixed grid of 2^-24
-            flat[k] = np.float32(np.rint(np.float64(x) * 16777216.0) / 16777216.0)
-        else:
-            v = np.uint64(u[k])
-            u[k] = np.uint32((v + np.uint64(0xFFF) + ((v >> np.uint64(13)) & np.uint64(1))) & np.uint64(0xFFFFE000))
-            if abs(flat[k]) > FP16_MAX:
-                flat[k] = np.float32(np.inf) if x > 0 else np.float32(-np.inf)
+        v = np.uint64(u[k])
+        normal = np.uint32((v + np.uint64(0xFFF) + ((v >> np.uint64(13)) & np.uint64(1))) & np.uint64(0xFFFFE000))
+        sub = np.rint(x * np.float32(16777216.0)) * np.float32(1.0 / 16777216.0)  # exact: powers of 2
+        u[k] = normal
+        r = flat[k]
+        r = sub if abs(x) < FP16_MIN_NORMAL else r
+        flat[k] = np.float32(np.copysign(np.inf, x)) if abs(r) > FP16_MAX else r
 
 
 @njit(**_JIT)
 def _lut(q, table):
-    """The interpolated table activation of one Q3.12 integer q (float64): a Q0.15 integer."""
-    u = q + 32768.0
-    k = int(u) >> 8
-    r = u - k * 256.0
-    lo = table[k]
-    return lo + math.floor(((table[k + 1] - lo) * r + 128.0) / 256.0)
+    """The table activation (_SIG, _TANH) of one Q3.12 integer q (float64): a Q0.15 integer."""
+    return np.float64(table[int(q) + 32768])
 
 
 @njit(**_JIT)
@@ -73,9 +77,57 @@ def _sigmoid64(x):
 
 
 @njit(**_JIT)
-def _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll_out):
-    """One model in bf16/fp16. w (d,) float32 already rounded; h, c (L, B, H) float32 format
-    values, updated in place; writes nll_out (B, T). Returns the float64 sum of the nlls."""
+def _activation_tables(values, code):
+    """(sigmoid, tanh) of every value of a 16-bit format, as the format's values (float32): the
+    activation in float64, rounded to fp32, then to the format, as the specification says."""
+    sig = np.empty(values.size, np.float32)
+    tanh = np.empty(values.size, np.float32)
+    for k in range(values.size):
+        sig[k] = np.float32(_sigmoid64(np.float64(values[k])))
+        tanh[k] = np.float32(math.tanh(np.float64(values[k])))
+    round_array(sig, code)
+    round_array(tanh, code)
+    return sig, tanh
+
+
+def _format_values(code: int) -> np.ndarray:
+    """(65536,) float32: the value of each bit pattern of bf16 or fp16."""
+    patterns = np.arange(65536, dtype=np.uint32)
+    if code == BF16:
+        return (patterns << 16).view(np.float32)
+    return patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+_TABLES: dict = {}
+
+
+def activation_tables(code: int) -> tuple[np.ndarray, np.ndarray]:
+    """The format's (sigmoid, tanh) tables indexed by bit pattern (`_pattern`). A bf16 or fp16
+    input has 65,536 possible values, so a lookup gives exactly what the activation would."""
+    if code not in _TABLES:
+        _TABLES[code] = _activation_tables(_format_values(code), code)
+    return _TABLES[code]
+
+
+@njit(**_JIT)
+def _pattern(x, u, code):
+    """The bf16 or fp16 bit pattern of a float32 value x (bits u) that the format holds."""
+    if code == BF16:
+        return u >> np.uint32(16)
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x7F800000):  # inf, or a NaN (any NaN pattern: the table holds NaN)
+        return sign | np.uint32(0x7C00) | (np.uint32(0x200) if a > np.uint32(0x7F800000) else np.uint32(0))
+    if a >= np.uint32(0x38800000):  # normal: rebias the exponent (127 -> 15), keep 10 fraction bits
+        return sign | ((a - np.uint32(0x38000000)) >> np.uint32(13))
+    return sign | np.uint32(abs(x) * 16777216.0)  # zero or subnormal: k x 2^-24
+
+
+@njit(**_JIT)
+def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll_out):
+    """One model in bf16/fp16. w (d,) float32 already rounded; sig, tanh the format's activation
+    tables; h, c (L, B, H) float32 format values, updated in place; writes nll_out (B, T).
+    Returns the float64 sum of the nlls."""
     B, T = tokens.shape
     G = 4 * H
     o = offsets[0]
@@ -84,8 +136,8 @@ def _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll_out):
     table = np.dot(embed, w[o:o + E * G].reshape((E, G)))  # (V, 4H): x @ w_ih of every byte
     gates = np.empty((B, G), np.float32)
     z = np.empty((B, G), np.float32)
+    zu = z.reshape(B * G).view(np.uint32)
     act = np.empty((B, G), np.float32)
-    tc = np.empty((B, H), np.float32)
     xs = np.empty((T, B, H), np.float32)  # a layer's outputs, the next layer's inputs
     for layer in range(L):
         o = offsets[3 * layer + 2]
@@ -96,6 +148,7 @@ def _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll_out):
         if layer > 0:
             o = offsets[3 * layer + 1]
             xproj = np.dot(xs.reshape((T * B, H)), w[o:o + H * G].reshape((H, G)))
+        cu = c[layer].reshape(B * H).view(np.uint32)
         for t in range(T):
             np.dot(h[layer], w_hh, gates)
             for b in range(B):
@@ -105,12 +158,11 @@ def _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll_out):
             round_array(z, code)
             for b in range(B):
                 for j in range(2 * H):  # i, f
-                    act[b, j] = np.float32(_sigmoid64(np.float64(z[b, j])))
+                    act[b, j] = sig[_pattern(z[b, j], zu[b * G + j], code)]
                 for j in range(2 * H, 3 * H):  # g
-                    act[b, j] = np.float32(math.tanh(np.float64(z[b, j])))
+                    act[b, j] = tanh[_pattern(z[b, j], zu[b * G + j], code)]
                 for j in range(3 * H, G):  # o
-                    act[b, j] = np.float32(_sigmoid64(np.float64(z[b, j])))
-            round_array(act, code)
+                    act[b, j] = sig[_pattern(z[b, j], zu[b * G + j], code)]
             for b in range(B):
                 for j in range(H):
                     c[layer, b, j] = np.float32(np.float64(act[b, H + j]) * c[layer, b, j]
@@ -118,11 +170,7 @@ def _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll_out):
             round_array(c[layer], code)
             for b in range(B):
                 for j in range(H):
-                    tc[b, j] = np.float32(math.tanh(np.float64(c[layer, b, j])))
-            round_array(tc, code)
-            for b in range(B):
-                for j in range(H):
-                    h[layer, b, j] = act[b, 3 * H + j] * tc[b, j]
+                    h[layer, b, j] = act[b, 3 * H + j] * tanh[_pattern(c[layer, b, j], cu[b * H + j], code)]
             round_array(h[layer], code)
             xs[t] = h[layer]
     o = offsets[3 * L + 1]
@@ -245,30 +293,26 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out)
     return _scores(logits, tokens, targets, nll_out)
 
 
-@njit(**_JIT)
-def _population_sums(thetas, offsets, sizes, E, H, L, code, batches):
-    """Summed nll of each member (M,) float64; batches (1 or M, B, T+1) uint8; zero state."""
-    M = thetas.shape[0]
+@njit(nogil=True, **_JIT)
+def _member_sum(thetas, m, offsets, sizes, E, H, L, code, sig, tanh, batches, sums):
+    """sums[m] = summed nll of member m (float64) on its batch (batches (1 or M, B, T+1) uint8),
+    from zero state. Without the GIL: members run on threads (zosoma.model.threads)."""
     n_batches, B, T1 = batches.shape
     T = T1 - 1
-    sums = np.empty(M, np.float64)
+    batch = batches[m if n_batches > 1 else 0]
+    tokens = np.ascontiguousarray(batch[:, :T])
+    targets = np.ascontiguousarray(batch[:, 1:])
     nll = np.empty((B, T), np.float32)
-    w = np.empty(thetas.shape[1], np.float32)
-    for m in range(M):
-        batch = batches[m if n_batches > 1 else 0]
-        tokens = np.ascontiguousarray(batch[:, :T])
-        targets = np.ascontiguousarray(batch[:, 1:])
-        if code == INT8:
-            h = np.zeros((L, B, H), np.float64)
-            c = np.zeros((L, B, H), np.float64)
-            sums[m] = _int8_member(thetas[m], offsets, sizes, E, H, L, tokens, targets, h, c, nll)
-        else:
-            w[:] = thetas[m]
-            round_array(w, code)
-            h = np.zeros((L, B, H), np.float32)
-            c = np.zeros((L, B, H), np.float32)
-            sums[m] = _float_member(w, offsets, E, H, L, code, tokens, targets, h, c, nll)
-    return sums
+    if code == INT8:
+        h = np.zeros((L, B, H), np.float64)
+        c = np.zeros((L, B, H), np.float64)
+        sums[m] = _int8_member(thetas[m], offsets, sizes, E, H, L, tokens, targets, h, c, nll)
+    else:
+        w = thetas[m].copy()
+        round_array(w, code)
+        h = np.zeros((L, B, H), np.float32)
+        c = np.zeros((L, B, H), np.float32)
+        sums[m] = _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll)
 
 
 def _offsets(layout: Layout) -> np.ndarray:
@@ -278,6 +322,11 @@ def _offsets(layout: Layout) -> np.ndarray:
 
 def _sizes(layout: Layout) -> np.ndarray:
     return np.array([e.size for e in layout.entries], np.int64)
+
+
+def _tables_for(code: int) -> tuple[np.ndarray, np.ndarray]:
+    """The activation tables _member_sum takes (int8 uses _SIG and _TANH)."""
+    return activation_tables(code) if code != INT8 else (np.empty(0, np.float32), np.empty(0, np.float32))
 
 
 def _code(fmt: str) -> int:
@@ -300,8 +349,9 @@ def population_loss(thetas, layout: Layout, batch, fmt: str) -> np.ndarray:
             or batches.shape[2] < 2:
         raise ValueError(f"batch must be (B, T+1) or (M, B, T+1) uint8 with T >= 1, got {batch.dtype} {batch.shape}")
     cfg = layout.config
-    sums = _population_sums(thetas, _offsets(layout), _sizes(layout), cfg.embed, cfg.hidden, cfg.layers, code,
-                            batches)
+    args = (_offsets(layout), _sizes(layout), cfg.embed, cfg.hidden, cfg.layers, code, *_tables_for(code))
+    sums = np.empty(len(thetas), np.float64)
+    threads.run_items(lambda m, _: _member_sum(thetas, m, *args, batches, sums), len(thetas))
     return sums / (batches.shape[1] * (batches.shape[2] - 1))
 
 
@@ -326,5 +376,6 @@ def nll_stream(theta, layout: Layout, tokens, targets, fmt: str, state=None):
     else:
         w = theta.copy()
         round_array(w, code)
-        _float_member(w, args[0], cfg.embed, cfg.hidden, cfg.layers, code, tokens, targets, h, c, nll)
+        _float_member(w, args[0], cfg.embed, cfg.hidden, cfg.layers, code, *activation_tables(code), tokens,
+                      targets, h, c, nll)
     return nll, [(h[layer].astype(np.float32), c[layer].astype(np.float32)) for layer in range(cfg.layers)]
