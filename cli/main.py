@@ -575,14 +575,16 @@ def bench():
 @click.option("--repeats", type=int, default=5, show_default=True, callback=_positive)
 @click.option("--no-numpy", is_flag=True, help="Skip the slow NumPy reference.")
 @click.option("--engine", type=click.Choice(ENGINES), default="native", show_default=True, help="onnxruntime: also time ONNX Runtime's forward (zosoma's training graph) beside Numba's.")
+@click.option("--forward-precision", "precisions", multiple=True, type=click.Choice([p for p in PRECISIONS if p != "fp32"]), help="Also time the forward emulated in this format (repeat the option for several).")
 @device_option
-def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, device):
+def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, precisions, device):
     """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
     configuration, and the fraction of the matmul peak measured in the same run. With --device
     cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
     from zosoma.experiments.bench_forward import bench_forward, format_records
     from zosoma.engines import get_ops
     others = (get_ops("cpu", engine),) if engine != "native" else ()
+    others += tuple(get_ops("cpu", precision=p) for p in dict.fromkeys(precisions))
     records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
                             repeats=repeats, include_numpy=not no_numpy, ops=_ops(device), others=others)
     click.echo(format_records(records))

@@ -201,3 +201,14 @@ def test_precision_study_plan():
     assert result.exit_code == 0 and "6 runs of 10 steps" in result.output, result.output
     bad = CliRunner().invoke(cli, ["precision-study", "--plan", "--multiples", "x"])
     assert bad.exit_code == 2 and "comma-separated numbers" in bad.output
+
+
+def test_bench_forward_times_the_emulated_formats_beside_fp32():
+    from helpers import run_cli
+
+    result = run_cli(["bench", "forward", "--embed", "8", "--hidden", "8", "--layers", "1", "--batch", "2",
+                      "--seq-len", "8", "--repeats", "1", "--no-numpy", "--forward-precision", "bf16",
+                      "--forward-precision", "int8"])
+    assert result.exit_code == 0, result.output
+    for name in ("cpu population_loss M=1", "cpu-bf16 population_loss M=1", "cpu-int8 population_loss M=1"):
+        assert name in result.output
