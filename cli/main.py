@@ -598,15 +598,23 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
 @click.option("--steps", type=int, default=2, show_default=True, callback=_positive, help="Timed steps (after one warm-up step).")
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
 @click.option("--peers/--no-peers", default=True, show_default=True, help="Time the PyTorch peers (when torch is installed).")
+@click.option("--forward-precision", "precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True, help="Time the step with its forwards emulated in this format (CPU), beside the fp32 step in the same run.")
 @device_option
-def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, device):
+def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, precision, device):
     """SPSA step throughput split into data, forward passes, noise and the update, beside the same
     step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
     matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak."""
+    from zosoma.engines import get_ops
     from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
-    click.echo(format_spsa(bench_spsa(preset=preset, perturbations=perturbations, batch=batch,
-                                      seq_len=seq_len, steps=steps, noise=noise, ops=_ops(device),
-                                      peers=peers)))
+    shape = dict(preset=preset, perturbations=perturbations, batch=batch, seq_len=seq_len, steps=steps, noise=noise)
+    if precision == "fp32":
+        click.echo(format_spsa(bench_spsa(**shape, ops=_ops(device), peers=peers)))
+        return
+    fp32 = bench_spsa(**shape, ops=get_ops(device), peers=False)
+    emulated = bench_spsa(**shape, ops=get_ops(device, precision=precision), peers=peers)
+    click.echo(format_spsa(emulated))
+    click.echo(f"{precision} step {emulated['step_s']:.4f} s, the fp32 step {fp32['step_s']:.4f} s in the same run: "
+               f"{emulated['step_s'] / fp32['step_s']:.2f}x")
 
 
 @bench.command("route")

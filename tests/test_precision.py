@@ -212,3 +212,13 @@ def test_bench_forward_times_the_emulated_formats_beside_fp32():
     assert result.exit_code == 0, result.output
     for name in ("cpu population_loss M=1", "cpu-bf16 population_loss M=1", "cpu-int8 population_loss M=1"):
         assert name in result.output
+
+
+def test_bench_spsa_times_an_emulated_step_beside_fp32():
+    from helpers import run_cli
+
+    result = run_cli(["bench", "spsa", "--preset", "tiny", "-P", "2", "--batch", "2", "--seq-len", "4", "--steps", "1",
+                      "--forward-precision", "fp16"])
+    assert result.exit_code == 0, result.output
+    assert "device cpu-fp16" in result.output and "not run on the cpu-fp16 engine" in result.output
+    assert "fp16 step" in result.output and "the fp32 step" in result.output
