@@ -222,3 +222,19 @@ def test_bench_spsa_times_an_emulated_step_beside_fp32():
     assert result.exit_code == 0, result.output
     assert "device cpu-fp16" in result.output and "not run on the cpu-fp16 engine" in result.output
     assert "fp16 step" in result.output and "the fp32 step" in result.output
+
+
+def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
+    import dataclasses
+
+    from zosoma.errors import ConfigError
+    from zosoma.experiments.precision import Study, jobs, run_job
+    from zosoma.runs.folder import RunFolder
+
+    job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
+    assert job.name == "single-fp32-default-eps"
+    RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "steps": 5})  # a shorter study's run
+    with pytest.raises(ConfigError, match="steps 5, not 10: give this study another --out"):
+        run_job(job, tmp_path)
+    RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "name": job.name})
+    assert run_job(job, tmp_path)["steps"] == 10  # the same job: its record, not retrained

@@ -117,12 +117,30 @@ class JobUnit:
             yield Result(self.job.name, result)
 
 
+_JOB_KEYS = ("fmt", "experts", "eps", "steps", "seed")
+
+
+def _check_same_job(job: Job, run_dir: Path, found: dict) -> None:
+    """A run folder left by another study (say a shorter one in the same --out) is an error, not
+    a result to reuse."""
+    for key in _JOB_KEYS:
+        if found[key] != getattr(job, key):
+            raise ConfigError(f"{run_dir} holds a run with {key} {found[key]}, not {getattr(job, key)}: "
+                              f"give this study another --out")
+
+
 def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: False) -> dict | None:
     """Train (or resume) one run and score it; its record, or None when stopped first."""
     folder = RunFolder(run_dir)
     done = folder.read_result()
     if done is not None:
+        _check_same_job(job, run_dir, {k: done.get(k) for k in _JOB_KEYS})
         return done
+    first = folder.expert(0) if job.experts > 1 else folder
+    if first.has_checkpoint:
+        train = first.read_checkpoint().train
+        _check_same_job(job, run_dir, {"fmt": train.forward_precision, "experts": job.experts, "eps": train.eps,
+                                       "steps": train.steps, "seed": train.seed})
     model, _ = PRESETS[PRESET]
     if job.experts == 1:
         records = (resume_run(run_dir, stopping) if folder.has_checkpoint
