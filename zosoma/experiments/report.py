@@ -253,8 +253,10 @@ def tuning_markdown(rows):
 
 
 def n_curve(results):
-    """SOMA's curve in N: per series and N, held-out nats/byte (mean ± std over seeds) at each
-    evaluated top-k. Rows: {"series", "N", "n_params", "k": {k: (mean, std)}}."""
+    """SOMA's curve in N: per series and N, held-out nats/byte (mean ± std) at each evaluated
+    top-k, over every seed (a diverged run counts, as the protocol says) and over the seeds that
+    did not diverge. Rows: {"series", "N", "n_params", "seeds", "diverged", "k": {k: (mean, std)},
+    "k_trained": {k: (mean, std) or (None, None)}}."""
     groups: dict = {}
     for r in results:
         for series in r.get("series") or ():
@@ -262,21 +264,28 @@ def n_curve(results):
     rows = []
     for (series, N), runs in sorted(groups.items()):
         ks = sorted({int(k) for r in runs for k in r.get("heldout_by_k", {})})
+        trained = [r for r in runs if not r.get("divergence")]
         rows.append({"series": series, "N": N, "n_params": runs[0]["n_params"], "seeds": len(runs),
-                     "k": {k: _mean_std([r["heldout_by_k"][str(k)] for r in runs]) for k in ks}})
+                     "diverged": len(runs) - len(trained),
+                     "k": {k: _mean_std([r["heldout_by_k"][str(k)] for r in runs]) for k in ks},
+                     "k_trained": {k: _mean_std([r["heldout_by_k"][str(k)] for r in trained]) for k in ks}})
     return rows
 
 
 def n_curve_markdown(rows):
     ks = sorted({k for row in rows for k in row["k"]})
-    header = ["series", "N", "params in all", "seeds", *(f"top-{k} held-out" for k in ks)]
-    body = [[r["series"], r["N"], f"{r['n_params']:,}", r["seeds"],
-             *(_pm(*r["k"][k]) if k in r["k"] else MISSING for k in ks)] for r in rows]
+    header = ["series", "N", "params in all", "seeds", "diverged", *(f"top-{k} held-out" for k in ks),
+              *(f"top-{k}, seeds that did not diverge" for k in ks)]
+    body = [[r["series"], r["N"], f"{r['n_params']:,}", r["seeds"], r["diverged"],
+             *(_pm(*r["k"][k]) if k in r["k"] else MISSING for k in ks),
+             *(_pm(*r["k_trained"][k]) if k in r["k_trained"] else MISSING for k in ks)] for r in rows]
     return _table(header, body)
 
 
 def plot_n_curve(rows, path, title=None):
-    """Held-out nats/byte against N (log2 x), one line per series and top-k."""
+    """Held-out nats/byte against N (log2 x), one line per series and top-k, each point the mean
+    over the seeds that did not diverge, annotated where some did. Returns what was drawn:
+    {label: (x, y)}, read back from the figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -286,11 +295,17 @@ def plot_n_curve(rows, path, title=None):
     for series in dict.fromkeys(r["series"] for r in rows):
         mine = [r for r in rows if r["series"] == series]
         for k in sorted({k for r in mine for k in r["k"]}):
-            pts = [(r["N"], r["k"][k][0]) for r in mine if k in r["k"]]
+            pts = [(r["N"], r["k_trained"][k][0]) for r in mine if k in r["k"] and r["k_trained"][k][0] is not None]
             ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=f"{series}, top-{k}")
+        for r in mine:
+            if r["diverged"]:
+                y = max(m for m, _ in r["k_trained"].values() if m is not None) if r["diverged"] < r["seeds"] else None
+                if y is not None:  # above the point, ending at it (the last N sits on the right edge)
+                    ax.annotate(f"{r['diverged']}/{r['seeds']} seeds diverged", (r["N"], y), textcoords="offset points",
+                                xytext=(-2, 8), ha="right", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("experts N")
-    ax.set_ylabel("held-out nats/byte")
+    ax.set_ylabel("held-out nats/byte (seeds that did not diverge)")
     if title:
         ax.set_title("\n".join(textwrap.wrap(title, 60)), fontsize=10)  # long titles wrap, not clip
     ax.grid(True, alpha=0.3)
@@ -298,6 +313,7 @@ def plot_n_curve(rows, path, title=None):
     fig.tight_layout()
     with atomic_path(path, "plot") as tmp:
         fig.savefig(tmp, format="png")
+    return {line.get_label(): (np.asarray(line.get_xdata()), np.asarray(line.get_ydata())) for line in ax.get_lines()}
 
 
 def write_report(results, ablation_pairs, out_dir, title, tuning=None):
