@@ -15,7 +15,8 @@ itself).
 Output folder:
 
     OUT/runs/<name>/          a run folder (single model or SOMA) plus result.json, its record;
-                              a finished run is never repeated, an unfinished one resumes
+                              a finished run is never repeated, an unfinished one resumes;
+                              a run of other settings (another study's) is refused
     OUT/results.md            the tables; results.csv one row per run; precision.png
 """
 
