@@ -610,8 +610,9 @@ def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, p
     if precision == "fp32":
         click.echo(format_spsa(bench_spsa(**shape, ops=_ops(device), peers=peers)))
         return
-    fp32 = bench_spsa(**shape, ops=get_ops(device), peers=False)
-    emulated = bench_spsa(**shape, ops=get_ops(device, precision=precision), peers=peers)
+    emulated_ops = get_ops(device, precision=precision)  # before any timing: a GPU device is a one-line error
+    fp32 = bench_spsa(**shape, ops=_ops(device), peers=False)
+    emulated = bench_spsa(**shape, ops=emulated_ops, peers=peers)
     click.echo(format_spsa(emulated))
     click.echo(f"{precision} step {emulated['step_s']:.4f} s, the fp32 step {fp32['step_s']:.4f} s in the same run: "
                f"{emulated['step_s'] / fp32['step_s']:.2f}x")

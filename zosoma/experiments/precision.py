@@ -123,8 +123,8 @@ _JOB_KEYS = ("fmt", "experts", "eps", "steps", "seed")
 
 def _check_same_job(job: Job, run_dir: Path, found: dict) -> None:
     """A run folder left by another study (say a shorter one in the same --out) is an error, not
-    a result to reuse."""
-    for key in _JOB_KEYS:
+    a result to reuse. `found`: the folder's values of some of the job's fields."""
+    for key in found:
         if found[key] != getattr(job, key):
             raise ConfigError(f"{run_dir} holds a run with {key} {found[key]}, not {getattr(job, key)}: "
                               f"give this study another --out")
@@ -140,8 +140,8 @@ def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: Fals
     first = folder.expert(0) if job.experts > 1 else folder
     if first.has_checkpoint:
         train = first.read_checkpoint().train
-        _check_same_job(job, run_dir, {"fmt": train.forward_precision, "experts": job.experts, "eps": train.eps,
-                                       "steps": train.steps, "seed": train.seed})
+        _check_same_job(job, run_dir, {"fmt": train.forward_precision, "eps": train.eps, "steps": train.steps,
+                                       "seed": train.seed})
     model, _ = PRESETS[PRESET]
     if job.experts == 1:
         records = (resume_run(run_dir, stopping) if folder.has_checkpoint

@@ -298,11 +298,10 @@ def plot_n_curve(rows, path, title=None):
             pts = [(r["N"], r["k_trained"][k][0]) for r in mine if k in r["k"] and r["k_trained"][k][0] is not None]
             ax.plot([n for n, _ in pts], [y for _, y in pts], marker="o", label=f"{series}, top-{k}")
         for r in mine:
-            if r["diverged"]:
-                y = max(m for m, _ in r["k_trained"].values() if m is not None) if r["diverged"] < r["seeds"] else None
-                if y is not None:  # above the point, ending at it (the last N sits on the right edge)
-                    ax.annotate(f"{r['diverged']}/{r['seeds']} seeds diverged", (r["N"], y), textcoords="offset points",
-                                xytext=(-2, 8), ha="right", fontsize=8)
+            if 0 < r["diverged"] < r["seeds"]:  # above its highest point, ending there (the last N is at the edge)
+                y = max(m for m, _ in r["k_trained"].values())
+                ax.annotate(f"{r['diverged']}/{r['seeds']} seeds diverged", (r["N"], y), textcoords="offset points",
+                            xytext=(-2, 8), ha="right", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("experts N")
     ax.set_ylabel("held-out nats/byte (seeds that did not diverge)")
