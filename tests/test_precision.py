@@ -238,3 +238,19 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
         run_job(job, tmp_path)
     RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "name": job.name})
     assert run_job(job, tmp_path)["steps"] == 10  # the same job: its record, not retrained
+
+
+def test_a_soma_run_stopped_between_its_experts_is_stopped_not_failed(tmp_path):
+    from zosoma.experiments.precision import Study, jobs, run_job
+    from zosoma.runs.folder import RunFolder
+
+    job = jobs(Study(steps=2, formats=("fp32",), multiples=(), soma_multiples=()))[0]
+    assert job.experts == 4
+    folder = RunFolder(tmp_path)
+
+    def expert0_done():  # false through expert 0's steps, true before expert 1 starts (Inline asks then)
+        return folder.expert(0).has_checkpoint and folder.expert(0).read_checkpoint().step == 2
+
+    assert run_job(job, tmp_path, expert0_done) is None
+    assert folder.read_result() is None and folder.expert(0).read_checkpoint().step == 2
+    assert folder.expert(1).read_checkpoint().step == 0  # checkpointed, ready to resume

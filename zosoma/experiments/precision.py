@@ -159,6 +159,8 @@ def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: Fals
         if isinstance(r, Evaluated):
             evaluated = r.results
     if evaluated is None:
+        if stopping():  # a SOMA run stopped between its experts: nothing says Stopped, nothing is lost
+            return None
         raise ConfigError(f"{run_dir}: training ended without an evaluation")
     heldout = load_corpus(None, split="heldout")
     if job.experts == 1:
