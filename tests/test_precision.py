@@ -191,6 +191,19 @@ def test_study_plan_and_report(tmp_path):
     assert len(paths["csv"].read_text().splitlines()) == len(todo) + 1
 
 
+def test_guard_verdict_of_a_single_model_and_of_a_soma_run():
+    """Each SOMA expert has its own guard: the run's record names every expert whose guard fired."""
+    from zosoma.experiments.precision import guard_verdict
+
+    single = {"divergence": {"step": 420, "verdict": "rising: smoothed loss 9.000"}}
+    assert guard_verdict(single) == single["divergence"] and guard_verdict({"divergence": None}) is None
+    rising = {"step": 1302, "verdict": "rising: smoothed loss 99.9"}
+    soma = {"training": [{"divergence": None}, {"divergence": {"step": 1410, "verdict": "non-finite"}},
+                         {"divergence": None}, {"divergence": rising}]}
+    assert guard_verdict(soma) == {"step": 1302, "verdict": "experts 1, 3 of 4; expert 3: rising: smoothed loss 99.9"}
+    assert guard_verdict({"training": [{"divergence": None}] * 4}) is None
+
+
 def test_precision_study_plan():
     from click.testing import CliRunner
 

@@ -179,10 +179,24 @@ def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: Fals
               "heldout": in_format, "heldout_fp32_eval": fp32,
               "train_loss_last100": float(np.mean(last)) if last else None,
               "skipped_steps": int(sum(bool(m.get("skipped")) for m in metrics)),
-              "divergence": evaluated.get("divergence"),  # the guard's verdict (single models)
+              "divergence": guard_verdict(evaluated),
               "wall_s": float(sum(c.extra.get("wall_s", 0.0) for c in ckpts))}
     folder.write_result(result)
     return result
+
+
+def guard_verdict(evaluated: dict) -> dict | None:
+    """The divergence guard's verdict on a run, from its evaluation: a single model's own; for a
+    SOMA run, which experts' guards fired and the first verdict (each expert has its own guard)."""
+    if "training" not in evaluated:
+        return evaluated.get("divergence")
+    fired = [(t["divergence"]["step"], i, t["divergence"]["verdict"])
+             for i, t in enumerate(evaluated["training"]) if t.get("divergence")]
+    if not fired:
+        return None
+    step, first, verdict = min(fired)
+    who = ", ".join(str(i) for _, i, _ in sorted(fired, key=lambda f: f[1]))
+    return {"step": step, "verdict": f"experts {who} of {len(evaluated['training'])}; expert {first}: {verdict}"}
 
 
 def run_study(study: Study, out: Path, executor=None, should_stop: Callable[[], bool] = lambda: False,
