@@ -6,7 +6,8 @@ Runs `zosoma train --engine native|onnxruntime --seed S` for each seed (a run fo
 holds results.json is reused), then prints how far apart the two engines' step losses and final
 held-out / WikiText-103 figures are, beside how far apart two seeds of one engine are: the two
 engines round differently, SPSA amplifies any difference, so a long run can only agree with the
-other engine as closely as the run is reproducible under float32 rounding.
+other engine as closely as the run is reproducible under float32 rounding. The control measures
+that: the Numba run again with one initial weight one float32 ulp apart.
 """
 
 import argparse
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from zosoma.model.params import Layout
 from zosoma.runs.folder import RESULTS, RunFolder
+from zosoma.runs.single import start_run
 
 ENGINES = ("native", "onnxruntime")
 
@@ -28,6 +31,23 @@ def train(engine: str, seed: int, run_dir: Path) -> dict:
         if run_dir.exists():  # an interrupted run: it keeps its engine and seed
             cmd = ["zosoma", "train", "--resume", str(run_dir)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((run_dir / RESULTS).read_text())
+
+
+def train_nudged(native: Path, run_dir: Path) -> dict:
+    """The native run's configuration, one recurrent weight moved one float32 ulp before step 1
+    (a weight every byte uses: the first embedding row, for byte 0, never takes part in text)."""
+    if not RunFolder(run_dir).has_checkpoint:
+        ckpt = RunFolder(native).read_checkpoint()
+        for _ in start_run(run_dir, ckpt.model, ckpt.train, should_stop=lambda: True):
+            pass  # stops before step 1, leaving the step-0 checkpoint
+        start = RunFolder(run_dir).read_checkpoint()
+        assert start.step == 0
+        i = Layout(start.model)["lstm0.w_hh"].offset
+        start.theta[i] = np.nextafter(start.theta[i], np.float32(np.inf))
+        RunFolder(run_dir).write_checkpoint(start)
+    if not (run_dir / RESULTS).exists():
+        subprocess.run(["zosoma", "train", "--resume", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
     return json.loads((run_dir / RESULTS).read_text())
 
 
@@ -50,7 +70,7 @@ def main() -> None:
     lines = ["# The default `zosoma train` run (tiny preset) on the Numba and the ONNX Runtime engine, same seed.",
              "seed  engine        held-out  WikiText-103  wall s  last-100 train loss",
              ]
-    final = {e: [] for e in ENGINES}
+    final = {e: [] for e in ENGINES + ("native-ulp",)}
     traces = []
     for seed in args.seeds:
         runs = {e: args.dir / f"{e}-seed{seed}" for e in ENGINES}
@@ -59,22 +79,31 @@ def main() -> None:
             final[e].append((r["heldout"]["overall"], r["wikitext103"]))
             lines.append(f"{seed:4d}  {e:12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
                          f"{r['wall_s']:6.0f}  {losses(run)[-100:].mean():.4f}")
-        a, b = (losses(runs[e]) for e in ENGINES)
-        traces.append((seed, np.abs(a - b)))
+        nudged = args.dir / f"native-ulp-seed{seed}"
+        r = train_nudged(runs["native"], nudged)
+        final["native-ulp"].append((r["heldout"]["overall"], r["wikitext103"]))
+        lines.append(f"{seed:4d}  {'native, ulp':12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
+                     f"{r['wall_s']:6.0f}  {losses(nudged)[-100:].mean():.4f}")
+        a, b, c = (losses(run) for run in (runs["native"], runs["onnxruntime"], nudged))
+        traces.append((seed, np.abs(a - b), np.abs(a - c)))
 
-    lines += ["", "step losses, native vs onnxruntime, same seed:",
-              "seed  max|diff| 1-100  max|diff| 1-500  first step >1e-3  first step >1e-2"]
-    for seed, diff in traces:
-        lines.append(f"{seed:4d}  {diff[:100].max():15.1e}  {diff[:500].max():15.1e}  "
-                     f"{first_above(diff, 1e-3):>16s}  {first_above(diff, 1e-2):>16s}")
+    for i, other in ((1, "onnxruntime"), (2, "native with one weight one ulp apart")):
+        lines += ["", f"step losses, native vs {other}, same seed:",
+                  "seed  max|diff| 1-100  max|diff| 1-500  first step >1e-3  first step >1e-2"]
+        for seed, *diffs in traces:
+            diff = diffs[i - 1]
+            lines.append(f"{seed:4d}  {diff[:100].max():15.1e}  {diff[:500].max():15.1e}  "
+                         f"{first_above(diff, 1e-3):>16s}  {first_above(diff, 1e-2):>16s}")
 
-    held = {e: np.array([h for h, _ in final[e]]) for e in ENGINES}
-    wiki = {e: np.array([w for _, w in final[e]]) for e in ENGINES}
-    gap = held["onnxruntime"] - held["native"]
-    lines += ["", "held-out overall, onnxruntime - native, per seed: " + ", ".join(f"{g:+.4f}" for g in gap),
-              f"  mean {gap.mean():+.4f}, max |gap| {np.abs(gap).max():.4f}"]
+    held = {e: np.array([h for h, _ in final[e]]) for e in final}
+    wiki = {e: np.array([w for _, w in final[e]]) for e in final}
+    lines.append("")
+    for other in ("onnxruntime", "native-ulp"):
+        gap = held[other] - held["native"]
+        lines += [f"held-out overall, {other} - native, per seed: " + ", ".join(f"{g:+.4f}" for g in gap),
+                  f"  mean {gap.mean():+.4f}, max |gap| {np.abs(gap).max():.4f}"]
     if len(args.seeds) > 1:
-        for e in ENGINES:
+        for e in final:
             lines.append(f"{e}: held-out across seeds {held[e].mean():.4f} +- {held[e].std(ddof=1):.4f} (sd), "
                          f"WikiText-103 {wiki[e].mean():.4f} +- {wiki[e].std(ddof=1):.4f}")
     report = "\n".join(lines)
