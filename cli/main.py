@@ -722,6 +722,18 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     click.echo(f"{len(sweep) + len(todo)} runs, {finished} already finished")
     if plan:
         return
+    if report_only:
+        from zosoma.runs.folder import RunFolder
+
+        if not Path(out, "runs").is_dir():
+            raise click.ClickException(f"no study in {out}: it has no runs/ folder")
+        with RunFolder(out).lock():  # not while a study trains in this folder
+            paths = write_study_report(study, Path(out))
+        if not paths:
+            raise click.ClickException(f"no run of this study has finished in {out}")
+        for p in paths.values():
+            click.echo(f"wrote {p}")
+        return
 
     def report(job, result, error):
         name = Path(job.run_dir).name
@@ -778,13 +790,14 @@ def porting_kit(out, embed, hidden, layers, seed, force):
 @click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
 @click.option("--jobs", type=int, callback=_positive, help="Runs trained at once, one process each (default: the machine's cores).")
 @click.option("--plan", is_flag=True, help="Print the runs and exit.")
-def precision_study(out, steps, formats, multiples, soma_multiples, experts, seed, jobs, plan):
+@click.option("--report", "report_only", is_flag=True, help="Write the report from the runs finished so far (naming the others) and exit; trains nothing.")
+def precision_study(out, steps, formats, multiples, soma_multiples, experts, seed, jobs, plan, report_only):
     """What the forward's number format costs: held-out nats/byte of the default single model and
     of SOMA (tiny preset) trained with fp32, bf16, fp16 and int8 forwards, across eps measured in
     the format's step. Finished runs are never repeated; the same command resumes the others."""
     import os
 
-    from zosoma.experiments.precision import Study, jobs as study_jobs, run_study
+    from zosoma.experiments.precision import Study, jobs as study_jobs, run_study, write_study_report
 
     def numbers(text, name):
         if text.strip().lower() == "none":
@@ -802,6 +815,18 @@ def precision_study(out, steps, formats, multiples, soma_multiples, experts, see
     for j in todo:
         click.echo(f"  {j.name:<32} eps {j.eps:.3g} (step {j.step_size:.3g})")
     if plan:
+        return
+    if report_only:
+        from zosoma.runs.folder import RunFolder
+
+        if not Path(out, "runs").is_dir():
+            raise click.ClickException(f"no study in {out}: it has no runs/ folder")
+        with RunFolder(out).lock():  # not while a study trains in this folder
+            paths = write_study_report(study, Path(out))
+        if not paths:
+            raise click.ClickException(f"no run of this study has finished in {out}")
+        for p in paths.values():
+            click.echo(f"wrote {p}")
         return
 
     def report(job, result, error):

@@ -267,3 +267,32 @@ def test_a_soma_run_stopped_between_its_experts_is_stopped_not_failed(tmp_path):
     assert run_job(job, tmp_path, expert0_done) is None
     assert folder.read_result() is None and folder.expert(0).read_checkpoint().step == 2
     assert folder.expert(1).read_checkpoint().step == 0  # checkpointed, ready to resume
+
+
+def test_the_report_of_a_study_under_way_names_its_unfinished_runs(tmp_path):
+    """`precision-study --report` writes the report from the finished runs and trains nothing."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from zosoma.cli.main import cli
+    from zosoma.experiments.precision import Study, jobs
+    from zosoma.runs.folder import RunFolder
+
+    options = ["--out", str(tmp_path), "--steps", "10", "--formats", "fp32", "--multiples", "4",
+               "--soma-multiples", "none"]
+    missing = CliRunner().invoke(cli, ["precision-study", "--report", *options])
+    assert missing.exit_code == 1 and "no study in" in missing.output and not any(tmp_path.iterdir())
+    todo = jobs(Study(steps=10, formats=("fp32",), multiples=(4.0,), soma_multiples=()))
+    job = todo[1]  # single-fp32-default-eps: finished; the others are not
+    folder = RunFolder(tmp_path / "runs" / job.name)
+    folder.make()
+    folder.write_result(
+        {**dataclasses.asdict(job), "eps_over_step": 1.0, "heldout": {"overall": 2.9}, "heldout_fp32_eval": 2.9,
+         "train_loss_last100": 3.0, "skipped_steps": 0, "divergence": None, "wall_s": 1.0})
+    result = CliRunner().invoke(cli, ["precision-study", "--report", *options])
+    assert result.exit_code == 0, result.output
+    md = (tmp_path / "results.md").read_text()
+    assert "| single-fp32-default-eps | fp32 | 1 |" in md
+    assert "**Not finished yet** (2 runs;" in md and "soma4-fp32-default-eps, single-fp32-eps4step" in md
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [job.name]  # nothing trained

@@ -202,24 +202,36 @@ def guard_verdict(evaluated: dict) -> dict | None:
 def run_study(study: Study, out: Path, executor=None, should_stop: Callable[[], bool] = lambda: False,
               on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
     """Run every job not finished yet through `executor` (default inline), then write the report.
-    Returns the report's paths ({} when stopped before any run finished)."""
+    Returns the report's paths ({} when no run has finished)."""
     out = Path(out)
     todo = jobs(study)
     by_name = {j.name: j for j in todo}
-    results, errors = {}, []
+    errors = []
     with RunFolder(out).lock():  # one study at a time in an output folder
         for record in (executor or Inline()).run([JobUnit(j, str(out)) for j in todo], should_stop):
             if isinstance(record, Result):
-                results[record.unit] = record.value
                 on_result(by_name[record.unit], record.value, None)
             elif isinstance(record, Failed):
                 errors.append(f"{todo[record.unit].name}: {record.error}")
                 on_result(todo[record.unit], None, errors[-1])
-    finished = [results[j.name] for j in todo if j.name in results]
-    paths = write_report(finished, out) if finished else {}
+        paths = write_study_report(study, out)
     if errors:
         raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
     return paths
+
+
+def write_study_report(study: Study, out: Path) -> dict:
+    """The report of every run of `study` finished so far in `out`, naming those not finished;
+    its paths, or {} when none has finished. Trains nothing."""
+    out = Path(out)
+    found = {}
+    for job in jobs(study):
+        run_dir = out / "runs" / job.name
+        found[job.name] = RunFolder(run_dir).read_result()
+        if found[job.name] is not None:
+            _check_same_job(job, run_dir, {k: found[job.name].get(k) for k in _JOB_KEYS})
+    finished = [r for r in found.values() if r is not None]
+    return write_report(finished, out, [name for name, r in found.items() if r is None]) if finished else {}
 
 
 # --------------------------------------------------------------------------------------- report
@@ -266,15 +278,18 @@ def format_tables(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(results: list[dict], out: Path) -> dict:
-    """results.md, results.csv and precision.png (when matplotlib is installed) in `out`."""
+def write_report(results: list[dict], out: Path, unfinished: list[str] = ()) -> dict:
+    """results.md, results.csv and precision.png (when matplotlib is installed) in `out`;
+    `unfinished`: the names of the study's runs not finished yet, listed in results.md."""
     out = Path(out)
     steps = sorted({r["steps"] for r in results})
     md = (f"# What the forward's number format costs\n\nTiny preset (49,664 parameters per model), seed "
           f"{results[0]['seed']}, {'/'.join(map(str, steps))} steps; master weights and updates fp32, every forward "
           "emulated in the format (zosoma.model.precision). step = the format's step at the initial "
           "parameters (median distance to the neighbouring representable value; int8: the tensor scale).\n\n"
-          + format_tables(results))
+          + format_tables(results)
+          + (f"\n**Not finished yet** ({len(unfinished)} runs; the same `zosoma precision-study` command trains "
+             f"them and rewrites this report): {', '.join(unfinished)}\n" if unfinished else ""))
     paths = {"md": out / "results.md", "csv": out / "results.csv"}
     atomic_write(paths["md"], md, "report")
     buf = io.StringIO()
