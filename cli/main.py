@@ -722,18 +722,6 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     click.echo(f"{len(sweep) + len(todo)} runs, {finished} already finished")
     if plan:
         return
-    if report_only:
-        from zosoma.runs.folder import RunFolder
-
-        if not Path(out, "runs").is_dir():
-            raise click.ClickException(f"no study in {out}: it has no runs/ folder")
-        with RunFolder(out).lock():  # not while a study trains in this folder
-            paths = write_study_report(study, Path(out))
-        if not paths:
-            raise click.ClickException(f"no run of this study has finished in {out}")
-        for p in paths.values():
-            click.echo(f"wrote {p}")
-        return
 
     def report(job, result, error):
         name = Path(job.run_dir).name
@@ -781,7 +769,7 @@ def porting_kit(out, embed, hidden, layers, seed, force):
 
 
 @cli.command("precision-study")
-@click.option("--out", type=click.Path(file_okay=False), default="results/precision", show_default=True, help="Output folder: runs/, results.md, results.csv, precision.png.")
+@click.option("--out", type=click.Path(file_okay=False), default="results/precision-full", show_default=True, help="Output folder: runs/, results.md, results.csv, precision.png.")
 @click.option("--steps", type=int, default=4000, show_default=True, callback=_positive, help="Training steps of every run (the default run length is 4000).")
 @click.option("--formats", default=",".join(PRECISIONS), show_default=True, help="Forward number formats, comma-separated.")
 @click.option("--multiples", default="0.25,1,4,16", show_default=True, help="Single model: eps as multiples of the format's step, comma-separated (the default eps 1e-3 is always run too).")
