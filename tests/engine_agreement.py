@@ -3,7 +3,8 @@
     python tests/engine_agreement.py [--seeds 0 1 2] [--dir runs/engines] [--out FILE]
 
 Runs `zosoma train --engine native|onnxruntime --seed S` for each seed (a run folder that already
-holds results.json is reused), then prints how far apart the two engines' step losses and final
+holds results.json is reused; one its divergence guard stopped is resumed past the guard, the
+report naming it), then prints how far apart the two engines' step losses and final
 held-out / WikiText-103 figures are, beside how far apart two seeds of one engine are: the two
 engines round differently, SPSA amplifies any difference, so a long run can only agree with the
 other engine as closely as the run is reproducible under float32 rounding. The control measures
@@ -18,6 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from zosoma.corpus import load_text
+from zosoma.engines.onnxrt import OnnxRuntimeOps
+from zosoma.engines.ops import Ops
+from zosoma.model import reference
 from zosoma.model.params import Layout
 from zosoma.runs.folder import RESULTS, RunFolder
 from zosoma.runs.single import start_run
@@ -25,13 +30,20 @@ from zosoma.runs.single import start_run
 ENGINES = ("native", "onnxruntime")
 
 
-def train(engine: str, seed: int, run_dir: Path) -> dict:
+def finish(run_dir: Path) -> dict:
+    """The run's results, resuming it first if it has none: an interrupted run, or one whose
+    divergence guard stopped it (a resumed run goes on past the guard, whose verdict stays in its
+    results), so that every seed ends at the default length."""
     if not (run_dir / RESULTS).exists():
-        cmd = ["zosoma", "train", "--engine", engine, "--seed", str(seed), "--run-dir", str(run_dir)]
-        if run_dir.exists():  # an interrupted run: it keeps its engine and seed
-            cmd = ["zosoma", "train", "--resume", str(run_dir)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["zosoma", "train", "--resume", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
     return json.loads((run_dir / RESULTS).read_text())
+
+
+def train(engine: str, seed: int, run_dir: Path) -> dict:
+    if not run_dir.exists():
+        cmd = ["zosoma", "train", "--engine", engine, "--seed", str(seed), "--run-dir", str(run_dir)]
+        subprocess.run(cmd, stdout=subprocess.DEVNULL)  # a guard's stop exits 1; finish goes on
+    return finish(run_dir)
 
 
 def train_nudged(native: Path, run_dir: Path) -> dict:
@@ -46,13 +58,41 @@ def train_nudged(native: Path, run_dir: Path) -> dict:
         i = Layout(start.model)["lstm0.w_hh"].offset
         start.theta[i] = np.nextafter(start.theta[i], np.float32(np.inf))
         RunFolder(run_dir).write_checkpoint(start)
-    if not (run_dir / RESULTS).exists():
-        subprocess.run(["zosoma", "train", "--resume", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
-    return json.loads((run_dir / RESULTS).read_text())
+    return finish(run_dir)
+
+
+def guard(r: dict) -> str:
+    d = r["divergence"]
+    return "" if d is None else f"  (guard fired at step {d['step']}: {d['verdict']}; resumed)"
 
 
 def losses(run_dir: Path) -> np.ndarray:
     return np.array([r["loss"] for r in RunFolder(run_dir).read_checkpoint().metrics])
+
+
+def scalar_noise(run_dir: Path, pairs: int = 96, eps: float = 1e-3, seed: int = 0) -> list[str]:
+    """What each engine's rounding adds to the SPSA scalars (L+ - L-) / (2 eps): its losses against
+    float64 NumPy (zosoma.model.reference) at the same perturbed weights, the run's final weights
+    and the default batch shape (8 x 32 bytes of the shipped corpus)."""
+    ckpt = RunFolder(run_dir).read_checkpoint()
+    layout, theta = Layout(ckpt.model), ckpt.theta.astype(np.float32)
+    text = load_text(Path(__file__).parent.parent / "data/corpus/train/drama.txt.gz")
+    lines = []
+    for name, ops in (("native", Ops()), ("onnxruntime", OnnxRuntimeOps())):
+        rng = np.random.default_rng(seed)  # the same members for both engines
+        errors, exact = [], []
+        for _ in range(pairs // 32):
+            starts = rng.integers(0, len(text) - 33, 8)
+            batch = np.stack([text[s:s + 33] for s in starts])
+            delta = eps * rng.standard_normal((32, theta.size)).astype(np.float32)
+            thetas = np.concatenate([theta + delta, theta - delta])
+            ref = np.array([reference.loss(t.astype(np.float64), layout, batch) for t in thetas])
+            got = ops.population_loss(thetas, layout, batch)
+            errors.append(((got[:32] - got[32:]) - (ref[:32] - ref[32:])) / (2 * eps))
+            exact.append((ref[:32] - ref[32:]) / (2 * eps))
+        e, x = np.concatenate(errors), np.concatenate(exact)
+        lines.append(f"{name:12s} scalar error mean {e.mean():+.1e}, sd {e.std():.1e}; the scalars' own sd {x.std():.2f}")
+    return lines
 
 
 def first_above(diff: np.ndarray, bound: float) -> str:
@@ -78,12 +118,12 @@ def main() -> None:
             r = train(e, seed, run)
             final[e].append((r["heldout"]["overall"], r["wikitext103"]))
             lines.append(f"{seed:4d}  {e:12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
-                         f"{r['wall_s']:6.0f}  {losses(run)[-100:].mean():.4f}")
+                         f"{r['wall_s']:6.0f}  {losses(run)[-100:].mean():.4f}{guard(r)}")
         nudged = args.dir / f"native-ulp-seed{seed}"
         r = train_nudged(runs["native"], nudged)
         final["native-ulp"].append((r["heldout"]["overall"], r["wikitext103"]))
         lines.append(f"{seed:4d}  {'native, ulp':12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
-                     f"{r['wall_s']:6.0f}  {losses(nudged)[-100:].mean():.4f}")
+                     f"{r['wall_s']:6.0f}  {losses(nudged)[-100:].mean():.4f}{guard(r)}")
         a, b, c = (losses(run) for run in (runs["native"], runs["onnxruntime"], nudged))
         traces.append((seed, np.abs(a - b), np.abs(a - c)))
 
@@ -106,6 +146,8 @@ def main() -> None:
         for e in final:
             lines.append(f"{e}: held-out across seeds {held[e].mean():.4f} +- {held[e].std(ddof=1):.4f} (sd), "
                          f"WikiText-103 {wiki[e].mean():.4f} +- {wiki[e].std(ddof=1):.4f}")
+    lines += ["", f"SPSA scalars' rounding error against float64, 96 pairs at eps 1e-3, "
+              f"native seed {args.seeds[0]}'s final weights:"] + scalar_noise(args.dir / f"native-seed{args.seeds[0]}")
     report = "\n".join(lines)
     print(report)
     if args.out:
