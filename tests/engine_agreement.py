@@ -77,21 +77,20 @@ def scalar_noise(run_dir: Path, pairs: int = 96, eps: float = 1e-3, seed: int = 
     ckpt = RunFolder(run_dir).read_checkpoint()
     layout, theta = Layout(ckpt.model), ckpt.theta.astype(np.float32)
     text = load_text(Path(__file__).parent.parent / "data/corpus/train/drama.txt.gz")
+    rng = np.random.default_rng(seed)
+    members = []  # (batch, perturbed weights, float64 losses), the same for both engines
+    for _ in range(pairs // 32):
+        starts = rng.integers(0, len(text) - 33, 8)
+        batch = np.stack([text[s:s + 33] for s in starts])
+        delta = eps * rng.standard_normal((32, theta.size)).astype(np.float32)
+        thetas = np.concatenate([theta + delta, theta - delta])
+        members.append((batch, thetas, np.array([reference.loss(t.astype(np.float64), layout, batch) for t in thetas])))
+    exact = np.concatenate([(ref[:32] - ref[32:]) / (2 * eps) for _, _, ref in members])
     lines = []
     for name, ops in (("native", Ops()), ("onnxruntime", OnnxRuntimeOps())):
-        rng = np.random.default_rng(seed)  # the same members for both engines
-        errors, exact = [], []
-        for _ in range(pairs // 32):
-            starts = rng.integers(0, len(text) - 33, 8)
-            batch = np.stack([text[s:s + 33] for s in starts])
-            delta = eps * rng.standard_normal((32, theta.size)).astype(np.float32)
-            thetas = np.concatenate([theta + delta, theta - delta])
-            ref = np.array([reference.loss(t.astype(np.float64), layout, batch) for t in thetas])
-            got = ops.population_loss(thetas, layout, batch)
-            errors.append(((got[:32] - got[32:]) - (ref[:32] - ref[32:])) / (2 * eps))
-            exact.append((ref[:32] - ref[32:]) / (2 * eps))
-        e, x = np.concatenate(errors), np.concatenate(exact)
-        lines.append(f"{name:12s} scalar error mean {e.mean():+.1e}, sd {e.std():.1e}; the scalars' own sd {x.std():.2f}")
+        got = [ops.population_loss(thetas, layout, batch) for batch, thetas, _ in members]
+        e = np.concatenate([(g[:32] - g[32:]) / (2 * eps) for g in got]) - exact
+        lines.append(f"{name:12s} scalar error mean {e.mean():+.1e}, sd {e.std():.1e}; the scalars' own sd {exact.std():.2f}")
     return lines
 
 
