@@ -28,6 +28,7 @@ from zosoma.runs.folder import RESULTS, RunFolder
 from zosoma.runs.single import start_run
 
 ENGINES = ("native", "onnxruntime")
+PAIRS, EPS = 96, 1e-3  # the scalar check: perturbation pairs, at the default eps
 
 
 def finish(run_dir: Path) -> dict:
@@ -70,7 +71,7 @@ def losses(run_dir: Path) -> np.ndarray:
     return np.array([r["loss"] for r in RunFolder(run_dir).read_checkpoint().metrics])
 
 
-def scalar_noise(run_dir: Path, pairs: int = 96, eps: float = 1e-3, seed: int = 0) -> list[str]:
+def scalar_noise(run_dir: Path, seed: int = 0) -> list[str]:
     """What each engine's rounding adds to the SPSA scalars (L+ - L-) / (2 eps): its losses against
     float64 NumPy (zosoma.model.reference) at the same perturbed weights, the run's final weights
     and the default batch shape (8 x 32 bytes of the shipped corpus)."""
@@ -79,17 +80,17 @@ def scalar_noise(run_dir: Path, pairs: int = 96, eps: float = 1e-3, seed: int = 
     text = load_text(Path(__file__).parent.parent / "data/corpus/train/drama.txt.gz")
     rng = np.random.default_rng(seed)
     members = []  # (batch, perturbed weights, float64 losses), the same for both engines
-    for _ in range(pairs // 32):
+    for _ in range(PAIRS // 32):
         starts = rng.integers(0, len(text) - 33, 8)
         batch = np.stack([text[s:s + 33] for s in starts])
-        delta = eps * rng.standard_normal((32, theta.size)).astype(np.float32)
+        delta = EPS * rng.standard_normal((32, theta.size)).astype(np.float32)
         thetas = np.concatenate([theta + delta, theta - delta])
         members.append((batch, thetas, np.array([reference.loss(t.astype(np.float64), layout, batch) for t in thetas])))
-    exact = np.concatenate([(ref[:32] - ref[32:]) / (2 * eps) for _, _, ref in members])
+    exact = np.concatenate([(ref[:32] - ref[32:]) / (2 * EPS) for _, _, ref in members])
     lines = []
     for name, ops in (("native", Ops()), ("onnxruntime", OnnxRuntimeOps())):
         got = [ops.population_loss(thetas, layout, batch) for batch, thetas, _ in members]
-        e = np.concatenate([(g[:32] - g[32:]) / (2 * eps) for g in got]) - exact
+        e = np.concatenate([(g[:32] - g[32:]) / (2 * EPS) for g in got]) - exact
         lines.append(f"{name:12s} scalar error mean {e.mean():+.1e}, sd {e.std():.1e}; the scalars' own sd {exact.std():.2f}")
     return lines
 
@@ -113,17 +114,16 @@ def main() -> None:
     traces = []
     for seed in args.seeds:
         runs = {e: args.dir / f"{e}-seed{seed}" for e in ENGINES}
-        for e, run in runs.items():
-            r = train(e, seed, run)
+        results = {e: train(e, seed, run) for e, run in runs.items()}
+        runs["native-ulp"] = args.dir / f"native-ulp-seed{seed}"
+        results["native-ulp"] = train_nudged(runs["native"], runs["native-ulp"])
+        curves = {e: losses(run) for e, run in runs.items()}  # each checkpoint read once
+        for e, r in results.items():
             final[e].append((r["heldout"]["overall"], r["wikitext103"]))
-            lines.append(f"{seed:4d}  {e:12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
-                         f"{r['wall_s']:6.0f}  {losses(run)[-100:].mean():.4f}{guard(r)}")
-        nudged = args.dir / f"native-ulp-seed{seed}"
-        r = train_nudged(runs["native"], nudged)
-        final["native-ulp"].append((r["heldout"]["overall"], r["wikitext103"]))
-        lines.append(f"{seed:4d}  {'native, ulp':12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
-                     f"{r['wall_s']:6.0f}  {losses(nudged)[-100:].mean():.4f}{guard(r)}")
-        a, b, c = (losses(run) for run in (runs["native"], runs["onnxruntime"], nudged))
+            label = "native, ulp" if e == "native-ulp" else e
+            lines.append(f"{seed:4d}  {label:12s}  {r['heldout']['overall']:8.4f}  {r['wikitext103']:12.4f}  "
+                         f"{r['wall_s']:6.0f}  {curves[e][-100:].mean():.4f}{guard(r)}")
+        a, b, c = (curves[e] for e in ("native", "onnxruntime", "native-ulp"))
         traces.append((seed, np.abs(a - b), np.abs(a - c)))
 
     for i, other in ((1, "onnxruntime"), (2, "native with one weight one ulp apart")):
@@ -145,7 +145,7 @@ def main() -> None:
         for e in final:
             lines.append(f"{e}: held-out across seeds {held[e].mean():.4f} +- {held[e].std(ddof=1):.4f} (sd), "
                          f"WikiText-103 {wiki[e].mean():.4f} +- {wiki[e].std(ddof=1):.4f}")
-    lines += ["", f"SPSA scalars' rounding error against float64, 96 pairs at eps 1e-3, "
+    lines += ["", f"SPSA scalars' rounding error against float64, {PAIRS} pairs at eps {EPS:g}, "
               f"native seed {args.seeds[0]}'s final weights:"] + scalar_noise(args.dir / f"native-seed{args.seeds[0]}")
     report = "\n".join(lines)
     print(report)
