@@ -47,18 +47,24 @@ def train(engine: str, seed: int, run_dir: Path) -> dict:
     return finish(run_dir)
 
 
+def nudge(run_dir: Path) -> None:
+    """Move one recurrent weight of run_dir's step-0 checkpoint one float32 ulp up (a weight every
+    byte uses: the first embedding row, for byte 0, never takes part in text)."""
+    folder = RunFolder(run_dir)
+    start = folder.read_checkpoint()
+    assert start.step == 0
+    i = Layout(start.model)["lstm0.w_hh"].offset
+    start.theta[i] = np.nextafter(start.theta[i], np.float32(np.inf))
+    folder.write_checkpoint(start)
+
+
 def train_nudged(native: Path, run_dir: Path) -> dict:
-    """The native run's configuration, one recurrent weight moved one float32 ulp before step 1
-    (a weight every byte uses: the first embedding row, for byte 0, never takes part in text)."""
+    """The native run's configuration, its weights nudged (nudge) before step 1."""
     if not RunFolder(run_dir).has_checkpoint:
         ckpt = RunFolder(native).read_checkpoint()
         for _ in start_run(run_dir, ckpt.model, ckpt.train, should_stop=lambda: True):
             pass  # stops before step 1, leaving the step-0 checkpoint
-        start = RunFolder(run_dir).read_checkpoint()
-        assert start.step == 0
-        i = Layout(start.model)["lstm0.w_hh"].offset
-        start.theta[i] = np.nextafter(start.theta[i], np.float32(np.inf))
-        RunFolder(run_dir).write_checkpoint(start)
+        nudge(run_dir)
     return finish(run_dir)
 
 
@@ -98,6 +104,14 @@ def scalar_noise(run_dir: Path, seed: int = 0) -> list[str]:
 def first_above(diff: np.ndarray, bound: float) -> str:
     above = np.flatnonzero(diff > bound)
     return str(above[0] + 1) if above.size else "never"
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """Print the report, and write it to `out` if given."""
+    report = "\n".join(lines)
+    print(report)
+    if out:
+        out.write_text(report + "\n")
 
 
 def main() -> None:
@@ -147,10 +161,7 @@ def main() -> None:
                          f"WikiText-103 {wiki[e].mean():.4f} +- {wiki[e].std(ddof=1):.4f}")
     lines += ["", f"SPSA scalars' rounding error against float64, {PAIRS} pairs at eps {EPS:g}, "
               f"native seed {args.seeds[0]}'s final weights:"] + scalar_noise(args.dir / f"native-seed{args.seeds[0]}")
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        args.out.write_text(report + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
