@@ -42,7 +42,6 @@ RUNS = ("native", "onnxruntime", "native-ulp")
 def replay(run_dir: Path, steps: int | None = None) -> Path:
     """Train run_dir's run again in a scratch folder, recording each step's scalars (see the
     module docstring); returns the record's path."""
-
     out = run_dir.with_name(run_dir.name + ".replay.npz")
     if out.exists() and steps is None:
         return out
@@ -91,9 +90,13 @@ def replay(run_dir: Path, steps: int | None = None) -> Path:
     return path
 
 
+def outliers(sd: np.ndarray) -> list[int]:
+    """The steps (0-based, from step 101) whose scalars' sd exceeds CLIFF x the run's median."""
+    return [i for i in np.flatnonzero(sd > CLIFF * np.median(sd[100:])) if i >= 100]
+
+
 def line_scan(run_dir: Path, rec) -> list[str]:
     """The loss along the largest outlier step's worst direction, in float64, and its bytes."""
-
     ckpt = RunFolder(run_dir).read_checkpoint()
     layout, theta, batch = Layout(ckpt.model), rec["worst_theta"], rec["worst_batch"]
     pop = make_strategy(ckpt.train).ask(0, int(rec["worst_step"]))
@@ -136,17 +139,16 @@ def main() -> None:
              f"# Outlier steps: the scalars' sd over {CLIFF:g} x the run's median (steps 101 on); "
              "loss change: mean of the 20 steps after minus the 20 before.",
              "seed  engine        median sd  outlier steps (step: sd, loss change)"]
+    recs = {run: dict(np.load(path)) for run, path in records.items()}  # each record read once
+    sds = {run: rec["own"].std(axis=1) for run, rec in recs.items()}  # each step's scalars' sd
     peaks = {e: [] for e in RUNS}  # per run: its largest outlier's sd / the median sd before it
     largest = []  # (sd, engine, seed, step, sd / median before, loss change)
-    for run, path in records.items():
-        rec = np.load(path)
-        sd, losses = rec["own"].std(axis=1), rec["losses"]
+    for run, rec in recs.items():
+        sd, losses = sds[run], rec["losses"]
         change = lambda i: losses[i + 1:i + 21].mean() - losses[i - 20:i].mean()  # noqa: E731
-        median = np.median(sd[100:])
-        steps = [i for i in np.flatnonzero(sd > CLIFF * median) if i >= 100]
-        marks = ", ".join(f"{i + 1}: {sd[i]:.1f}, {change(i):+.2f}" for i in steps) or "none"
+        marks = ", ".join(f"{i + 1}: {sd[i]:.1f}, {change(i):+.2f}" for i in outliers(sd)) or "none"
         engine, seed = run.name.rsplit("-seed", 1)
-        lines.append(f"{seed:>4s}  {engine:12s}  {median:9.2f}  {marks}")
+        lines.append(f"{seed:>4s}  {engine:12s}  {np.median(sd[100:]):9.2f}  {marks}")
         i = 100 + int(sd[100:].argmax())
         peaks[engine].append(sd[i] / np.median(sd[100:i]))
         largest.append((sd[i], engine, seed, i + 1, peaks[engine][-1], change(i)))
@@ -163,22 +165,16 @@ def main() -> None:
 
     lines += ["", "The Numba engine at every state of the ONNX Runtime runs (same weights, batch and perturbations):",
               "seed  max |scalar difference|  at the outlier steps  the scalars' median sd"]
-    for run, path in records.items():
-        rec = np.load(path)
-        if "native" not in rec:
-            continue
-        diff = np.abs(rec["own"] - rec["native"]).max(axis=1)
-        sd = rec["own"].std(axis=1)
-        out = sd > CLIFF * np.median(sd[100:])
-        out[:100] = False
-        at = f"{diff[out].max():.1e}" if out.any() else "-"
+    ort = [run for run, rec in recs.items() if "native" in rec]  # the replays with Numba beside
+    for run in ort:
+        diff = np.abs(recs[run]["own"] - recs[run]["native"]).max(axis=1)
+        steps, sd = outliers(sds[run]), sds[run]
+        at = f"{diff[steps].max():.1e}" if steps else "-"
         seed = run.name.rsplit("-seed", 1)[1]
         lines.append(f"{seed:>4s}  {diff.max():23.1e}  {at:>20s}  {np.median(sd[100:]):21.2f}")
-
-    ort = [r for r in records if r.name.startswith("onnxruntime")]
     if ort:
-        worst = max(ort, key=lambda r: np.load(records[r])["own"].std(axis=1)[100:].max())
-        lines += ["", "The largest outlier step of the ONNX Runtime runs:"] + line_scan(worst, np.load(records[worst]))
+        worst = max(ort, key=lambda run: sds[run][100:].max())
+        lines += ["", "The largest outlier step of the ONNX Runtime runs:"] + line_scan(worst, recs[worst])
     emit(lines, args.out)
 
 
