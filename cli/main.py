@@ -29,6 +29,9 @@ class ZosomaGroup(click.Group):
             return super().invoke(ctx)
         except ZosomaError as e:
             raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt as e:  # a second stop signal, or Ctrl-C outside training
+            click.echo("aborted", err=True)
+            sys.exit(128 + getattr(e, "signum", signal.SIGINT))
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None):
@@ -87,19 +90,6 @@ def _ops(device: str):
     return ops
 
 
-def _executor(workers: int | None, units: int, kind: str | None = None, address=None, cpus=1.0, gpus=0.0):
-    """--executor: inline; local processes (the default: `workers` of them, default the machine's
-    cores, inline for one); or Ray tasks with cpus and gpus each (zosoma.runs.ray_executor)."""
-    import os
-
-    from zosoma.runs.executor import Inline, LocalProcesses
-    if kind == "ray":
-        from zosoma.runs.ray_executor import RayExecutor
-        return RayExecutor(address, cpus, gpus)
-    workers = max(1, min(units, workers or os.cpu_count() or 1))
-    return Inline() if kind == "inline" or workers == 1 else LocalProcesses(workers)
-
-
 def executor_options(f):
     """--executor and the Ray options, shared by train and compare."""
     for option in reversed([
@@ -123,31 +113,24 @@ def _check_executor_options(ctx, kind: str | None, workers_option: str, workers)
                                "cluster's CPUs decide how many units run at once")
 
 
-def _placement(kind, workers, population, experts: int, loss: str, address, cpus, gpus):
-    """Where a training run's work goes: (the executor of independent experts, the workers of the
-    summed ablation's experts, the sharding of one model's population), each None when unused."""
-    from zosoma.runs.population import InProcess, Processes, Sharding
+def _given(ctx, name: str) -> bool:
+    """Whether option `name` was given on the command line (not left at its default)."""
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
-    if population is not None and experts > 1:
-        raise click.UsageError("--population-workers spreads one model's population; SOMA's experts already run "
-                               "apart (--executor), and the summed ablation puts each expert on a worker of its own")
-    independent = experts > 1 and loss == "independent"
-    summed = experts > 1 and loss == "summed" and kind in ("local", "ray")  # default: in this process
-    if not (independent or summed or population):
-        if kind == "ray":
-            raise click.UsageError("--executor ray spreads SOMA's experts or one model's population "
-                                   "(--population-workers W); a single model alone trains in this process")
-        return None, None, None
-    if kind == "ray":
-        from zosoma.runs.ray_executor import RayWorkers
-        executor = _executor(None, experts, "ray", address, cpus, gpus)  # connects now: a bad address fails first
-        transport = RayWorkers(executor)
-    else:
-        executor = _executor(workers, experts, kind) if independent else None
-        n = population or experts
-        transport = InProcess() if kind == "inline" else Processes(max(1, (os.cpu_count() or 1) // n))
-    return (executor if independent else None, transport if summed else None,
-            Sharding(transport, population) if population else None)
+
+def new_run_dir(prefix: str) -> Path:
+    """runs/<prefix><time>, made now and so unique: two runs started in the same second get
+    runs/...-<time> and runs/...-<time>-2."""
+    stem = Path("runs") / f"{prefix}{datetime.now():%Y%m%d-%H%M%S}"
+    Path("runs").mkdir(exist_ok=True)
+    for n in range(1, 1000):
+        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise click.ClickException(f"cannot find a free run folder name beside {stem}")
 
 
 MODEL_OPTIONS = ("embed", "hidden", "layers")
@@ -209,33 +192,47 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     from zosoma.config import PRESETS, ModelConfig
     from zosoma.engines import get_ops, run_ops
     from zosoma.runs.folder import RunFolder
+    from zosoma.runs.placement import place
     from zosoma.strategies.base import COMMON, unused_option
     from zosoma.runs.single import resume_run, start_run
     from zosoma.runs.soma import resume_soma, start_soma
 
     if top_k > experts and experts > 1:
         raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
-    device = _ops(device).name
     _check_executor_options(ctx, executor_kind, "--workers", workers)
-    place = (executor_kind, workers, population_workers)
-    ray_options = (address, cpus_per_unit, gpus_per_unit)
-    stop = _install_stop_handler()
+    given_placement = {name: value for name, value in (
+        ("executor", executor_kind), ("workers", workers), ("population_workers", population_workers),
+        ("address", address), ("cpus_per_unit", cpus_per_unit), ("gpus_per_unit", gpus_per_unit),
+        ("device", device)) if _given(ctx, "executor_kind" if name == "executor" else name)}
+    if "device" in given_placement:
+        given_placement["device"] = _ops(device).name  # auto, resolved
+    stop, made = StopRequest(), None
     if resume:
-        given = [k for k, v in options.items() if v is not None]
-        clashing = given + [n for n in ("data", "heldout", "wikitext", "run_dir", "experts", "loss", "preset",
-                                        "chunk_size", "top_k")
-                            if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        folder = RunFolder(resume)
+        clashing = [k for k, v in options.items() if v is not None and k != "steps"]
+        clashing += [n for n in ("data", "heldout", "run_dir", "experts", "loss", "preset", "chunk_size", "top_k")
+                     if _given(ctx, n)]
         if clashing:
             raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
-                                   + ", ".join("--" + n.replace("_", "-") for n in clashing))
-        if RunFolder(resume).is_soma:
-            soma = RunFolder(resume).read_soma()
-            executor, summed, _ = _placement(*place, soma["experts"], soma["loss"], *ray_options)
-            records = resume_soma(Path(resume), executor, should_stop=stop, device=device, workers=summed)
+                                   + ", ".join("--" + n.replace("_", "-") for n in clashing)
+                                   + " (--steps extends the run, --wikitext replaces its WikiText-103 file)")
+        recorded = folder.read_placement()
+        placement = recorded.replaced(given_placement)
+        if recorded != type(recorded)():  # say where it goes on: the options are not on this command line
+            click.echo(f"placement: {placement.describe() or 'the defaults'} (where the run was, with the "
+                       "options given here)", err=True)
+        resume_args = dict(should_stop=stop, placement=placement, steps=options["steps"], wikitext=wikitext)
+        if folder.is_soma:
+            soma = folder.read_soma()
+            executor, summed, _ = place(placement, soma["experts"], soma["loss"])
+            records = resume_soma(folder.path, executor, device=placement.device, workers=summed, **resume_args)
         else:
-            _, _, sharding = _placement(*place, 1, "independent", *ray_options)
-            records = resume_run(Path(resume), should_stop=stop, ops=get_ops(device), sharding=sharding)
+            _, _, sharding = place(placement, 1)
+            records = resume_run(folder.path, ops=get_ops(placement.device), sharding=sharding, **resume_args)
     else:
+        from zosoma.runs.placement import Placement
+
+        placement = Placement(**given_placement)
         base_model, base_train = PRESETS[preset]
         model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
                                for k in MODEL_OPTIONS})
@@ -245,45 +242,73 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
             if k not in COMMON | strategy.options:
                 raise click.UsageError(unused_option(strategy, k))
         cfg = TrainConfig(**{**TrainConfig().__dict__, **base_train, **strategy.defaults, **given})
-        run_ops(get_ops(device), cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
-        run_dir = Path(run_dir or f"runs/{preset}-{'soma%d-' % experts if experts > 1 else ''}{datetime.now():%Y%m%d-%H%M%S}")
+        run_ops(get_ops(placement.device), cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+        if experts == 1:
+            ignored = [n for n in ("loss", "top_k", "chunk_size", "workers") if _given(ctx, n)]
+            if ignored:
+                raise click.UsageError(f"--{ignored[0].replace('_', '-')} is an option of SOMA (--experts 2 or more)")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
-        if experts == 1 and loss != "independent":
-            raise click.BadParameter("the summed loss needs --experts 2 or more", param_hint="--loss")
         if population_workers:
             from zosoma.runs.population import check_shardable
             check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
-        executor, summed, sharding = _placement(*place, experts, loss, *ray_options)
+        executor, summed, sharding = place(placement, experts, loss)
+        made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")
+        run_dir = Path(run_dir or made)
         if experts > 1:
             records = start_soma(run_dir, model, cfg, experts, loss, executor, chunk_size, train_paths,
-                                 heldout_paths, wikitext, top_k, should_stop=stop, device=device, workers=summed)
+                                 heldout_paths, wikitext, top_k, should_stop=stop, device=placement.device,
+                                 workers=summed, placement=placement)
         else:
             records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
-                                ops=get_ops(device), sharding=sharding)
-    _render_training(records)
+                                ops=get_ops(placement.device), sharding=sharding, placement=placement)
+    try:
+        _render_training(records, stop)
+    except BaseException:
+        if not resume and made is not None:
+            RunFolder(made).remove_if_empty()  # the folder this command named and made, nothing written in it
+        raise
 
 
-def _install_stop_handler():
-    """First Ctrl-C: finish the step, checkpoint, exit. A second one interrupts at once. (The
-    handler stays for the life of the command's process.)"""
-    state = {"stop": False}
+class StopRequest:
+    """First Ctrl-C (SIGINT) or SIGTERM (SLURM preemption, `docker stop`, systemd): finish the
+    step, checkpoint, exit 128 + the signal's number. A second signal aborts at once (with that
+    code too). The handlers stay for the life of the command's process; calling the object says
+    whether a stop was asked for."""
 
-    def handler(signum, frame):
-        if state["stop"]:
-            raise KeyboardInterrupt
-        state["stop"] = True
-        click.echo("\nstopping after this step (Ctrl-C again to abort without saving)", err=True)
+    def __init__(self):
+        self.signum = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handler)
 
-    signal.signal(signal.SIGINT, handler)
-    return lambda: state["stop"]
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    def _handler(self, signum, frame):
+        if self.signum is not None:
+            raise Interrupted(signum)
+        self.signum = signum
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        click.echo(f"\n{what}: stopping after this step (a second signal aborts without saving)", err=True)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
 
 
-def _render_training(records):
+class Interrupted(KeyboardInterrupt):
+    """A second stop signal: abort now (ZosomaGroup exits with 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _render_training(records, stop: StopRequest):
     from tqdm import tqdm
 
     from zosoma.runs.records import Clusters, Diverged, Evaluated, Failed, Note, Started, Step, Stopped
 
-    bars, stopped, failed, run_dir = {}, False, [], "RUN"
+    bars, stopped, evaluated, failed, run_dir = {}, False, False, [], "RUN"
     for r in records:
         if isinstance(r, Step):
             bar = bars[r.expert]
@@ -321,15 +346,16 @@ def _render_training(records):
         elif isinstance(r, Evaluated):
             _close(bars)
             click.echo(_format_results(r.results))
+            evaluated = True
     _close(bars)
     for line in failed:
         click.echo(line, err=True)
     if failed:  # the failed experts keep their last checkpoint; the others were checkpointed
         click.echo(f"stopped: fix the cause above, then continue with: zosoma train --resume {run_dir}", err=True)
         sys.exit(1)
-    if stopped:
+    if stopped or (stop() and not evaluated):  # a stop asked for: some unit may not have said so
         click.echo(f"stopped; checkpoints saved. Continue with: zosoma train --resume {run_dir}")
-        sys.exit(130)
+        sys.exit(stop.exit_code)
 
 
 def _close(bars):
@@ -521,22 +547,32 @@ def cluster(data, experts, chunk_size, unbalanced, seed, out):
 
 
 @cli.command()
-@click.argument("run", type=click.Path(file_okay=False))
+@click.argument("run", type=click.Path())
 @click.option("--prompt", default="", help="Text to continue (its bytes as given, UTF-8 or not).")
 @click.option("--bytes", "n_bytes", type=int, default=400, show_default=True, callback=_nonneg, help="Bytes to generate.")
-@click.option("--temperature", type=float, default=0.8, show_default=True, callback=_positive_float, help="Sampling temperature applied to the mixture.")
+@click.option("--temperature", type=float, default=0.8, show_default=True, callback=_nonneg_float, help="Sampling temperature applied to the mixture (0: greedy, the most likely byte).")
 @click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
-@click.option("--top-k", type=int, default=2, show_default=True, callback=_positive, help="Experts mixed.")
-@click.option("--reroute-every", type=int, default=64, show_default=True, callback=_positive, help="Generated bytes between routing decisions.")
+@click.option("--top-k", type=int, default=2, show_default=True, callback=_positive, help="SOMA run: experts mixed.")
+@click.option("--reroute-every", type=int, default=64, show_default=True, callback=_positive, help="SOMA run: generated bytes between routing decisions.")
 @previous_option
 @device_option
-def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, previous, device):
-    """Generate text from a SOMA run's routed mixture, re-routing as the context grows."""
+@click.pass_context
+def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, previous, device):
+    """Generate text from a run: a SOMA run's routed mixture, re-routing as the context grows, or
+    a single model (its run folder or a checkpoint file)."""
+    from zosoma.runs.folder import RunFolder
     from zosoma.runs.soma import load_ensemble
+    from zosoma.runs.single import load_model
     from zosoma.soma.sample import sample as generate
 
     ops = _ops(device)
-    ensemble = load_ensemble(Path(run), top_k, fallback=previous)
+    if RunFolder(run).is_soma:
+        ensemble = load_ensemble(Path(run), top_k, fallback=previous)
+    else:
+        for name in ("top_k", "reroute_every"):
+            if _given(ctx, name):
+                raise click.UsageError(f"--{name.replace('_', '-')} is an option of SOMA runs; {run} is a single model")
+        ensemble = load_model(run, fallback=previous)
     text = os.fsencode(prompt)  # the prompt's own bytes, UTF-8 or not (surrogateescape)
     out = generate(ensemble, text, n_bytes=n_bytes, temperature=temperature, seed=seed,
                    reroute_every=reroute_every, ops=ops)
@@ -736,14 +772,17 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
                        + (" (diverged)" if result.get("divergence") else ""))
 
+    stop = StopRequest()
     try:
-        executor = _executor(jobs or (1 if device != "cpu" else os.cpu_count()), len(todo), executor_kind, address,
-                             cpus_per_unit, gpus_per_unit)
-        paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=_install_stop_handler(),
+        from zosoma.runs.placement import Placement, executor as units_executor
+
+        placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit)
+        executor = units_executor(placement, len(todo), jobs or (1 if device != "cpu" else os.cpu_count()))
+        paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=stop,
                                on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
-        sys.exit(130)
+        sys.exit(stop.exit_code)
     for p in paths.values():
         click.echo(f"wrote {p}")
 
@@ -824,12 +863,14 @@ def precision_study(out, steps, formats, multiples, soma_multiples, experts, see
             click.echo(f"finished {job.name}: held-out {result['heldout']['overall']:.4f} nats/byte in {job.fmt} "
                        f"({result['heldout_fp32_eval']:.4f} in fp32), {result['wall_s']:.0f} s training")
 
-    stop = _install_stop_handler()
-    paths = run_study(study, Path(out), _executor(jobs or os.cpu_count(), len(todo)), should_stop=stop,
+    stop = StopRequest()
+    from zosoma.runs.placement import Placement, executor as units_executor
+
+    paths = run_study(study, Path(out), units_executor(Placement(), len(todo), jobs), should_stop=stop,
                       on_result=report)
     if stop():
         click.echo("stopped; the same command resumes the unfinished runs", err=True)
-        sys.exit(130)
+        sys.exit(stop.exit_code)
     for p in paths.values():
         click.echo(f"wrote {p}")
 

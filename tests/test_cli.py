@@ -88,7 +88,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
     before = (run_dir / "checkpoint.h5").read_bytes()
     assert "already holds a run" in one_line_error(run(["train", "--data", str(text_files / "a.txt"), "--run-dir", str(run_dir)] + TINY))
     assert (run_dir / "checkpoint.h5").read_bytes() == before
-    assert "--steps" in one_line_error(run(["train", "--resume", str(run_dir), "--steps", "9"]))
+    assert "--lr" in one_line_error(run(["train", "--resume", str(run_dir), "--lr", "0.1"]))  # --steps extends it
 
     # Damaged checkpoints are reported, not loaded, and left as they are.
     bad = tmp_path / "bad.h5"
@@ -198,3 +198,22 @@ def test_data_show_and_download(tmp_path):
     assert (tmp_path / "out" / "wiki.test.raw").read_bytes() == (shared / "wiki.test.raw").read_bytes()
     assert "no such file" in one_line_error(run(["data", "download", "wikitext-103", "--url", str(tmp_path / "x.zip"),
                                                  "--dest", str(tmp_path / "out2")]))
+
+
+def test_sample_a_single_model_and_greedy(tmp_path, text_files):
+    from zosoma.runs.single import load_model
+    from zosoma.soma.sample import sample
+    from zosoma.engines.ops import Ops
+    run_dir = tmp_path / "one"
+    assert run(["train", "--data", str(text_files / "a.txt"), "--run-dir", str(run_dir), "--steps", "3", *TINY]).exit_code == 0
+    outputs = [run(["sample", str(run_dir), "--bytes", "12", "--temperature", "0", "--seed", str(s)]).output
+               for s in (1, 2)]
+    assert outputs[0] == outputs[1]  # greedy draws nothing
+    ensemble = load_model(run_dir)
+    (theta, layout), = ensemble.experts
+    logp, _ = Ops().log_probs(theta, layout, np.frombuffer(b"\n", np.uint8)[None])
+    assert sample(ensemble, b"", 1, temperature=0) == bytes([int(np.argmax(logp[0, -1]))])
+    checkpoint = next(run_dir.glob("checkpoint.h5"))
+    assert run(["sample", str(checkpoint), "--bytes", "12", "--temperature", "0"]).output == outputs[0]
+    result = CliRunner().invoke(cli, ["sample", str(run_dir), "--top-k", "2"])
+    assert "--top-k is an option of SOMA runs" in one_line_error(result)

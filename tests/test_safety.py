@@ -92,7 +92,7 @@ def test_killing_a_soma_run_kills_its_workers_and_the_resume_has_one_writer(text
                             stderr=subprocess.DEVNULL)
     logged = lambda i, n: (run / f"expert{i}" / METRICS).exists() and len(steps_logged(run / f"expert{i}")) > n
     assert wait_for(lambda: logged(0, 20) and logged(1, 20))
-    workers = [p for p in children(proc.pid) if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
+    workers = [p for p in children(proc.pid) if "resource_tracker import main" not in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) >= 2
     proc.send_signal(sig)  # the parent only
     proc.wait(timeout=30)
@@ -350,3 +350,149 @@ def test_small_things(text, tmp_path, monkeypatch):
     assert invoke(["export", run / "expert1", "--out", out, "--force"]).exit_code != 0
     assert out.read_bytes() == before  # --force replaces the file whole or not at all
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".m.pt")) == []
+
+
+# --- 10. SIGTERM saves as Ctrl-C does; a second signal aborts ----------------------------------------
+
+@pytest.mark.parametrize("soma", [False, True], ids=["single", "soma"])
+def test_sigterm_saves_and_exits_like_ctrl_c(text, tmp_path, soma):
+    run = tmp_path / "run"
+    extra = ["--experts", "2", "--workers", "2", "--chunk-size", "256"] if soma else []
+    args = train_args(text, run, 100000, "--checkpoint-every", "100000", *extra)
+    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    folders = [run / f"expert{i}" for i in range(2)] if soma else [run]
+    assert wait_for(lambda: all((f / METRICS).exists() and len(steps_logged(f)) > 20 for f in folders))
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM and systemd do: every process of the job
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopping after this step" in err and f"Continue with: zosoma train --resume {run}" in out
+    for f in folders:  # only the step-0 checkpoint existed: every step logged was saved on the way out
+        assert RunFolder(f).read_checkpoint().step == len(steps_logged(f)) > 20
+
+
+def test_a_second_signal_aborts_with_its_code(text, tmp_path, monkeypatch):
+    from zosoma.cli.main import Interrupted, StopRequest
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop() and stop.exit_code == 128 + signal.SIGTERM
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+    def interrupted(*args, **kwargs):  # a second Ctrl-C arriving during training
+        raise Interrupted(signal.SIGINT)
+        yield
+
+    monkeypatch.setattr("zosoma.runs.single.start_run", interrupted)
+    result = invoke(train_args(text, tmp_path / "run", 2))
+    assert result.exit_code == 130 and result.output.strip().splitlines()[-1] == "aborted"
+
+
+def test_a_killed_soma_parent_leaves_no_warnings(text, tmp_path):
+    run = tmp_path / "soma"
+    args = train_args(text, run, 100000, "--experts", "2", "--workers", "2", "--chunk-size", "256")
+    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    assert wait_for(lambda: all((run / f"expert{i}" / METRICS).exists() for i in range(2)))
+    proc.kill()
+    _, err = proc.communicate(timeout=60)  # once the workers and the resource tracker are gone too
+    assert "leaked semaphore" not in err and "Traceback" not in err, err
+
+
+# --- 11. a SOMA expert belongs to its run; a resume keeps where the run ran ---------------------------
+
+def test_an_expert_is_resumed_only_with_its_run(text, tmp_path):
+    run = tmp_path / "soma"
+    assert invoke(train_args(text, run, 4, "--experts", "2", "--chunk-size", "256", "--workers", "1")).exit_code == 0
+    before = snapshot(run)
+    line = last_line(invoke(["train", "--resume", run / "expert0"]))
+    assert "is an expert of the SOMA run" in line and f"--resume {run}" in line
+    line = last_line(invoke(train_args(text, run / "expert0", 2)))
+    assert f"continue it with --resume {run}," in line
+    assert snapshot(run) == before
+
+
+def test_a_resume_keeps_the_placement_and_can_extend_the_run(text, tmp_path):
+    from zosoma.runs.population import exchange_bytes
+    run = tmp_path / "run"
+    args = train_args(text, run, 4, "--population-workers", "2", "--executor", "inline")
+    args[args.index("-P") + 1] = "4"
+    assert invoke(args).exit_code == 0
+    result = invoke(["train", "--resume", run, "--steps", "8"])
+    assert result.exit_code == 0, result.output
+    assert "placement: --executor inline --population-workers 2" in result.output
+    assert "extending" in result.output and "from 4 to 8 steps" in result.output
+    records = [json.loads(line) for line in (run / METRICS).read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert {r["comm_bytes"] for r in records} == {exchange_bytes(4, 2)}  # sharded before and after
+    assert RunFolder(run).read_checkpoint().train.steps == 8
+    assert "extend a run, not shorten it" in last_line(invoke(["train", "--resume", run, "--steps", "6"]))
+
+
+def test_a_soma_run_is_extended_whole(text, tmp_path):
+    run = tmp_path / "soma"
+    assert invoke(train_args(text, run, 3, "--experts", "2", "--chunk-size", "256", "--workers", "1")).exit_code == 0
+    assert invoke(["train", "--resume", run, "--steps", "5"]).exit_code == 0
+    for i in range(2):
+        assert steps_logged(run / f"expert{i}") == [1, 2, 3, 4, 5]
+        assert RunFolder(run / f"expert{i}").read_checkpoint().train.steps == 5
+
+
+# --- 12. WikiText-103 given by path: checked first, kept absolute, replaceable on resume --------------
+
+def test_wikitext_by_path_is_checked_before_training(text, tmp_path, monkeypatch):
+    empty = tmp_path / "empty" / "wiki.test.raw"
+    empty.parent.mkdir()
+    empty.write_bytes(b"")
+    binary = tmp_path / "binary.raw"
+    binary.write_bytes(bytes(range(256)) * 10)
+    for path, words in ((empty, "is empty"), (binary, "is not text")):
+        line = last_line(invoke(train_args(text, tmp_path / "new", 2, "--wikitext", path)))
+        assert words in line and "wiki.test.raw" in line
+        assert not (tmp_path / "new").exists()
+    log = tmp_path / "logs" / "train.log"
+    log.parent.mkdir()
+    log.write_text("step 1 loss 5.5\n" * 400)
+    monkeypatch.chdir(tmp_path)
+    result = invoke(train_args(text, "run", 2, "--wikitext", "logs/train.log"))
+    assert result.exit_code == 0, result.output
+    assert "is not the official wiki.test.raw" in result.output
+    assert RunFolder(tmp_path / "run").read_checkpoint().extra["data"]["wikitext"] == str(log.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    moved = tmp_path / "moved.log"
+    log.rename(moved)
+    assert "no wiki.test.raw" in last_line(invoke(["train", "--resume", tmp_path / "run"]))
+    result = invoke(["train", "--resume", tmp_path / "run", "--wikitext", moved])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["wikitext103_path"] == str(moved)
+
+
+# --- 13. a start that fails leaves nothing; default names never collide ------------------------------
+
+def test_a_start_that_fails_leaves_no_folder(text, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"some words " * 180)
+    base = ["train", "--data", small, "--experts", "8", *TINY]
+    line = last_line(invoke(base + ["--run-dir", tmp_path / "new"]))
+    assert "cannot make 8 clusters" in line and not (tmp_path / "new").exists()
+    assert "cannot make 8 clusters" in last_line(invoke(base))  # in the default runs/<name>
+    assert list((tmp_path / "runs").iterdir()) == []
+    line = last_line(invoke(["train", "--data", small, "--optimizer", "eggroll", "--rank", "9", *TINY[:-2]]))
+    assert "--rank 9 exceeds 8, the smallest side of this model's matrices" in line
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_default_run_folders_are_unique(tmp_path, monkeypatch):
+    from zosoma.cli.main import new_run_dir
+    monkeypatch.chdir(tmp_path)
+    made = [new_run_dir("tiny-") for _ in range(3)]  # within one second
+    assert len(set(made)) == 3 and all(p.is_dir() for p in made)

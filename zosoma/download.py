@@ -14,6 +14,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 import zipfile
 import zlib
 from http.client import HTTPException
@@ -102,6 +103,40 @@ def find_wikitext103(explicit: str | Path | None = None) -> Path | None:
         if (folder / "wiki.test.raw").is_file():
             return folder / "wiki.test.raw"
     return None
+
+
+class NotOfficial(UserWarning):
+    """A WikiText-103 file given by path is not the official wiki.test.raw (one line: which)."""
+
+
+def check_wikitext103(explicit: str | Path | None = None) -> Path | None:
+    """find_wikitext103's file, absolute, checked before anything trains on its behalf: an empty
+    or binary file is a DataError; text that is not the official wiki.test.raw (its published
+    size and sha256) is scored, with a NotOfficial warning that its figure is not WikiText-103's."""
+    path = find_wikitext103(explicit)
+    if path is None:
+        return None
+    path = path.resolve()
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if size == 0:
+        raise DataError(f"{path} is empty, not WikiText-103's wiki.test.raw (zosoma data download wikitext-103)")
+    if (size, _sha256_file(path)) != WIKITEXT103_FILES["wiki.test.raw"]:
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.start < len(head) - 4:  # not a character cut at the end of the sample
+                raise DataError(f"{path} is not text, so not WikiText-103's wiki.test.raw") from None
+        if b"\0" in head:
+            raise DataError(f"{path} is not text, so not WikiText-103's wiki.test.raw") from None
+        warnings.warn(f"{path} is not the official wiki.test.raw ({size:,} bytes, not "
+                      f"{WIKITEXT103_FILES['wiki.test.raw'][0]:,}, or another sha256): its score is labelled "
+                      "WikiText-103 but is not comparable with published figures", NotOfficial, stacklevel=2)
+    return path
 
 
 def _is_good(path: Path) -> bool:

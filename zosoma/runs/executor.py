@@ -23,9 +23,12 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from zosoma.runs.records import Failed
@@ -61,39 +64,62 @@ class LocalProcesses:
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
 
     def run(self, units: Sequence[Unit], should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+        quiet_resource_tracker()
         ctx = multiprocessing.get_context("spawn")
         records, stop = ctx.Queue(), ctx.Event()
         with child_threads(self.threads), ProcessPoolExecutor(
                 self.workers, mp_context=ctx, initializer=_init_worker,
                 initargs=(records, stop, os.getpid())) as pool:
-            futures = {pool.submit(_run_unit, unit): i for i, unit in enumerate(units)}
-            pending = set(futures)
+            futures = {pool.submit(_run_unit, i, unit): i for i, unit in enumerate(units)}
+            pending, done = set(futures), set()
             while pending or not records.empty():
                 if should_stop() and not stop.is_set():
                     stop.set()
                     for f in pending:
                         f.cancel()  # not started yet: nothing to stop
                 try:
-                    yield records.get(timeout=0.2)
-                    continue
+                    record = records.get(timeout=0.2)
                 except queue.Empty:
-                    pass
+                    record = None
+                if isinstance(record, _Done):
+                    done.add(record.unit)
+                elif record is not None:
+                    yield record
+                    continue
                 for f in [f for f in pending if f.done()]:
                     pending.discard(f)
-                    if not f.cancelled() and f.exception() is not None:
-                        yield Failed(futures[f], one_line(f.exception()))
+                    # A unit that returned is not failed by the pool breaking after it (a worker
+                    # leaves at once after SIGTERM); nor, once a stop was asked, is one never run.
+                    error = None if f.cancelled() else f.exception()
+                    lost = isinstance(error, BrokenProcessPool) and stop.is_set()
+                    if error is not None and futures[f] not in done and not lost:
+                        yield Failed(futures[f], one_line(error))
 
 
 # --- in the worker processes ---------------------------------------------------------------------
 
 _records = _stop = None
+_terminated = False  # this worker got SIGTERM
+
+
+@dataclass(frozen=True)
+class _Done:
+    """Unit `unit` returned: every record it made is in the queue before this one."""
+    unit: int
 
 
 def _init_worker(records, stop, parent: int) -> None:
     global _records, _stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the parent reacts to Ctrl-C
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which asks the units to stop
+    # SLURM and systemd send SIGTERM to every process: the unit stops as if asked (checkpointed)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     _records, _stop = records, stop
     threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _terminated
+    _terminated = True
 
 
 def exit_with_parent(parent: int) -> None:
@@ -104,9 +130,23 @@ def exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _run_unit(unit: Unit) -> None:
-    for record in unit(_stop.is_set):
+def _run_unit(index: int, unit: Unit) -> None:
+    for record in unit(lambda: _terminated or _stop.is_set()):
         _records.put(record)
+    _records.put(_Done(index))
+    if _terminated:  # a pool that signalled its workers (it broke) waits for them to exit, not to return
+        _records.close()
+        _records.join_thread()  # every record sent first
+        os._exit(0)
+
+
+def quiet_resource_tracker() -> None:
+    """The resource tracker that the queues start warns of "leaked semaphore objects" when this
+    process is killed, although it then removes them: cleanup, not news. It takes its warning
+    filters from sys.warnoptions when it starts, so add one there first."""
+    rule = "ignore:resource_tracker:UserWarning"
+    if rule not in sys.warnoptions:
+        sys.warnoptions.append(rule)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ A single model's run (or one SOMA expert's folder):
     RUN/checkpoint.prev.h5   the one before it
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
     RUN/results.json         the final evaluation
+    RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
     RUN/scalars.jsonl        a population sharded over workers (zosoma.runs.population): each
                              step's P update scalars, so a lost worker is rebuilt by replay
 
@@ -37,10 +38,12 @@ never writes over the good one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -51,6 +54,7 @@ from pathlib import Path
 from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, read_step, save_checkpoint
+from zosoma.runs.placement import Placement
 
 CHECKPOINT = "checkpoint.h5"
 PREVIOUS = "checkpoint.prev.h5"
@@ -65,6 +69,7 @@ RESULT = "result.json"
 LOCK = ".lock"
 SCALARS = "scalars.jsonl"
 TOKEN = ".token"
+PLACEMENT = "placement.json"
 DAMAGED = "checkpoint.damaged-{time}.h5"
 
 
@@ -106,6 +111,14 @@ class RunFolder:
         return RunFolder(self.path / f"expert{i}")
 
     @property
+    def soma_run(self) -> "RunFolder | None":
+        """The SOMA run this folder is an expert of (RUN for RUN/expert3), or None."""
+        parent = RunFolder(self.path.resolve().parent)
+        if re.fullmatch(r"expert\d+", self.path.resolve().name) and parent.is_soma:
+            return parent
+        return None
+
+    @property
     def router(self) -> Path:
         return self.path / ROUTER
 
@@ -126,7 +139,8 @@ class RunFolder:
             raise RunInUse(f"{self.path} is in use by {owner}: a run folder has one writer; wait for it to "
                            "finish or stop it first")
         if held and self.holds_run:
-            raise ConfigError(f"{self.path} already holds a run: continue it with --resume {self.path}, or choose "
+            run = self.soma_run or self
+            raise ConfigError(f"{self.path} already holds a run: continue it with --resume {run.path}, or choose "
                               "an empty or new folder; nothing in it was changed")
         if held:
             listed = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
@@ -151,7 +165,9 @@ class RunFolder:
     def lock(self, wait: bool = False):
         """Own this folder for the block: an exclusive flock on RUN/.lock (released by the kernel
         if this process dies), the file naming this pid and host. Another owner: RunInUse, or with
-        `wait`, block until it is gone (a worker of a killed run lives on for up to a second)."""
+        `wait`, block until it is gone (a worker of a killed run lives on for up to a second). A
+        folder this made and the block left empty (a start that failed) is removed again."""
+        created = not self.path.exists()
         self.make()
         path = self.path / LOCK
         try:
@@ -171,8 +187,19 @@ class RunFolder:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
             yield self
+        except (Exception, KeyboardInterrupt):  # a start that failed (not a block merely abandoned)
+            if created:
+                self.remove_if_empty()
+            raise
         finally:
             os.close(fd)
+
+    def remove_if_empty(self) -> None:
+        """Remove this folder if it holds nothing but its lock file (a run that never started)."""
+        with contextlib.suppress(OSError):
+            if {p.name for p in self.path.iterdir()} <= {LOCK}:
+                (self.path / LOCK).unlink(missing_ok=True)
+                self.path.rmdir()
 
     # --- checkpoints ------------------------------------------------------------------------
 
@@ -327,6 +354,19 @@ class RunFolder:
         kept = {s: c for s, c in self.read_scalars().items() if s < step}
         atomic_write(self.path / SCALARS, "".join(json.dumps({"step": s, "coeffs": c}) + "\n"
                                                   for s, c in sorted(kept.items())), "scalars")
+
+    def read_placement(self):
+        """Where the run last trained (a Placement; the defaults when none was recorded)."""
+        path = self.path / PLACEMENT
+        if not path.is_file():
+            return Placement()
+        try:
+            return Placement(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(f"{path} is damaged ({e}): delete it and give the placement options again") from None
+
+    def write_placement(self, placement) -> None:
+        write_json(self.path / PLACEMENT, dataclasses.asdict(placement), "placement")
 
     def write_token(self, token: str) -> None:
         self.make()

@@ -245,7 +245,8 @@ class _ProcessHandle:
 
 def _serve(conn, spec: ShardSpec, step: int, replay: list, parent: int) -> None:
     """A worker process: build the shard, then answer the driver's calls in order until EOF."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's
+    for s in (signal.SIGINT, signal.SIGTERM):  # stopping is the driver's: it checkpoints, then closes us
+        signal.signal(s, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
     try:
         shard, error = Shard(spec, step, replay), None

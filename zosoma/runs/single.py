@@ -7,6 +7,7 @@ The data a run trains on is recorded in its checkpoint (paths and a sha256 of th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from pathlib import Path
@@ -14,16 +15,19 @@ from typing import Callable, Iterator
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, describe, load_corpus, load_text
-from zosoma.download import find_wikitext103
+from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import DataError
+from zosoma.errors import ConfigError, DataError
+from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
 from zosoma.runs.folder import CheckpointFallback, RunFolder
+from zosoma.runs.placement import Placement
 from zosoma.runs.population import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Evaluated, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.strategies.base import learning_rate
 from zosoma.soma.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
 
 
@@ -36,11 +40,28 @@ def fingerprint(corpus: Corpus) -> str:
 
 
 def data_record(train_corpus: Corpus, train_paths=None, heldout_paths=None, wikitext=None) -> dict:
-    """What a run folder records of its data: the paths given (none: the shipped corpus) and a
-    fingerprint of the training bytes, which a resume checks."""
+    """What a run folder records of its data: the paths given (none: the shipped corpus), absolute
+    so a resume from another folder finds them, and a fingerprint of the training bytes, which a
+    resume checks."""
     return {"train": [str(Path(p).resolve()) for p in train_paths or []],
             "heldout": [str(Path(p).resolve()) for p in heldout_paths or []],
-            "wikitext": str(wikitext) if wikitext else None, "fingerprint": fingerprint(train_corpus)}
+            "wikitext": str(Path(wikitext).resolve()) if wikitext else None, "fingerprint": fingerprint(train_corpus)}
+
+
+def extended(cfg: TrainConfig, step: int, steps: int | None, where) -> tuple[TrainConfig, list[Note]]:
+    """cfg run to `steps` in all instead (a resume that extends a run), and the note saying so;
+    cfg itself when steps is None. Only a longer run: the steps already taken stay as they were,
+    and a cosine schedule is laid out again over the new length from here on."""
+    if steps is None or steps == cfg.steps:
+        return cfg, []
+    if steps < cfg.steps:
+        raise ConfigError(f"--steps {steps} with --resume: {where} runs to {cfg.steps} steps; a resume can "
+                          "extend a run, not shorten it")
+    new = dataclasses.replace(cfg, steps=steps)
+    lr = learning_rate(step, new.lr, new.steps, new.warmup, new.schedule)
+    return new, [Note(f"extending {where} from {cfg.steps} to {steps} steps"
+                      + (f": the cosine schedule now ends at step {steps} (lr {lr:.4g} at step {step + 1})"
+                         if cfg.schedule == "cosine" else ""))]
 
 
 def load_data(train_paths: list[str] | None, heldout_paths: list[str] | None):
@@ -58,42 +79,60 @@ def load_data(train_paths: list[str] | None, heldout_paths: list[str] | None):
 
 def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, heldout_paths=None,
               wikitext=None, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
-              sharding: Sharding | None = None) -> Iterator:
+              sharding: Sharding | None = None, placement: Placement | None = None) -> Iterator:
     """A new run in run_dir, which must be new or empty. Every input (data, held-out, WikiText-103)
     is checked before anything is written. Yields Started, the training records, then Evaluated;
     the folder is locked (RunFolder.lock) while it runs. With `sharding` the population is spread
-    over workers (zosoma.runs.population)."""
+    over workers (zosoma.runs.population); `placement`, where it all runs, is recorded for a
+    resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
     train_corpus, heldout = load_data(train_paths, heldout_paths)
-    find_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
+    found = check_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
     sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
-    data = data_record(train_corpus, train_paths, heldout_paths, wikitext)
+    data = data_record(train_corpus, train_paths, heldout_paths, found if wikitext else None)
     with folder.lock():
         folder.require_empty()  # under the lock: another start may have won the race
         trainer = make_trainer(folder, model, cfg, sampler, new_state(model, cfg), {"data": data}, ops, sharding)
         trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
+        if placement is not None:
+            folder.write_placement(placement)
         yield Started(str(run_dir), model, cfg, describe(train_corpus), device=trainer.ops.name)
         yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
 
 
 def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
-               sharding: Sharding | None = None) -> Iterator:
-    """Continue the run in run_dir from its checkpoint, with the configuration and data it has."""
+               sharding: Sharding | None = None, placement: Placement | None = None, steps: int | None = None,
+               wikitext=None) -> Iterator:
+    """Continue the run in run_dir from its checkpoint, with the configuration and data it has;
+    `steps` extends it to that many steps in all, `wikitext` replaces the WikiText-103 file it
+    is scored on, and `placement` is recorded as where it now runs."""
     folder = RunFolder(run_dir)
+    if folder.soma_run is not None:
+        raise ConfigError(f"{run_dir} is an expert of the SOMA run {folder.soma_run}: resume the whole run with "
+                          f"--resume {folder.soma_run}")
     with folder.lock(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointFallback)
         ckpt = folder.read_checkpoint(set_aside=True)
         yield from (Note(str(w.message)) for w in caught)
-        data = ckpt.extra.get("data", {})
+        data = dict(ckpt.extra.get("data", {}))
         train_corpus, heldout = load_data(data.get("train") or None, data.get("heldout") or None)
         if fingerprint(train_corpus) != data.get("fingerprint"):
             raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
-        find_wikitext103(data.get("wikitext"))
-        sampler = BatchSampler(train_corpus, ckpt.train.seq_len + 1)
-        trainer = make_trainer(folder, ckpt.model, ckpt.train, sampler, from_checkpoint(ckpt), {"data": data}, ops,
+        if wikitext:
+            data["wikitext"] = str(check_wikitext103(wikitext))
+        else:
+            check_wikitext103(data.get("wikitext"))
+        cfg, notes = extended(ckpt.train, ckpt.step, steps, run_dir)
+        sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
+        trainer = make_trainer(folder, ckpt.model, cfg, sampler, from_checkpoint(ckpt), {"data": data}, ops,
                                sharding)
-        yield Started(str(run_dir), ckpt.model, ckpt.train, describe(train_corpus), steps=(ckpt.step,),
+        if notes or wikitext:
+            trainer.checkpoint()  # the new length and data are the run's from now on
+        if placement is not None:
+            folder.write_placement(placement)
+        yield from notes
+        yield Started(str(run_dir), ckpt.model, cfg, describe(train_corpus), steps=(ckpt.step,),
                       device=trainer.ops.name)
         yield from _train_and_evaluate(trainer, heldout, data.get("wikitext"), should_stop)
 
@@ -109,6 +148,14 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
                    wall_s=state.wall_s, n_params=model.n_params(), **trainer.summary())
     trainer.folder.write_results(results)
     yield Evaluated(results)
+
+
+def load_model(path, fallback: bool = False) -> Ensemble:
+    """A single model, from a checkpoint file or its run folder's newest checkpoint, as an ensemble
+    of one (what sampling and routed scoring take)."""
+    path = Path(path)
+    ckpt = RunFolder(path).read_checkpoint(fallback=fallback) if path.is_dir() else load_checkpoint(path)
+    return Ensemble(((ckpt.theta, Layout(ckpt.model)),), Whole())
 
 
 def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,

@@ -18,6 +18,7 @@ The folder's files are zosoma.runs.folder's.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -26,7 +27,7 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
-from zosoma.download import find_wikitext103
+from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError, DataError
@@ -35,7 +36,8 @@ from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder
 from zosoma.runs.population import summed_trainers
 from zosoma.runs.records import Clusters, Evaluated, Finished, Note, Started, Stopped
-from zosoma.runs.single import data_record, fingerprint, load_data
+from zosoma.runs.placement import Placement
+from zosoma.runs.single import data_record, extended, fingerprint, load_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train, training_summary
 from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -71,22 +73,33 @@ class SomaRun:
         one is set aside (with a CheckpointFallback warning)."""
         folder = self.folder.expert(i)
         ckpt = folder.read_checkpoint(step, set_aside=True)
-        return Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpora[i], ckpt.train.seq_len + 1),
+        cfg = run_length(self.soma, ckpt.train)
+        return Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpora[i], cfg.seq_len + 1),
                        from_checkpoint(ckpt), expert=i, extra=self.extra(), ops=ops)
+
+
+def run_length(soma: dict, cfg: TrainConfig) -> TrainConfig:
+    """An expert's config with the run's length: a resume that extended a SOMA run records the new
+    length in soma.json first, so every expert takes it, checkpointed yet or not."""
+    steps = soma.get("steps", cfg.steps)
+    return cfg if steps == cfg.steps else dataclasses.replace(cfg, steps=steps)
 
 
 def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                executor=None, chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
                top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu",
-               workers=None) -> Iterator:
+               workers=None, placement: Placement | None = None) -> Iterator:
     """Cluster, initialise and train a new SOMA run in run_dir (new or empty); yields Clusters,
     Started, the experts' Step records, Finished / Stopped / Failed per expert, then Evaluated.
-    The run folder is locked while it runs; each expert's folder by the unit training it."""
+    The run folder is locked while it runs; each expert's folder by the unit training it.
+    `placement`, where it all runs, is recorded for a resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
     with folder.lock():
         report, n_chunks = create_soma(run_dir, model, cfg, n_experts, loss, chunk_size, train_paths,
                                        heldout_paths, wikitext, top_k)
+        if placement is not None:
+            folder.write_placement(placement)
         run = open_soma(run_dir)
         yield Clusters(report, n_chunks, chunk_size)
         yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
@@ -109,12 +122,13 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
     if loss not in LOSSES:
         raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     strategy = make_strategy(cfg)
+    strategy.check(Layout(model))  # before anything is written
     if loss == "summed":
         Summed([strategy])  # refuses strategies whose scalars do not add up
     if chunk_size < cfg.seq_len + 1:
         raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
     train_corpus, _ = load_data(train_paths, heldout_paths)  # the held-out files are checked here too
-    find_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
+    found = check_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
     chunks = chunk(train_corpus, chunk_size)
     if n_experts > len(chunks):
         raise ConfigError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes")
@@ -122,7 +136,7 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
     report = cluster_report(assignments, chunks.names, n_experts)
     folder.make()
     save_clustering(folder.router, clustering)
-    data = data_record(train_corpus, train_paths, heldout_paths, wikitext)
+    data = data_record(train_corpus, train_paths, heldout_paths, found if wikitext else None)
     soma = {"experts": n_experts, "loss": loss, "chunk_size": chunk_size, "top_k": top_k, "data": data,
             "cluster_sizes": [r["size"] for r in report], "assignments": assignments.tolist()}
     corpora = expert_corpora(chunks, assignments, n_experts)
@@ -162,18 +176,34 @@ def soma_summary(run_dir, fallback: bool = False) -> str:
 
 
 def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False,
-                device: str = "cpu", workers=None) -> Iterator:
-    """Continue every expert of a SOMA run where it stopped, then evaluate."""
+                device: str = "cpu", workers=None, placement: Placement | None = None, steps: int | None = None,
+                wikitext=None) -> Iterator:
+    """Continue every expert of a SOMA run where it stopped, then evaluate; `steps` extends the
+    run to that many steps per expert, `wikitext` replaces the WikiText-103 file it is scored on,
+    and `placement` is recorded as where it now runs."""
     folder = RunFolder(run_dir)
     with folder.lock():
         run = open_soma(run_dir)
-        find_wikitext103(run.soma["data"].get("wikitext"))
-        steps = tuple(run.folder.expert(i).checkpoint_step() for i in range(run.n_experts))
+        soma = dict(run.soma, data=dict(run.soma["data"]))
+        if wikitext:
+            soma["data"]["wikitext"] = str(check_wikitext103(wikitext))
+        else:
+            check_wikitext103(soma["data"].get("wikitext"))
+        done = tuple(run.folder.expert(i).checkpoint_step() for i in range(run.n_experts))
         with warnings.catch_warnings():  # each expert's unit reports its own fallback
             warnings.simplefilter("ignore", CheckpointFallback)
             first = run.folder.expert(0).read_checkpoint()
-        yield Started(str(run_dir), first.model, first.train, describe(run.train_corpus), run.n_experts,
-                      run.soma["loss"], steps,
+        cfg, notes = extended(run_length(soma, first.train), min(done), steps, run_dir)
+        if notes:
+            soma["steps"] = cfg.steps
+        if soma != run.soma:
+            folder.write_soma(soma)  # before any expert trains on: each unit reads it
+            run = open_soma(run_dir)
+        if placement is not None:
+            folder.write_placement(placement)
+        yield from notes
+        yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
+                      run.soma["loss"], done,
                       run_ops(get_ops(device), first.train.engine, first.train.forward_precision).name)
         yield from _train_and_evaluate(run, executor, should_stop, device, workers)
 
@@ -216,7 +246,8 @@ class ExpertUnit:
             warnings.simplefilter("always", CheckpointFallback)
             ckpt = folder.read_checkpoint(set_aside=True)
             yield from (Note(str(w.message)) for w in caught)
-            trainer = Trainer(folder, ckpt.model, ckpt.train, BatchSampler(self.corpus, ckpt.train.seq_len + 1),
+            cfg = run_length(self.soma, ckpt.train)
+            trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
                               from_checkpoint(ckpt), expert=self.expert,
                               extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
             yield from train(trainer, stopping)

@@ -74,6 +74,7 @@ class Trainer:
         # the run's engine and forward precision are part of its config (a resume keeps them)
         self.ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)
         self.layout = Layout(model)
+        self.strategy.check(self.layout)
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
         self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
         self.comm_bytes = 0  # exchanged per step with other processes: none, the model is here

@@ -2,7 +2,8 @@
 
 Each next byte is drawn from the routed mixture p = sum_i w_i p_i of the selected experts, sharpened
 or flattened by `temperature` as a whole: q proportional to p^(1 / temperature) (the temperature
-acts on the mixture, not on each expert). The router re-routes every `reroute_every` generated
+acts on the mixture, not on each expert); temperature 0 is greedy decoding, the most likely byte
+of the mixture (the lowest byte value on a tie), and draws nothing. The router re-routes every `reroute_every` generated
 bytes on the last `context` bytes of prompt + generated text:
 
 - an expert kept by a re-route carries its state on (it has read everything since it was chosen);
@@ -45,8 +46,8 @@ def _check(n_bytes, temperature, reroute_every, context) -> float:
         temperature = float(temperature)
     except (TypeError, ValueError):
         raise ConfigError(f"sampling temperature must be a number, got {temperature!r}") from None
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ConfigError(f"sampling temperature must be positive and finite, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"sampling temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     return temperature
 
 
@@ -101,10 +102,13 @@ def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperat
         x = logw[:, None] + logp
         m = x.max()
         mix = m + np.log(np.exp(x - m).sum(axis=0))  # (V,) log of the mixture
-        z = mix / temperature
-        q = np.exp(z - z.max())
-        cdf = np.cumsum(q)
-        byte = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), cdf.size - 1))
+        if temperature == 0:
+            byte = int(np.argmax(mix))
+        else:
+            z = mix / temperature
+            q = np.exp(z - z.max())
+            cdf = np.cumsum(q)
+            byte = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), cdf.size - 1))
         out.append(byte)
         text.append(byte)
         stream.append(byte)

@@ -43,6 +43,9 @@ class Strategy:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
 
+    def check(self, layout: Layout) -> None:
+        """A ConfigError when this strategy's settings cannot train the model of `layout`."""
+
     def init(self, ops, d: int) -> dict:
         """Optimizer state for d parameters, as engine arrays (none by default)."""
         return {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from zosoma.errors import ConfigError
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.strategies.base import Strategy
@@ -48,6 +49,16 @@ def eggroll_update(theta, layout: Layout, losses, lr: float, sigma: float, r: in
 class Eggroll(Strategy):
     name = "eggroll"
     options = frozenset({"rank"})
+
+    def check(self, layout: Layout) -> None:
+        """A rank-r product A B^T of an m x n matrix has rank at most min(m, n): a larger r only
+        costs time (and the FLOPs count would not show it)."""
+        side = min(min(e.shape) for e in layout.entries if len(e.shape) == 2)
+        if self.cfg.rank > side:
+            m = layout.config
+            raise ConfigError(f"--rank {self.cfg.rank} exceeds {side}, the smallest side of this model's matrices "
+                              f"(E={m.embed}, H={m.hidden}): a rank-r perturbation of an m x n matrix has rank "
+                              f"at most min(m, n)")
 
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg
