@@ -12,9 +12,10 @@ from pathlib import Path
 import click
 
 from zosoma import __version__
-from zosoma.config import ENGINES, PRECISIONS, TrainConfig  # light: the heavy modules load inside commands
+from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig  # light: the heavy modules load inside commands
 from zosoma.engines import DEVICES
 from zosoma.strategies import STRATEGIES
+from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
 
 
 class ZosomaGroup(click.Group):
@@ -136,7 +137,8 @@ def new_run_dir(prefix: str) -> Path:
 MODEL_OPTIONS = ("embed", "hidden", "layers")
 TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "optimizer", "rank", "lr",
                  "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every", "engine",
-                 "forward_precision", "on_divergence")
+                 "forward_precision", "on_divergence", "shaping", "clip_at", "normalize_window", "restart_lr_factor",
+                 "max_restarts")
 
 
 @cli.command()
@@ -170,7 +172,12 @@ TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "
 @click.option("--weight-decay", type=float, callback=_nonneg_float, help=f"Decoupled weight decay.  [default: {_TC.weight_decay}]")
 @click.option("--seed", type=int, callback=_nonneg, help=f"Seed for initialisation, clustering, batches and noise.  [default: {_TC.seed}]")
 @click.option("--checkpoint-every", type=int, callback=_positive, help=f"Steps between checkpoints.  [default: {_TC.checkpoint_every}]")
-@click.option("--on-divergence", type=click.Choice(["stop", "continue"]), help=f"When the loss runs away (non-finite, or far above its best for a long window): stop with a checkpoint, or go on; the verdict is in the results either way.  [default: {_TC.on_divergence}]")
+@click.option("--on-divergence", type=click.Choice(ON_DIVERGENCE), help=f"When the loss runs away (non-finite, or far above its best for a long window): stop with a checkpoint; go on; or restart that model from a checkpoint before it began, at a lower rate on fresh batches, and after --max-restarts drop it (SOMA routes around it). The verdicts are in the results either way.  [default: {_TC.on_divergence}]")
+@click.option("--restart-lr-factor", type=float, callback=_positive_float, help=f"--on-divergence restart: the rate's factor at each restart.  [default: {_TC.restart_lr_factor}]")
+@click.option("--max-restarts", type=int, callback=_nonneg, help=f"--on-divergence restart: restarts before a model is dropped.  [default: {_TC.max_restarts}]")
+@click.option("--shaping", type=click.Choice(list(SHAPING_NAMES)), multiple=True, help="SPSA: shape each step's P scalars before the update, in the order given (repeat the option): clip bounds each at --clip-at running medians of |g|; normalize rescales every step to the mean spread of the first --normalize-window steps.  [default: none]")
+@click.option("--clip-at", type=float, callback=_positive_float, help=f"--shaping clip: the bound in running medians of |g|.  [default: {_TC.clip_at}]")
+@click.option("--normalize-window", type=int, callback=_positive, help=f"--shaping normalize: steps whose mean spread is the reference.  [default: {_TC.normalize_window}]")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
 @click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
 @click.option("--engine", type=click.Choice(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")
@@ -209,7 +216,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     stop, made = StopRequest(), None
     if resume:
         folder = RunFolder(resume)
-        clashing = [k for k, v in options.items() if v is not None and k != "steps"]
+        clashing = [k for k, v in options.items() if v not in (None, ()) and k != "steps"]
         clashing += [n for n in ("data", "heldout", "run_dir", "experts", "loss", "preset", "chunk_size", "top_k")
                      if _given(ctx, n)]
         if clashing:
@@ -236,7 +243,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         base_model, base_train = PRESETS[preset]
         model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
                                for k in MODEL_OPTIONS})
-        given = {k: options[k] for k in TRAIN_OPTIONS if options[k] is not None}
+        given = {k: options[k] for k in TRAIN_OPTIONS if options[k] not in (None, ())}
         strategy = STRATEGIES[given.get("optimizer", _TC.optimizer)]
         for k in given:
             if k not in COMMON | strategy.options:
@@ -306,7 +313,8 @@ class Interrupted(KeyboardInterrupt):
 def _render_training(records, stop: StopRequest):
     from tqdm import tqdm
 
-    from zosoma.runs.records import Clusters, Diverged, Evaluated, Failed, Note, Started, Step, Stopped
+    from zosoma.runs.records import (Clusters, Diverged, Dropped, Evaluated, Failed, Note, Restarted, Started, Step,
+                                     Stopped)
 
     bars, stopped, evaluated, failed, run_dir = {}, False, False, [], "RUN"
     for r in records:
@@ -329,11 +337,24 @@ def _render_training(records, stop: StopRequest):
             click.echo(f"run {r.run_dir}: {who}{r.n_params:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
                        f"--optimizer {t.optimizer} P={t.perturbations} eps={t.eps} lr={t.lr}, "
                        f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}"
+                       + (f", shaping {'+'.join(t.shaping)}" if t.shaping else "")
+                       + (f", on divergence {t.on_divergence}" if t.on_divergence != "stop" else "")
                        + (f", {r.loss} losses" if n > 1 else "") + f", device {r.device}")
             click.echo(f"data: {r.data}")
             for i, done in enumerate(r.steps):
                 bars[i] = tqdm(total=t.steps, initial=done, unit="step", dynamic_ncols=True, position=i,
                                desc=f"expert {i}" if n > 1 else "train", disable=None, file=sys.stderr)
+        elif isinstance(r, Restarted):
+            bars[r.expert].n = r.to
+            bars[r.expert].write(f"{'expert %d' % r.expert if len(bars) > 1 else 'the model'} restarted at step "
+                                 f"{r.step} ({r.verdict}): rolled back to step {r.to}, lr x{r.lr_scale:g}, fresh batches")
+        elif isinstance(r, Dropped):
+            if len(bars) > 1:
+                bars[r.expert].write(f"expert {r.expert} dropped at step {r.step} after {r.restarts} restart(s) "
+                                     f"({r.verdict}): the others go on, and routing leaves it out")
+            else:
+                failed.append(f"the model diverged again at step {r.step} after {r.restarts} restart(s) ({r.verdict}); "
+                              "training gave up on it")
         elif isinstance(r, Stopped):
             stopped = True
         elif isinstance(r, Failed):

@@ -12,6 +12,7 @@ from zosoma.errors import ConfigError
 VOCAB = 256  # V: one class per byte value
 ENGINES = ("native", "onnxruntime")  # where forwards run: the device's own kernels, or ONNX Runtime
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # the forward's number format (zosoma.model.precision)
+ON_DIVERGENCE = ("stop", "continue", "restart")  # what a run does when its loss runs away
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,19 @@ class TrainConfig:
     # of its configuration and a resume keeps them. Updates and master weights stay fp32.
     engine: str = "native"  # ENGINES: the device's kernels, or ONNX Runtime (an inference-only runtime)
     forward_precision: str = "fp32"  # PRECISIONS: bf16, fp16 and int8 are emulated on the CPU
-    # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint, or goes
-    # on with the verdict recorded; either way the verdict is in its results.
-    on_divergence: str = "stop"  # "stop" or "continue"
+    # Coefficient shaping (zosoma.strategies.shaping; SPSA's update rules): pieces applied in
+    # order to each step's P scalars before the update, e.g. ("clip", "normalize").
+    shaping: tuple = ()
+    clip_at: float = 5.0  # clip: each scalar bounded at this many running medians of |g|
+    normalize_window: int = 50  # normalize: the first steps, whose mean spread is the reference
+    # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint; goes
+    # on with the verdict recorded; or restarts: rolled back to a checkpoint from before the
+    # guard's window, its rate times restart_lr_factor, on fresh batches and noise, and after
+    # max_restarts restarts dropped (SOMA leaves a dropped expert out of routing). The verdicts
+    # are in the results either way.
+    on_divergence: str = "stop"  # ON_DIVERGENCE
+    restart_lr_factor: float = 0.5
+    max_restarts: int = 3
 
     def __post_init__(self):
         positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every", "rank")
@@ -90,8 +101,14 @@ class TrainConfig:
         if self.forward_precision not in PRECISIONS:
             raise ConfigError(f"forward precision must be one of {', '.join(PRECISIONS)}, got "
                               f"{self.forward_precision!r}")
-        if self.on_divergence not in ("stop", "continue"):
-            raise ConfigError(f"on_divergence must be stop or continue, got {self.on_divergence!r}")
+        if self.on_divergence not in ON_DIVERGENCE:
+            raise ConfigError(f"on_divergence must be one of {', '.join(ON_DIVERGENCE)}, got {self.on_divergence!r}")
+        shaping = (self.shaping,) if isinstance(self.shaping, str) else tuple(self.shaping)
+        object.__setattr__(self, "shaping", shaping)  # a list read from JSON or TOML
+        if not 0 < self.restart_lr_factor <= 1 or not math.isfinite(self.clip_at) or self.clip_at <= 0:
+            raise ConfigError("restart_lr_factor must lie in (0, 1] and clip_at be a positive number")
+        if self.max_restarts < 0 or self.normalize_window < 1:
+            raise ConfigError("max_restarts must not be negative, normalize_window at least 1")
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(f"schedule must be constant or cosine, got {self.schedule!r}")
         if self.warmup < 0 or not self.weight_decay >= 0:
@@ -121,9 +138,13 @@ def from_json(text: str) -> dict:
     """Inverse of to_json: {"ModelConfig": ModelConfig(...), "TrainConfig": TrainConfig(...)}."""
     classes = {"ModelConfig": ModelConfig, "TrainConfig": TrainConfig}
     raw = json.loads(text)
-    return {name: classes[name](**{k: v for k, v in fields.items() if k not in RETIRED.get(name, ())})
+    return {name: classes[name](**{**ABSENT.get(name, {}),
+                                   **{k: v for k, v in fields.items() if k not in RETIRED.get(name, ())}})
             for name, fields in raw.items() if name in classes}
 
 
 # Fields older versions wrote that no longer mean anything; their checkpoints still load.
 RETIRED = {"TrainConfig": ("eval_every",)}
+# What a field means in a checkpoint written before it existed: the behaviour of that version,
+# whatever today's default, so a resumed old run trains on exactly as it would have.
+ABSENT = {"TrainConfig": {"shaping": (), "on_divergence": "stop"}}

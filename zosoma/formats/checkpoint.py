@@ -261,20 +261,6 @@ def load_checkpoint(path: PathLike) -> Checkpoint:
     return _read_or_raise(path)[0]
 
 
-def read_step(path: PathLike) -> int:
-    """The step recorded in a checkpoint's header, without reading or verifying its tensors (a
-    cheap look at how far a run got; load_checkpoint verifies)."""
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            if attr_text(f.attrs["format"]) != FORMAT:
-                raise ValueError("not a zosoma checkpoint")
-            return attr_int(f.attrs["step"], "step")
-    except (OSError, KeyError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{path} is damaged or not a zosoma checkpoint: {err}") from None
-
-
 def summary(path: PathLike) -> str:
     """A multi-line human summary of a checkpoint (what `zosoma info` prints); verifies the file
     like load_checkpoint and raises CheckpointError when it is damaged."""

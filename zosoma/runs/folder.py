@@ -4,6 +4,8 @@ A single model's run (or one SOMA expert's folder):
 
     RUN/checkpoint.h5        the newest checkpoint (written as checkpoint.next.h5, then rotated)
     RUN/checkpoint.prev.h5   the one before it
+    RUN/checkpoint.prev2.h5  older ones, where a run that restarts on divergence keeps more
+                             (TrainConfig.on_divergence "restart": zosoma.runs.trainer)
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
     RUN/results.json         the final evaluation
     RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
@@ -53,13 +55,14 @@ from pathlib import Path
 
 from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
-from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, read_step, save_checkpoint
+from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from zosoma.runs.placement import Placement
 
 CHECKPOINT = "checkpoint.h5"
 PREVIOUS = "checkpoint.prev.h5"
 NEXT = "checkpoint.next.h5"
-CHECKPOINTS = (CHECKPOINT, NEXT, PREVIOUS)  # newest first
+OLDER = "checkpoint.prev{n}.h5"  # n = 2, 3, ...: kept where a restart may roll back further
+CHECKPOINTS = (CHECKPOINT, NEXT, PREVIOUS)  # newest first, then OLDER by n
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
 SOMA = "soma.json"
@@ -203,35 +206,43 @@ class RunFolder:
 
     # --- checkpoints ------------------------------------------------------------------------
 
-    def write_checkpoint(self, ckpt: Checkpoint) -> None:
-        """Atomically make `ckpt` the newest checkpoint, keeping the one it replaces as
-        checkpoint.prev.h5. Ctrl-C cannot fall between the two renames."""
+    def write_checkpoint(self, ckpt: Checkpoint, keep: int = 2) -> None:
+        """Atomically make `ckpt` the newest checkpoint, keeping the `keep` - 1 it replaces as
+        checkpoint.prev.h5, checkpoint.prev2.h5, ... Ctrl-C cannot fall between the renames."""
         save_checkpoint(self.path / NEXT, ckpt)
+        chain = [CHECKPOINT, PREVIOUS] + [OLDER.format(n=n) for n in range(2, max(2, keep))]
         try:
             with _no_interrupts():
-                if (self.path / CHECKPOINT).exists():
-                    os.replace(self.path / CHECKPOINT, self.path / PREVIOUS)
+                for newer, older in reversed(list(zip(chain, chain[1:]))):  # oldest first: one rename each
+                    if (self.path / newer).exists():
+                        os.replace(self.path / newer, self.path / older)
                 os.replace(self.path / NEXT, self.path / CHECKPOINT)
         except OSError as err:
             raise WriteError(f"cannot write checkpoint {self.path / CHECKPOINT}: {reason(err)}") from None
 
+    def _names(self) -> list[str]:
+        """The checkpoint files here, newest name first."""
+        older = sorted((p.name for p in self.path.glob(OLDER.format(n="*"))),
+                       key=lambda name: int(name[len("checkpoint.prev"):-len(".h5")] or 0))
+        return [n for n in CHECKPOINTS if (self.path / n).exists()] + older
+
     def _checkpoints(self):
         """[(name, Checkpoint or the CheckpointError that reading it raised)], newest name first."""
         found = []
-        for name in CHECKPOINTS:
-            if (self.path / name).exists():
-                try:
-                    found.append((name, load_checkpoint(self.path / name)))
-                except CheckpointError as e:
-                    found.append((name, e))
+        for name in self._names():
+            try:
+                found.append((name, load_checkpoint(self.path / name)))
+            except CheckpointError as e:
+                found.append((name, e))
         return found
 
     def read_checkpoint(self, step: int | None = None, fallback: bool = True, set_aside: bool = False) -> Checkpoint:
-        """The newest complete checkpoint, or the one at `step`. When a damaged file stands
-        before the one returned, a CheckpointFallback warning says so in one line; with
-        fallback=False a CheckpointError is raised instead (naming the intact file), and with
-        set_aside the damaged file is renamed checkpoint.damaged-<time>.h5 (for a resume, so that
-        rotation never moves it over the good one)."""
+        """The newest complete checkpoint (the most restarts, then the highest step: a restart
+        writes an earlier step anew), or the one at `step`. When a damaged file stands before the
+        one returned, a CheckpointFallback warning says so in one line; with fallback=False a
+        CheckpointError is raised instead (naming the intact file), and with set_aside the
+        damaged file is renamed checkpoint.damaged-<time>.h5 (for a resume, so that rotation
+        never moves it over the good one)."""
         found = self._checkpoints()
         good = [(n, c) for n, c in found if isinstance(c, Checkpoint) and (step is None or c.step == step)]
         damaged = [(n, e) for n, e in found if isinstance(e, CheckpointError)]
@@ -243,8 +254,9 @@ class RunFolder:
             where = f" at step {step}" if step is not None else ""
             raise CheckpointError(f"{self.path}: no {CHECKPOINT}{where} (not a run folder, or a run that never "
                                   "wrote its first checkpoint)")
-        name, ckpt = max(good, key=lambda nc: nc[1].step)
-        passed = [(n, e) for n, e in damaged if CHECKPOINTS.index(n) < CHECKPOINTS.index(name)]
+        name, ckpt = max(good, key=lambda nc: recency(nc[1]))
+        order = [n for n, _ in found]
+        passed = [(n, e) for n, e in damaged if order.index(n) < order.index(name)]
         if passed and step is None:
             why = "; ".join(f"{self.path / n} is damaged ({_cause(e)})" for n, e in passed)
             if not fallback:
@@ -255,11 +267,23 @@ class RunFolder:
                     self._set_aside(n)
         return ckpt
 
+    def rollback_checkpoint(self, before: int, healthy=lambda step: True) -> Checkpoint:
+        """The newest intact checkpoint of the run's current course (as many restarts as the
+        newest) from before step `before` at a step where healthy(step); with none, the oldest of
+        that course (where its last restart put it)."""
+        checkpoints = [c for _, c in self._checkpoints() if isinstance(c, Checkpoint)]
+        if not checkpoints:
+            return self.read_checkpoint()  # raises the reason
+        restarts = max(recency(c)[0] for c in checkpoints)
+        course = sorted((c for c in checkpoints if recency(c)[0] == restarts), key=lambda c: c.step)
+        earlier = [c for c in course if c.step < before and healthy(c.step)]
+        return earlier[-1] if earlier else course[0]
+
     def checkpoint_file(self, fallback: bool = True) -> Path:
         """The file read_checkpoint would read (for commands that show or convert one file)."""
         ckpt = self.read_checkpoint(fallback=fallback)
         for name, c in self._checkpoints():
-            if isinstance(c, Checkpoint) and c.step == ckpt.step:
+            if isinstance(c, Checkpoint) and recency(c) == recency(ckpt):
                 return self.path / name
         raise CheckpointError(f"{self.path}: its checkpoint vanished while being read")
 
@@ -269,19 +293,6 @@ class RunFolder:
             os.replace(self.path / name, self.path / DAMAGED.format(time=stamp))
         except OSError as err:
             raise WriteError(f"cannot set aside damaged {self.path / name}: {reason(err)}") from None
-
-    def checkpoint_step(self) -> int:
-        """The step of the newest checkpoint, read from its header only (no tensors)."""
-        steps = []
-        for name in CHECKPOINTS:
-            if (self.path / name).is_file():
-                try:
-                    steps.append(read_step(self.path / name))
-                except CheckpointError:
-                    pass
-        if not steps:
-            return self.read_checkpoint().step  # raises the reason
-        return max(steps)
 
     # --- logs and results -------------------------------------------------------------------
 
@@ -377,6 +388,12 @@ class RunFolder:
             return (self.path / TOKEN).read_text()
         except OSError:
             return None
+
+
+def recency(ckpt: Checkpoint) -> tuple[int, int]:
+    """Which of two checkpoints of one run is newer: the one after more restarts, then the later
+    step."""
+    return len(ckpt.extra.get("restarts") or ()), ckpt.step
 
 
 def checkpoint_path(path, fallback: bool = True) -> Path:

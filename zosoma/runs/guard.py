@@ -68,6 +68,16 @@ class DivergenceGuard:
                     f"for {self.above} steps")
         return None
 
+    @property
+    def healthy(self) -> bool:
+        """The smoothed loss is within RATIO of its best (or nothing has been judged yet)."""
+        return self.smoothed is None or self.smoothed <= RATIO * self.best
+
+    def window_start(self) -> int:
+        """The first step of the bad stretch the latest verdict judged (1-based, as records'
+        "step"): a rollback goes to a checkpoint from before it."""
+        return self.steps - max(self.above, self.skipped_run) + 1
+
     @classmethod
     def replay(cls, metrics: list[dict], window: int = WINDOW) -> "DivergenceGuard":
         """The guard as it stood after the logged steps (a resumed run)."""
@@ -75,3 +85,14 @@ class DivergenceGuard:
         for record in metrics:
             guard.observe(record["loss"], record.get("skipped", False))
         return guard
+
+
+def healthy_steps(metrics: list[dict]) -> set[int]:
+    """The steps (0 and the records' "step") after which the smoothed loss was within RATIO of
+    its best so far: where a rollback may land."""
+    guard, out = DivergenceGuard(), {0}
+    for record in metrics:
+        guard.observe(record["loss"], record.get("skipped", False))
+        if guard.healthy and guard.skipped_run == 0:
+            out.add(record["step"])
+    return out

@@ -422,6 +422,9 @@ def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSam
     if sharding is None:
         return Trainer(folder, model, cfg, sampler, state, extra=extra, ops=ops)
     check_shardable(cfg, sharding.size)
+    if cfg.on_divergence == "restart":
+        raise ConfigError("--on-divergence restart needs the model in one process: its workers cannot be rolled "
+                          "back yet; use stop or continue with --population-workers")
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     device = (ops or get_ops("cpu")).name
     specs = [ShardSpec(str(folder.path), sampler.corpus, 0, pairs, device)

@@ -77,6 +77,27 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class Restarted:
+    """An expert's guard fired at `step` and it restarted (zosoma.runs.trainer): rolled back to
+    step `to`, its rate now `lr_scale` times the configured one."""
+    expert: int
+    step: int
+    verdict: str
+    to: int
+    lr_scale: float
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """An expert diverged again after `restarts` restarts: it trains no further, and a SOMA run
+    routes around it."""
+    expert: int
+    step: int
+    verdict: str
+    restarts: int
+
+
+@dataclass(frozen=True)
 class Stopped:
     """An expert stopped on request, checkpointed at `step`; a resume continues it."""
     expert: int

@@ -25,7 +25,7 @@ from zosoma.model.params import Layout
 from zosoma.runs.folder import CheckpointFallback, RunFolder
 from zosoma.runs.placement import Placement
 from zosoma.runs.population import Sharding, make_trainer
-from zosoma.runs.records import Diverged, Evaluated, Note, Started, Stopped
+from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.soma.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
@@ -140,7 +140,7 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
 def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     for record in train(trainer, should_stop):
         yield record
-        if isinstance(record, (Stopped, Diverged)):
+        if isinstance(record, (Stopped, Diverged, Dropped)):
             return
     state, model = trainer.state, trainer.model
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)

@@ -35,10 +35,10 @@ from zosoma.model.params import Layout
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder
 from zosoma.runs.population import summed_trainers
-from zosoma.runs.records import Clusters, Evaluated, Finished, Note, Started, Stopped
+from zosoma.runs.records import Clusters, Dropped, Evaluated, Finished, Note, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.single import data_record, extended, fingerprint, load_data
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train, training_summary
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
@@ -125,6 +125,9 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
     strategy.check(Layout(model))  # before anything is written
     if loss == "summed":
         Summed([strategy])  # refuses strategies whose scalars do not add up
+        if cfg.on_divergence == "restart":
+            raise ConfigError("--on-divergence restart rolls one expert back on its own, but the summed ablation's "
+                              "experts move in lockstep: use stop or continue")
     if chunk_size < cfg.seq_len + 1:
         raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
     train_corpus, _ = load_data(train_paths, heldout_paths)  # the held-out files are checked here too
@@ -169,8 +172,11 @@ def soma_summary(run_dir, fallback: bool = False) -> str:
              f"{soma['chunk_size']} bytes, cluster sizes {soma['cluster_sizes']}"]
     for i in range(soma["experts"]):
         c = folder.expert(i).read_checkpoint(fallback=fallback)
-        lines.append(f"  expert{i}: step {c.step}/{c.train.steps}, {c.model.n_params():,} parameters, "
-                     f"last loss {c.metrics[-1]['loss']:.4f}" if c.metrics else f"  expert{i}: step 0")
+        t = summary_of(c)
+        fate = (f", {len(t['restarts'])} restart(s)" if t["restarts"] else "") + (
+            f", DROPPED at step {t['dropped']['step']} (left out of routing)" if t["dropped"] else "")
+        lines.append((f"  expert{i}: step {c.step}/{c.train.steps}, {c.model.n_params():,} parameters, "
+                      f"last loss {c.metrics[-1]['loss']:.4f}" if c.metrics else f"  expert{i}: step 0") + fate)
     lines.append(f"details: zosoma info {folder.expert(0)}")
     return "\n".join(lines)
 
@@ -189,10 +195,10 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
             soma["data"]["wikitext"] = str(check_wikitext103(wikitext))
         else:
             check_wikitext103(soma["data"].get("wikitext"))
-        done = tuple(run.folder.expert(i).checkpoint_step() for i in range(run.n_experts))
         with warnings.catch_warnings():  # each expert's unit reports its own fallback
             warnings.simplefilter("ignore", CheckpointFallback)
-            first = run.folder.expert(0).read_checkpoint()
+            ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
+        first, done = ckpts[0], tuple(c.step for c in ckpts)
         cfg, notes = extended(run_length(soma, first.train), min(done), steps, run_dir)
         if notes:
             soma["steps"] = cfg.steps
@@ -223,7 +229,7 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=Non
         units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, device) for i in range(run.n_experts)]
         records = (executor or Inline()).run(units, should_stop)
     for record in records:
-        if isinstance(record, Finished):
+        if isinstance(record, (Finished, Dropped)):  # a dropped expert is done: routing leaves it out
             finished.add(record.expert)
         yield record
     if len(finished) == run.n_experts:  # stopped or failed experts: nothing to evaluate yet
@@ -288,16 +294,36 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
 
 def _evaluate(run: SomaRun, ops: Ops):
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
-    ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts),
-                        Router(load_clustering(run.folder.router), run.soma["top_k"]))
+    training = [summary_of(c) for c in ckpts]
+    soma = dict(run.soma, experts_status=[{"restarts": len(t["restarts"]), "dropped": t["dropped"]} for t in training])
+    if soma != run.soma:
+        run.folder.write_soma(soma)  # what `zosoma info` shows of each expert
+    ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(run.folder, ckpts, run.soma["top_k"]))
     ops = run_ops(ops, ckpts[0].train.engine, ckpts[0].train.forward_precision)  # the format it trained in
     results = evaluate_soma(ensemble, run.heldout, run.soma["data"].get("wikitext"), ops=ops)
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
-                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts),
-                   training=[training_summary(c.metrics, c.extra.get("divergence")) for c in ckpts])
+                   wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts), training=training,
+                   dropped=list(ensemble.router.dropped))
     run.folder.write_results(results)
     yield Evaluated(results)
+
+
+def router_of(folder: RunFolder, ckpts, top_k: int, temperature: float = 0.1) -> Router:
+    """The run's router over the experts it did not drop; top-k falls to the experts left (with a
+    warning) when fewer than k are."""
+    dropped = [i for i, c in enumerate(ckpts) if c.extra.get("dropped")]
+    live = len(ckpts) - len(dropped)
+    if live == 0:
+        raise ConfigError(f"{folder}: every expert was dropped (they all diverged): nothing to route to")
+    if top_k > live:
+        warnings.warn(f"{folder}: experts {dropped} were dropped; routing top-{live} instead of top-{top_k}",
+                      DroppedExperts, stacklevel=2)
+    return Router(load_clustering(folder.router), min(top_k, live), temperature, dropped)
+
+
+class DroppedExperts(UserWarning):
+    """A SOMA run routes over fewer experts than asked, because some were dropped."""
 
 
 def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool = False) -> Ensemble:
@@ -312,17 +338,16 @@ def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool 
     if not folder.router.is_file():
         raise CheckpointError(f"{run_dir}: no {ROUTER} (the clustering the router needs); "
                               "is this a SOMA run folder?")
-    router = Router(load_clustering(folder.router), top_k, temperature)
-    N = router.n_experts
-    experts = []
+    Router(load_clustering(folder.router), top_k, temperature)  # an impossible top-k or temperature: now
+    N = load_clustering(folder.router).n_clusters
+    ckpts = []
     for i in range(N):
         expert = folder.expert(i)
         if not expert.has_checkpoint:
             raise CheckpointError(f"{expert}: no {CHECKPOINT} (the router has {N} clusters, so "
                                   f"the run needs expert0 .. expert{N - 1})")
-        ckpt = expert.read_checkpoint(fallback=fallback)
-        experts.append((ckpt.theta, Layout(ckpt.model)))
-    return Ensemble(tuple(experts), router)
+        ckpts.append(expert.read_checkpoint(fallback=fallback))
+    return Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(folder, ckpts, top_k, temperature))
 
 
 def evaluate_soma(ensemble: Ensemble, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,

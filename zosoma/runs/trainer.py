@@ -16,6 +16,7 @@ checkpoint takes exactly the steps an uninterrupted run would have taken.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -30,10 +31,11 @@ from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.guard import DivergenceGuard, window_for
-from zosoma.runs.records import Diverged, Finished, Step, Stopped
+from zosoma.runs.guard import DivergenceGuard, healthy_steps, window_for
+from zosoma.runs.records import Diverged, Dropped, Finished, Restarted, Step, Stopped
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
+from zosoma.strategies.shaping import spread
 
 
 @dataclass
@@ -43,20 +45,35 @@ class RunState:
     optimizer: dict  # the strategy's state arrays
     step: int = 0
     metrics: list = field(default_factory=list)
-    tokens: int = 0  # bytes pushed through forward passes (2P * B * T per step)
+    tokens: int = 0  # bytes pushed through forward passes (2P * B * T per step), restarts' too
     wall_s: float = 0.0  # training wall time summed over all sessions of this run
     divergence: dict | None = None  # the guard's verdict and its step, once it has spoken
+    shaping: dict = field(default_factory=dict)  # the coefficient shaping's state (zosoma.strategies.shaping)
+    restarts: list = field(default_factory=list)  # one record per restart: step, verdict, rolled back to, lr scale
+    dropped: dict | None = None  # the verdict after which training gave up on this model
 
 
 def new_state(model: ModelConfig, cfg: TrainConfig, expert: int = 0) -> RunState:
     theta = init_params(model, cfg.seed, expert)
-    return RunState(theta, make_strategy(cfg).init(Ops(), theta.size))
+    strategy = make_strategy(cfg)
+    return RunState(theta, strategy.init(Ops(), theta.size), shaping=strategy.shaping.init())
 
 
 def from_checkpoint(ckpt: Checkpoint) -> RunState:
-    return RunState(ckpt.theta, ckpt.optimizer, ckpt.step, list(ckpt.metrics),
-                    int(ckpt.extra.get("tokens", 0)), float(ckpt.extra.get("wall_s", 0.0)),
-                    ckpt.extra.get("divergence"))
+    e = ckpt.extra
+    return RunState(ckpt.theta, ckpt.optimizer, ckpt.step, list(ckpt.metrics), int(e.get("tokens", 0)),
+                    float(e.get("wall_s", 0.0)), e.get("divergence"),
+                    e.get("shaping") or make_strategy(ckpt.train).shaping.init(), list(e.get("restarts") or ()),
+                    e.get("dropped"))
+
+
+# A restart moves an expert's batches and noise to a stream of their own: counters use
+# expert + RESTART_STREAM * restarts where they used the expert (no two experts' streams meet).
+RESTART_STREAM = 1 << 16
+
+
+def stream(expert: int, restarts: int) -> int:
+    return expert + RESTART_STREAM * restarts
 
 
 class Trainer:
@@ -75,6 +92,7 @@ class Trainer:
         self.ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)
         self.layout = Layout(model)
         self.strategy.check(self.layout)
+        self.stream = stream(expert, len(state.restarts))  # the counters of its batches and noise
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
         self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
         self.comm_bytes = 0  # exchanged per step with other processes: none, the model is here
@@ -86,8 +104,11 @@ class Trainer:
         self.timings: dict = {}  # seconds of the step in progress: data, noise, forward, update
         self._pop = None  # the population `losses` evaluated, for `update`
         self.guard = DivergenceGuard.replay(state.metrics, window_for(cfg.steps))
+        self.verdict = None  # the guard's verdict on the latest step
         # a run resumed after its guard stopped it goes on: resuming says "continue"
         self.stop_on_divergence = cfg.on_divergence == "stop" and state.divergence is None
+        # a rollback needs a checkpoint from before the guard's window: keep enough of them
+        self.keep = 2 + math.ceil(self.guard.window / cfg.checkpoint_every) if cfg.on_divergence == "restart" else 2
 
     @property
     def run_dir(self):
@@ -95,15 +116,20 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        return self.state.step >= self.cfg.steps
+        return self.state.step >= self.cfg.steps or self.state.dropped is not None
+
+    @property
+    def lr_scale(self) -> float:
+        """The rate's factor after this model's restarts."""
+        return self.cfg.restart_lr_factor ** len(self.state.restarts)
 
     def losses(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's members' losses on its minibatch: plus (P,) and minus (P,)."""
         t0 = time.perf_counter()
         cfg, step = self.cfg, self.state.step
-        batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
+        batch = self.sampler.batch(cfg.seed, self.stream, step, cfg.batch)
         self.timings = {"data": time.perf_counter() - t0}
-        self._pop = self.strategy.ask(self.expert, step)
+        self._pop = self.strategy.ask(self.stream, step)
         return self.ops.perturbed_losses(self.state.theta, self.layout, batch, self._pop, timings=self.timings)
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
@@ -111,29 +137,33 @@ class Trainer:
         return self.strategy.coefficients(plus, minus)
 
     def update(self, coeffs: np.ndarray, loss: float) -> Step:
-        """Apply the strategy's update from the P scalars; a non-finite scalar skips the step (a
-        NaN would poison theta and the optimizer state). Returns the step's record."""
+        """Shape the P scalars (zosoma.strategies.shaping) and apply the strategy's update from
+        them; a non-finite scalar skips the step (a NaN would poison theta and the optimizer
+        state). Returns the step's record."""
         t0 = time.perf_counter()
         cfg, state, step = self.cfg, self.state, self.state.step
-        pop = self._pop if self._pop is not None else self.strategy.ask(self.expert, step)
-        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
+        pop = self._pop if self._pop is not None else self.strategy.ask(self.stream, step)
+        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule) * self.lr_scale
+        finite = bool(np.all(np.isfinite(coeffs)))
+        raw_spread = spread(coeffs) if finite else None
+        coeffs, shaping, shaped = self.strategy.shaping(coeffs, state.shaping)
         theta, opt, skipped = self.apply(coeffs, pop, lr)
         self.timings["update"] = self.timings.get("update", 0.0) + time.perf_counter() - t0
         dt = sum(self.timings.values())
         record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
                   "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
                   "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped),
-                  "comm_bytes": self.comm_bytes,
+                  "comm_bytes": self.comm_bytes, "spread": raw_spread, **shaped,
                   **{f"{k}_s": v for k, v in self.timings.items()}}
         record["flops"] = record["tokens"] * self.model.flops_per_token()
         # The state changes only here, once the step is complete (stop requests are polled).
-        state.theta, state.optimizer, state.step = theta, opt, step + 1
+        state.theta, state.optimizer, state.step, state.shaping = theta, opt, step + 1, shaping
         state.tokens, state.wall_s = record["tokens"], record["wall_s"]
         state.metrics.append(record)
         self._pop = None
-        verdict = self.guard.observe(loss, skipped)
-        if verdict and state.divergence is None:
-            state.divergence = {"step": state.step, "verdict": verdict}
+        self.verdict = self.guard.observe(loss, skipped)
+        if self.verdict and state.divergence is None and cfg.on_divergence != "restart":
+            state.divergence = {"step": state.step, "verdict": self.verdict}
         self.folder.append_metrics(record)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             self.checkpoint()
@@ -148,14 +178,15 @@ class Trainer:
     def to_checkpoint(self) -> Checkpoint:
         state, to_numpy = self.state, self.ops.to_numpy
         extra = dict(self.extra, tokens=state.tokens, flops=state.tokens * self.model.flops_per_token(),
-                     divergence=state.divergence,
-                     wall_s=state.wall_s, data_cursor=state.step)
+                     divergence=state.divergence, wall_s=state.wall_s, data_cursor=state.step)
+        extra.update({k: v for k, v in (("shaping", state.shaping), ("restarts", state.restarts),
+                                        ("dropped", state.dropped)) if v})  # absent when unused
         return Checkpoint(model=self.model, train=self.cfg, theta=to_numpy(state.theta), step=state.step,
                           optimizer={k: to_numpy(v) for k, v in state.optimizer.items()},
                           metrics=state.metrics, extra=extra)
 
     def checkpoint(self) -> None:
-        self.folder.write_checkpoint(self.to_checkpoint())
+        self.folder.write_checkpoint(self.to_checkpoint(), self.keep)
 
     @property
     def halted(self) -> bool:
@@ -168,9 +199,39 @@ class Trainer:
         self.stop_on_divergence = False
         return Diverged(self.expert, self.state.step, self.state.divergence["verdict"])
 
+    @property
+    def restarting(self) -> bool:
+        """The guard found divergence and the run's action is to restart (or drop) the model."""
+        return self.cfg.on_divergence == "restart" and self.verdict is not None and self.state.dropped is None
+
+    def restart(self) -> Restarted | Dropped:
+        """Roll back to the newest checkpoint from before the guard's window began, with the rate
+        times restart_lr_factor and batches and noise from a stream of its own (the seed still
+        fixes them), and go on; after max_restarts restarts, drop the model instead: it trains no
+        further, and a SOMA run's router leaves it out. The decision is checkpointed before this
+        returns, so a run killed at any point resumes into the same decisions."""
+        state, cfg, step, verdict = self.state, self.cfg, self.state.step, self.verdict
+        self.verdict = None
+        if len(state.restarts) >= cfg.max_restarts:
+            state.dropped = state.divergence = {"step": step, "verdict": verdict}
+            self.checkpoint()
+            return Dropped(self.expert, step, verdict, len(state.restarts))
+        ok = healthy_steps(state.metrics)  # where the smoothed loss was within the guard's ratio of its best
+        back = from_checkpoint(self.folder.rollback_checkpoint(self.guard.window_start(), ok.__contains__))
+        restarts = state.restarts + [{"step": step, "verdict": verdict, "to": back.step,
+                                      "lr_scale": cfg.restart_lr_factor ** (len(state.restarts) + 1)}]
+        # compute already spent stays counted: tokens and wall time go on from here
+        self.state = RunState(self.ops.asarray(back.theta), {k: self.ops.asarray(v) for k, v in back.optimizer.items()},
+                              back.step, back.metrics, state.tokens, state.wall_s, None, back.shaping, restarts)
+        self.stream = stream(self.expert, len(restarts))
+        self.guard = DivergenceGuard.replay(self.state.metrics, self.guard.window)
+        self.checkpoint()
+        self.folder.rewrite_metrics(self.state.metrics)
+        return Restarted(self.expert, step, verdict, back.step, restarts[-1]["lr_scale"])
+
     def summary(self) -> dict:
         """What results record of the training itself (training_summary)."""
-        return training_summary(self.state.metrics, self.state.divergence)
+        return training_summary(self.state.metrics, self.state.divergence, self.state.restarts, self.state.dropped)
 
     @property
     def theta(self) -> np.ndarray:
@@ -187,11 +248,19 @@ def apply_update(strategy, ops: Ops, layout: Layout, theta, state: dict, coeffs:
     return theta, state, False
 
 
-def training_summary(metrics: list[dict], divergence: dict | None) -> dict:
+def training_summary(metrics: list[dict], divergence: dict | None, restarts=(), dropped: dict | None = None) -> dict:
     """Of a run's step records: skipped (non-finite) steps, the divergence guard's verdict (None
-    when it never spoke) and the final training loss (the guard's smoothed minibatch loss)."""
+    when it never spoke), the restarts and whether training gave up (dropped), and the final
+    training loss (the guard's smoothed minibatch loss)."""
     guard = DivergenceGuard.replay(metrics)
-    return {"skipped_steps": guard.skipped, "divergence": divergence, "final_train_loss": guard.smoothed}
+    return {"skipped_steps": guard.skipped, "divergence": divergence, "restarts": list(restarts),
+            "dropped": dropped, "final_train_loss": guard.smoothed}
+
+
+def summary_of(ckpt: Checkpoint) -> dict:
+    """training_summary of a checkpoint's run."""
+    e = ckpt.extra
+    return training_summary(ckpt.metrics, e.get("divergence"), e.get("restarts") or (), e.get("dropped"))
 
 
 def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
@@ -207,4 +276,9 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> 
         if trainer.halted:
             yield trainer.halt()
             return
+        if trainer.restarting:
+            record = trainer.restart()
+            yield record
+            if isinstance(record, Dropped):
+                return
     yield Finished(trainer.expert, trainer.state.step)

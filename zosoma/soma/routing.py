@@ -59,17 +59,23 @@ _BATCH = 64  # S per expert forward in evaluation: bounds memory to about batch 
 
 
 class Router:
-    """c-BTM top-k routing over the centroids of a fitted Clustering."""
+    """c-BTM top-k routing over the centroids of a fitted Clustering. Experts in `dropped` (a SOMA
+    run gave up on them: zosoma.runs.trainer) are never chosen: routing is over the others."""
 
-    def __init__(self, clustering: Clustering, top_k: int, temperature: float = 0.1):
+    def __init__(self, clustering: Clustering, top_k: int, temperature: float = 0.1, dropped=()):
         N = clustering.n_clusters
+        dropped = tuple(sorted({int(i) for i in dropped}))
+        if any(not 0 <= i < N for i in dropped):
+            raise ConfigError(f"dropped experts {list(dropped)} outside 0 .. {N - 1}")
+        live = N - len(dropped)
         if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
             raise ConfigError(f"top-k must be an integer, got {top_k!r}")
         if top_k < 1:
             raise ConfigError(f"top-k must be at least 1, got {top_k}")
-        if top_k > N:
-            noun = "expert" if N == 1 else "experts"
-            raise ConfigError(f"top-k {top_k} exceeds the {N} {noun}")
+        if top_k > live:
+            noun = "expert" if live == 1 else "experts"
+            left = f" left ({len(dropped)} dropped)" if dropped else ""
+            raise ConfigError(f"top-k {top_k} exceeds the {live} {noun}{left}")
         try:
             temperature = float(temperature)
         except (TypeError, ValueError):
@@ -77,9 +83,17 @@ class Router:
         if not (math.isfinite(temperature) and temperature > 0):
             raise ConfigError(f"routing temperature must be positive and finite, got {temperature}")
         self.clustering, self.top_k, self.temperature = clustering, int(top_k), temperature
+        self.dropped = dropped
         c = clustering.centroids.astype(np.float64)
         # experts for a context with no information: the K centroids nearest the origin
-        self._fallback = np.argsort(np.einsum("ij,ij->i", c, c), kind="stable")[:self.top_k]
+        norms = np.einsum("ij,ij->i", c, c)
+        norms[list(dropped)] = np.inf
+        self._fallback = np.argsort(norms, kind="stable")[:self.top_k]
+
+    @property
+    def live(self) -> np.ndarray:
+        """The experts routing may choose (all but the dropped)."""
+        return np.setdiff1d(np.arange(self.n_experts), self.dropped)
 
     @property
     def n_experts(self) -> int:
@@ -97,6 +111,7 @@ class Router:
             return np.zeros((0, K), np.int64), np.zeros((0, K), np.float32)
         emb = self.clustering.embed(contexts)  # (S, D) unit rows, or zero rows
         logits = -self.clustering.sq_distances(emb).astype(np.float64) / self.temperature  # (S, N)
+        logits[:, list(self.dropped)] = -np.inf
         experts = np.argsort(-logits, axis=1, kind="stable")[:, :K]  # (S, K) best first
         top = np.take_along_axis(logits, experts, axis=1)
         # softmax over all N, then keep the top-k and renormalise == softmax over the top-k logits
@@ -120,6 +135,8 @@ class Whole:
     single model is scored by exactly the routed protocol (and its nats equal the model's)."""
     n_experts = top_k = 1
     temperature = None
+    dropped = ()
+    live = np.arange(1)
 
     def select(self, contexts):
         return np.zeros((len(contexts), 1), np.int64), np.ones((len(contexts), 1), np.float32)
@@ -292,6 +309,7 @@ def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, co
                    segment, so these come at no extra cost)
         "oracle"   per segment, the single expert with the lowest total nats on that segment:
                    an ORACLE, it peeks at the targets, an upper bound on hard (top-1) routing
+                   (over the experts routing may choose: a dropped expert is scored alone only)
     Segments are scored `batch` at a time by every expert (ops.models_nll: on a GPU, experts of
     one size at once)."""
     segs = cut_segments(data, segment, context)
@@ -318,7 +336,7 @@ def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, co
     n = segs.n_bytes
     out = {"routed": EvalResult(float(routed.sum()), n)}
     out.update({f"expert{i}": EvalResult(float(per_expert[i].sum()), n) for i in range(N)})
-    out["oracle"] = EvalResult(float(per_expert.min(axis=0).sum()), n)
+    out["oracle"] = EvalResult(float(per_expert[ensemble.router.live].min(axis=0).sum()), n)
     return out
 
 

@@ -26,11 +26,13 @@ from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
+from zosoma.strategies.shaping import Chain
 
 # Fields every strategy reads (the schedule, the population size and scale, the run's bookkeeping,
 # and where its forwards run).
 COMMON = frozenset({"steps", "batch", "seq_len", "perturbations", "eps", "lr", "schedule", "warmup", "seed",
-                    "checkpoint_every", "optimizer", "engine", "forward_precision", "on_divergence"})
+                    "checkpoint_every", "optimizer", "engine", "forward_precision", "on_divergence",
+                    "restart_lr_factor", "max_restarts"})
 
 
 class Strategy:
@@ -42,6 +44,7 @@ class Strategy:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.shaping = Chain(cfg)  # the scalars' shaping pieces (none unless the strategy reads cfg.shaping)
 
     def check(self, layout: Layout) -> None:
         """A ConfigError when this strategy's settings cannot train the model of `layout`."""
@@ -64,9 +67,9 @@ class Strategy:
 
 
 def check_options(strategy: Strategy, cfg: TrainConfig) -> None:
-    """A ConfigError naming the first TrainConfig field that differs from its default although
-    `strategy` does not read it."""
-    default = TrainConfig()
+    """A ConfigError naming the first TrainConfig field that differs from its default (with the
+    strategy's own defaults applied) although `strategy` does not read it."""
+    default = dataclasses.replace(TrainConfig(), **strategy.defaults)
     for f in dataclasses.fields(TrainConfig):
         if f.name not in COMMON | strategy.options and getattr(cfg, f.name) != getattr(default, f.name):
             raise ConfigError(unused_option(strategy, f.name))

@@ -33,7 +33,7 @@ class SPSA(Strategy):
     and an update rule applied to ghat. The plain rule is ZO-SGD."""
 
     name = "sgd"
-    options = frozenset({"noise", "weight_decay"})
+    options = frozenset({"noise", "weight_decay", "shaping", "clip_at", "normalize_window"})
 
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg
