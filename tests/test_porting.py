@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,71 @@ def test_porting_kit_command(tmp_path):
     again = CliRunner().invoke(cli, ["porting-kit", str(out)])
     assert again.exit_code == 1
     assert again.output.strip().endswith("exists; pass --force to replace the files zosoma wrote there")
+
+
+# --- the checker's verdicts: NaN never passes, damaged files are one line -----------------------------
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_from_the_port_fails_at_any_tolerance(bad):
+    ok, line = check_port.compare("x", np.array([1.0, bad]), np.array([1.0, 2.0]), atol=np.inf, rtol=np.inf)
+    assert not ok
+    assert f"max |diff| inf (1 NaN or inf from the port where the kit's is finite); first: (1,): port {bad} vs kit 2" \
+        in line
+    assert check_port.compare("x", np.array([1.0, np.inf]), np.array([1.0, np.inf]), 0, 0)[0]  # the kit's own inf
+
+
+def test_a_nan_in_the_port_is_reported_with_its_sides(kit, tmp_path):
+    port = tmp_path / "port"
+    port.mkdir()
+    losses = _load(kit, "losses")
+    nll = losses["nll"].copy()
+    nll[1, 3] = np.nan
+    np.savez(port / "losses.npz", nll=nll, loss=losses["loss"])
+    result = subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(port)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1, result.stdout
+    want = f"[FAIL] nll: 1 of 96 mismatches (atol 0.0001, rtol 1e-05); max |diff| inf (1 NaN or inf from the port " \
+           f"where the kit's is finite); first: (1, 3): port nan vs kit {losses['nll'][1, 3]:.9g}"
+    assert want in result.stdout
+    ok, line = check_port.compare("nll", nll[:, :3], losses["nll"], 1e-4, 1e-5)
+    assert not ok and line == "nll: shape (4, 3) from the port, (4, 24) in the kit"
+
+
+def _damage(path: Path, how: str, member: str) -> None:
+    """Cut an .npz in half, or flip one bit inside the bytes of one of its arrays."""
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[:len(data) // 2]))
+        return
+    with zipfile.ZipFile(path) as z:
+        at = z.getinfo(f"{member}.npy").header_offset
+    name, extra = (int.from_bytes(data[at + k:at + k + 2], "little") for k in (26, 28))  # the local header
+    data[at + 30 + name + extra + 200] ^= 0x10  # past the .npy header: only the CRC-32 can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("side", ["kit", "port"])
+@pytest.mark.parametrize("how", ["truncated", "bit flip"])
+def test_a_damaged_npz_is_one_line(kit, tmp_path, side, how):
+    copy, port = tmp_path / "kit", tmp_path / "port"
+    shutil.copytree(kit, copy)
+    port.mkdir()
+    for name in ("forward.npz", "losses.npz"):
+        shutil.copy(kit / name, port / name)
+    damaged = (copy if side == "kit" else port) / "forward.npz"
+    _damage(damaged, how, "theta" if side == "kit" else "logits")  # the kit's inputs count too
+    result = subprocess.run([sys.executable, str(copy / "check_port.py"), str(copy), str(port)],
+                            capture_output=True, text=True)
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    if side == "kit":
+        assert result.returncode == 2
+        (line,) = result.stdout.strip().splitlines()
+        assert line.startswith(f"error: {damaged} is damaged (")
+        assert line.endswith("the kit cannot be used (write it again with `zosoma porting-kit`)")
+    else:
+        assert result.returncode == 1
+        assert f"[FAIL] forward: {damaged} is damaged (" in result.stdout
+        assert "[ok] nll" in result.stdout and result.stdout.strip().endswith("1 failed, 3 skipped: FAIL")
 
 
 # --- --force replaces the kit and nothing else; failures leave the folder as it was -------------------
