@@ -464,7 +464,7 @@ def info(checkpoint, previous):
 @click.argument("checkpoint", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["torch", "onnx"]), default="torch", show_default=True)
 @click.option("--out", "out", type=click.Path(), required=True, help="Output file (model.pt, model.onnx), or a folder for a SOMA run as ONNX; an existing one is not overwritten without --force.")
-@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists. A SOMA run's folder: only the files an earlier export wrote there (its manifest.json lists them) are replaced; anything else in it is left alone, and a file of the user's with a name the export uses stops it before anything changes.")
 @click.option("--unrolled", is_flag=True, help="ONNX: the cell as MatMul/Add/Sigmoid/Tanh/Mul, unrolled over --seq-len steps, for runtimes without an LSTM operator.")
 @click.option("--seq-len", type=int, callback=_positive, help="ONNX --unrolled: the time steps of the graph.  [default: 64]")
 @previous_option
@@ -814,7 +814,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
 @click.option("--hidden", type=int, default=32, show_default=True, callback=_positive, help="H of the kit's model.")
 @click.option("--layers", type=int, default=2, show_default=True, callback=_positive, help="L of the kit's model.")
 @click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Write into OUT if it exists: only the files an earlier kit wrote there (OUT/manifest.json lists them) are replaced; anything else in OUT is left alone, and a file of the user's with a name the kit uses stops it before anything changes.")
 def porting_kit(out, embed, hidden, layers, seed, force):
     """Write the conformance vectors a port must reproduce, one .npz per stage (forward, losses,
     noise, one SPSA step, router) with manifest.json of tolerances, the kit's model as ONNX, and

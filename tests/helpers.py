@@ -68,3 +68,95 @@ def scaled_model(embed, hidden, layers, seed=0, scale=3.0):
 def random_bytes(seed, shape):
     """uint8 bytes uniform over the vocabulary, seeded."""
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def on_a_tmpfs(tmp_path, argv, options, seed=None):
+    """Run argv with tmp_path/disk a tmpfs mounted with `options` ("size=160k"; "ro" remounts it
+    read-only once `seed`'s contents are copied onto it), in a user namespace (`unshare -rm`) or as
+    root; what the disk holds afterwards is copied to tmp_path/copy. None where no tmpfs can be had."""
+    import subprocess
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir(parents=True, exist_ok=True)
+    opts = options.split(",")
+    fill = f"cp -a {seed}/. {disk}/ && " if seed else ""
+    remount = f"mount -o remount,ro {disk} && " if "ro" in opts else ""
+    script = (f'mount -t tmpfs -o {",".join(o for o in opts if o != "ro") or "size=1m"} tmpfs {disk} 2>/dev/null '
+              f'|| exit 99; {fill}{remount}"$@"; rc=$?; cp -a {disk} {copy}; umount {disk}; exit $rc')
+    for prefix in (["unshare", "-rm", "sh", "-c", script, "sh"], ["sh", "-c", script, "sh"]):
+        try:
+            proc = subprocess.run(prefix + [str(a) for a in argv], capture_output=True, text=True, timeout=300)
+        except FileNotFoundError:  # no unshare
+            continue
+        if proc.returncode != 99:
+            return proc
+    return None
+
+
+def on_a_full_disk(tmp_path, argv, size: int, file_limit: int, seed=None):
+    """(process, folder holding what the disk held): argv run with tmp_path/disk a tmpfs of `size`
+    bytes holding a copy of `seed`'s contents; where no tmpfs can be had, the same failure through
+    RLIMIT_FSIZE (EFBIG once a file grows past `file_limit`) in tmp_path/disk itself."""
+    import resource
+    import shutil
+    import subprocess
+    proc = on_a_tmpfs(tmp_path, argv, f"size={size}", seed)
+    if proc is not None:
+        return proc, tmp_path / "copy"
+    if seed:
+        shutil.copytree(seed, tmp_path / "disk", dirs_exist_ok=True)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))  # noqa: E731
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, preexec_fn=limit,
+                          timeout=300), tmp_path / "disk"
+
+
+def error_line(proc):
+    """The one line a failed subprocess printed on stderr, checked to have no traceback."""
+    assert proc.returncode not in (0, None), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def on_a_read_only_disk(tmp_path, argv, seed=None):
+    """(process, folder holding what the disk held): argv run with tmp_path/disk read-only, holding
+    a copy of `seed`'s contents: a tmpfs remounted read-only, or where none can be had its folders
+    made 0o555 (skipped as root, who writes there anyway)."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+    proc = on_a_tmpfs(tmp_path, argv, "size=4m,ro", seed)
+    if proc is not None:
+        return proc, tmp_path / "copy"
+    if os.geteuid() == 0:
+        pytest.skip("no tmpfs to mount read-only, and root writes into a 0o555 folder")
+    disk = tmp_path / "disk"
+    if seed:
+        shutil.copytree(seed, disk, dirs_exist_ok=True)
+    folders = [disk, *(p for p in disk.rglob("*") if p.is_dir())]
+    for p in folders:
+        p.chmod(0o555)
+    try:
+        return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300), disk
+    finally:
+        for p in folders:
+            p.chmod(0o755)
+
+
+def snapshot(folder) -> dict:
+    """Every entry under `folder`: a file's sha256, or "folder"."""
+    import hashlib
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(Path(folder).rglob("*"))}
+
+
+def users_files(folder) -> dict:
+    """A file and a folder of the user's in `folder` (made if missing); returns their snapshot."""
+    folder = Path(folder)
+    (folder / "mine" / "deeper").mkdir(parents=True, exist_ok=True)
+    (folder / "notes.txt").write_text("the user's notes")
+    (folder / "mine" / "data.bin").write_bytes(np.random.default_rng(0).bytes(1000))
+    (folder / "mine" / "deeper" / "forward.npz").write_bytes(b"the user's, not the kit's")
+    return snapshot(folder)

@@ -9,7 +9,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from helpers import assert_close, one_line_error, run_cli as run
+from helpers import (assert_close, error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, run_cli as run,
+                     snapshot, users_files, zosoma_cmd)
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.formats import onnx as zonnx
 from zosoma.model import reference
@@ -165,3 +166,60 @@ def test_export_bad_input_is_one_line(runs, tmp_path):
                                               "--out", str(tmp_path / "x.onnx")]))
     assert "options of --format onnx" in one_line_error(run(["export", str(runs / "single"), "--unrolled",
                                                              "--out", str(tmp_path / "x.pt")]))
+
+
+def test_export_force_replaces_the_export_and_nothing_else(runs, tmp_path):
+    out = tmp_path / "soma-onnx"
+    users = users_files(out)
+    export = ["export", str(runs / "soma"), "--format", "onnx", "--out", str(out), "--force"]
+    assert run(export).exit_code == 0
+    assert users.items() <= snapshot(out).items()  # every one of the user's files, byte for byte
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert files == ["expert0.onnx", "expert1.onnx", "manifest.json", "router.npz"]
+    lstm = (out / "expert0.onnx").read_bytes()
+    assert run(export + ["--unrolled", "--seq-len", "4"]).exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["form"] == "unrolled"
+    assert (out / "expert0.onnx").read_bytes() != lstm
+    assert users.items() <= snapshot(out).items() and set(snapshot(out)) == set(users) | set(files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["soma-onnx"]  # nothing temporary left
+    clash = tmp_path / "clash"
+    users_files(clash)
+    (clash / "router.npz").write_bytes(b"the user's")
+    before = snapshot(clash)
+    export[export.index("--out") + 1] = str(clash)
+    assert "router.npz was not written by zosoma; nothing was changed" in one_line_error(run(export))
+    assert snapshot(clash) == before
+
+
+def test_torch_export_to_a_missing_folder_is_one_line(runs, tmp_path):
+    out = tmp_path / "no" / "such" / "model.pt"
+    line = one_line_error(run(["export", str(runs / "single"), "--out", str(out)]))
+    assert line == f"Error: cannot write export {out}: No such file or directory"
+    assert not (tmp_path / "no").exists()
+
+
+def test_torch_export_to_a_read_only_folder_is_one_line(runs, tmp_path):
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    assert run(["export", str(runs / "single"), "--out", str(seed / "old.pt")]).exit_code == 0
+    for name, extra in (("new.pt", []), ("old.pt", ["--force"])):
+        root = tmp_path / name
+        out = root / "disk" / name
+        proc, disk = on_a_read_only_disk(root, zosoma_cmd() + ["export", runs / "single", "--out", out, *extra], seed)
+        line = error_line(proc)
+        assert line.startswith(f"Error: cannot write export {out}: ")
+        assert line.endswith(("Read-only file system", "Permission denied"))
+        assert snapshot(disk) == snapshot(seed)
+
+
+@pytest.mark.parametrize("what", ["torch", "soma onnx"])
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(runs, tmp_path, what):
+    out = tmp_path / "disk" / "out"
+    args = ["--out", out] if what == "torch" else ["--format", "onnx", "--out", out]
+    proc, disk = on_a_full_disk(tmp_path, zosoma_cmd() + ["export", runs / ("single" if what == "torch" else "soma"),
+                                                          *args], 16 << 10, 16_000)
+    line = error_line(proc)
+    assert line.startswith(f"Error: cannot write export {out}: " if what == "torch" else
+                           f"Error: cannot write ONNX export {out}: ")
+    assert line.endswith(("No space left on device", "File too large"))
+    assert list(disk.iterdir()) == []  # no temporary file or folder, no half an export

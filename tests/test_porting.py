@@ -4,14 +4,21 @@ margin), and a checker that accepts the reference and rejects a perturbed output
 
 import ast
 import json
+import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from click.testing import CliRunner
 
+from helpers import (error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, snapshot, users_files,
+                     zosoma_cmd)
+from zosoma.cli.main import cli
 from zosoma.config import ModelConfig
 from zosoma.engines.ops import Ops
 from zosoma.model import forward
@@ -198,13 +205,187 @@ def test_nothing_checked_and_a_foreign_folder(kit, tmp_path):
 
 
 def test_porting_kit_command(tmp_path):
-    from click.testing import CliRunner
-
-    from zosoma.cli.main import cli
-
     out = tmp_path / "kit"
     result = CliRunner().invoke(cli, ["porting-kit", str(out), "--embed", "8", "--hidden", "8", "--layers", "1"])
     assert result.exit_code == 0 and "check_port.py" in result.output, result.output
     assert json.loads((out / "manifest.json").read_text())["model"]["parameters"] == 2048 + 544 + 2048 + 256
     again = CliRunner().invoke(cli, ["porting-kit", str(out)])
-    assert again.exit_code == 1 and again.output.strip().endswith("exists; pass --force to replace it")
+    assert again.exit_code == 1
+    assert again.output.strip().endswith("exists; pass --force to replace the files zosoma wrote there")
+
+
+# --- the checker's verdicts: NaN never passes, damaged files are one line -----------------------------
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_from_the_port_fails_at_any_tolerance(bad):
+    ok, line = check_port.compare("x", np.array([1.0, bad]), np.array([1.0, 2.0]), atol=np.inf, rtol=np.inf)
+    assert not ok
+    assert f"max |diff| inf (1 NaN or inf from the port where the kit's is finite); first: (1,): port {bad} vs kit 2" \
+        in line
+    assert check_port.compare("x", np.array([1.0, np.inf]), np.array([1.0, np.inf]), 0, 0)[0]  # the kit's own inf
+
+
+def test_a_nan_in_the_port_is_reported_with_its_sides(kit, tmp_path):
+    port = tmp_path / "port"
+    port.mkdir()
+    losses = _load(kit, "losses")
+    nll = losses["nll"].copy()
+    nll[1, 3] = np.nan
+    np.savez(port / "losses.npz", nll=nll, loss=losses["loss"])
+    result = subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(port)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1, result.stdout
+    want = f"[FAIL] nll: 1 of 96 mismatches (atol 0.0001, rtol 1e-05); max |diff| inf (1 NaN or inf from the port " \
+           f"where the kit's is finite); first: (1, 3): port nan vs kit {losses['nll'][1, 3]:.9g}"
+    assert want in result.stdout
+    ok, line = check_port.compare("nll", nll[:, :3], losses["nll"], 1e-4, 1e-5)
+    assert not ok and line == "nll: shape (4, 3) from the port, (4, 24) in the kit"
+
+
+def _damage(path: Path, how: str, member: str) -> None:
+    """Cut an .npz in half, or flip one bit inside the bytes of one of its arrays."""
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[:len(data) // 2]))
+        return
+    with zipfile.ZipFile(path) as z:
+        at = z.getinfo(f"{member}.npy").header_offset
+    name, extra = (int.from_bytes(data[at + k:at + k + 2], "little") for k in (26, 28))  # the local header
+    data[at + 30 + name + extra + 200] ^= 0x10  # past the .npy header: only the CRC-32 can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("side", ["kit", "port"])
+@pytest.mark.parametrize("how", ["truncated", "bit flip"])
+def test_a_damaged_npz_is_one_line(kit, tmp_path, side, how):
+    copy, port = tmp_path / "kit", tmp_path / "port"
+    shutil.copytree(kit, copy)
+    port.mkdir()
+    for name in ("forward.npz", "losses.npz"):
+        shutil.copy(kit / name, port / name)
+    damaged = (copy if side == "kit" else port) / "forward.npz"
+    _damage(damaged, how, "theta" if side == "kit" else "logits")  # the kit's inputs count too
+    result = subprocess.run([sys.executable, str(copy / "check_port.py"), str(copy), str(port)],
+                            capture_output=True, text=True)
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    if side == "kit":
+        assert result.returncode == 2
+        (line,) = result.stdout.strip().splitlines()
+        assert line.startswith(f"error: {damaged} is damaged (")
+        assert line.endswith("the kit cannot be used (write it again with `zosoma porting-kit`)")
+    else:
+        assert result.returncode == 1
+        assert f"[FAIL] forward: {damaged} is damaged (" in result.stdout
+        assert "[ok] nll" in result.stdout and result.stdout.strip().endswith("1 failed, 3 skipped: FAIL")
+
+
+# --- --force replaces the kit and nothing else; failures leave the folder as it was -------------------
+
+SMALL = ["--embed", "8", "--hidden", "8", "--layers", "1"]
+
+
+def kit_cli(out, *extra):
+    return CliRunner().invoke(cli, ["porting-kit", str(out), *SMALL, *extra])
+
+
+def leftovers(*folders) -> list[str]:
+    """Temporary entries (zosoma's are hidden: .NAME.tmp-PID, .NAME.old-PID) in `folders`."""
+    return sorted(str(p) for f in folders if f.is_dir() for p in f.iterdir() if p.name.startswith("."))
+
+
+def test_force_replaces_the_kit_and_nothing_else(tmp_path):
+    out = tmp_path / "kit"
+    users = users_files(out)
+    assert one_line_error(kit_cli(out)).endswith("exists; pass --force to replace the files zosoma wrote there")
+    result = kit_cli(out, "--force")
+    assert result.exit_code == 0, result.output
+    assert users.items() <= snapshot(out).items()  # every one of the user's files, byte for byte
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"notes.txt", "mine"}
+    forward = (out / "forward.npz").read_bytes()
+    (out / "retired.npz").write_bytes(b"an earlier kit's file this one no longer writes")
+    (tmp_path / "outside.txt").write_text("the user's")
+    manifest["files"] += ["retired.npz", "mine", "../outside.txt", "/etc/hostname"]  # only plain files of its own
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    result = kit_cli(out, "--force", "--seed", "1")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["seed"] == 1
+    assert (out / "forward.npz").read_bytes() != forward
+    assert set(snapshot(out)) == set(users) | set(manifest["files"][:8])  # retired.npz gone, nothing temporary left
+    assert users.items() <= snapshot(out).items() and (tmp_path / "outside.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kit", "outside.txt"]
+
+
+def test_a_users_file_with_a_kit_name_stops_it(tmp_path):
+    out = tmp_path / "kit"
+    users_files(out)
+    (out / "forward.npz").write_bytes(b"the user's")
+    before = snapshot(out)
+    assert one_line_error(kit_cli(out, "--force")) == (f"Error: {out / 'forward.npz'} was not written by zosoma; "
+                                                       "nothing was changed (move it away, or choose another folder)")
+    assert snapshot(out) == before
+    (out / "forward.npz").unlink()
+    (out / "manifest.json").write_text(json.dumps({"format": "someone else's", "files": ["notes.txt"]}))
+    before = snapshot(out)
+    assert "manifest.json was not written by zosoma" in one_line_error(kit_cli(out, "--force"))
+    assert snapshot(out) == before
+    (tmp_path / "file").write_text("x")
+    assert one_line_error(kit_cli(tmp_path / "file", "--force")).endswith("is a file.")
+    assert leftovers(tmp_path, out) == []
+
+
+@pytest.mark.parametrize("when", ["building", "moving in"])
+def test_a_failure_half_way_leaves_the_old_kit(tmp_path, monkeypatch, when):
+    out = tmp_path / "kit"
+    users_files(out)
+    assert kit_cli(out, "--force").exit_code == 0
+    before = snapshot(out)
+    if when == "building":
+        from zosoma.porting import kit as kit_module
+        monkeypatch.setattr(kit_module, "save_model", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    else:  # the third file renamed into the folder fails (Ctrl-C); the renames putting things back work
+        rename, calls = os.rename, []
+
+        def flaky(src, dst):
+            if Path(dst).parent == out or Path(dst) == out:
+                calls.append(dst)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt
+            rename(src, dst)
+        monkeypatch.setattr(os, "rename", flaky)
+    result = kit_cli(out, "--force", "--seed", "1")
+    assert result.exit_code == 1 and "Aborted!" in result.output
+    assert snapshot(out) == before  # the old kit and the user's files, as they were
+    assert leftovers(tmp_path, out) == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_old_kit_or_nothing(tmp_path):
+    seed = tmp_path / "seed"
+    users_files(seed / "kit")
+    assert kit_cli(seed / "kit", "--force").exit_code == 0  # about 430 kB
+    for case, size, extra in (("replace", 700 << 10, ["--force", "--seed", "1"]), ("new", 160 << 10, [])):
+        root = tmp_path / case
+        target = root / "disk" / "kit"
+        proc, disk = on_a_full_disk(root, zosoma_cmd() + ["porting-kit", target, *SMALL, *extra], size, 60_000,
+                                    seed if case == "replace" else None)
+        line = error_line(proc)
+        assert line.startswith(f"Error: cannot write porting kit {target}: ")
+        assert line.endswith(("No space left on device", "File too large"))
+        if case == "replace":
+            assert snapshot(disk / "kit") == snapshot(seed / "kit") and leftovers(disk, disk / "kit") == []
+        else:
+            assert list(disk.iterdir()) == []  # no .kit.tmp, no half a kit
+
+
+def test_a_read_only_folder_is_one_line(tmp_path):
+    seed = tmp_path / "seed"
+    users_files(seed / "kit")
+    assert kit_cli(seed / "kit", "--force").exit_code == 0
+    for case, name, extra in (("new", "fresh", []), ("replace", "kit", ["--force"])):
+        root = tmp_path / case
+        target = root / "disk" / name
+        proc, disk = on_a_read_only_disk(root, zosoma_cmd() + ["porting-kit", target, *SMALL, *extra], seed)
+        line = error_line(proc)
+        assert line.startswith(f"Error: cannot write porting kit {target}: ")
+        assert line.endswith(("Read-only file system", "Permission denied"))
+        assert snapshot(disk) == snapshot(seed)

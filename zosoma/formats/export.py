@@ -6,9 +6,11 @@ biases (b_ih, b_hh) where zosoma keeps their sum: b_ih carries the bias and b_hh
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 
-from zosoma.atomic import atomic_path
+from zosoma.atomic import atomic_write
 from zosoma.errors import ZosomaError
 from zosoma.model.params import Layout
 
@@ -35,5 +37,6 @@ def export_torch(theta: np.ndarray, layout: Layout, path) -> None:
     except ImportError:
         raise ZosomaError("exporting to torch needs PyTorch: pip install torch") from None
     state = {k: torch.from_numpy(v.copy()) for k, v in torch_state_arrays(theta, layout).items()}
-    with atomic_path(path, "export") as tmp:  # an existing file is replaced whole or not at all
-        torch.save(state, tmp)
+    buffer = io.BytesIO()  # torch.save's own file errors are RuntimeErrors: zosoma.atomic writes the bytes
+    torch.save(state, buffer)
+    atomic_write(path, buffer.getbuffer(), "export")  # an existing file is replaced whole or not at all

@@ -4,7 +4,8 @@ A single model or one expert's folder (RUN/expertI) becomes one .onnx file
 (zosoma.formats.onnx). A whole SOMA run becomes a folder:
 
     OUT/manifest.json   format "zosoma-onnx-soma", version 1: the experts' files and model shapes,
-                        top_k and temperature, the router file and the featurizer's settings
+                        top_k and temperature, the router file and the featurizer's settings,
+                        and under "files" the names of every file below (itself included)
     OUT/expert{i}.onnx  expert i, in the chosen form (each checked with onnx.checker)
     OUT/router.npz      the router (zosoma.soma.cluster / routing; PORTING.md, "Router"):
                           idf         (F,) float32   smoothed idf of every hash bucket
@@ -17,15 +18,14 @@ A single model or one expert's folder (RUN/expertI) becomes one .onnx file
                         weights: d_i = |e - c_i|^2, w = softmax(-d / T) over the top_k nearest,
                         an all-zero embedding gets 1/top_k on the top_k centroids nearest 0
 
-The folder is written beside the target and renamed onto it, so a reader sees the old export or
-the new one, never half of one.
+The manifest's "files" lists the files zosoma owns in OUT. The folder is built aside and moved in
+(zosoma.porting.output_folder): a reader who finds a manifest finds all of its files, and --force
+replaces the files of an earlier export, leaving anything else in OUT alone.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +35,12 @@ from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.formats.onnx import export_onnx
 from zosoma.model.params import Layout
+from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.runs.folder import RunFolder, checkpoint_path
 from zosoma.soma.cluster import load_clustering
 
 SOMA_FORMAT, SOMA_VERSION = "zosoma-onnx-soma", 1
+ROUTER = "router.npz"
 TEMPERATURE = 0.1  # c-BTM's routing temperature, the one `zosoma eval` and training use
 
 
@@ -51,9 +53,9 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
     """Export a checkpoint file, a run folder, one expert's folder or a SOMA run folder to `out`
     (a .onnx file, or a folder for a SOMA run). Returns lines describing what was written."""
     out, folder = Path(out), RunFolder(run)
-    if out.exists() and not force:
-        raise ConfigError(f"{out} exists; pass --force to overwrite it")
     if not folder.is_soma:
+        if out.exists() and not force:
+            raise ConfigError(f"{out} exists; pass --force to overwrite it")
         ckpt = load_checkpoint(checkpoint_path(run, fallback=fallback))
         layout = Layout(ckpt.model)
         if out.is_dir():
@@ -65,30 +67,19 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
     n = soma["experts"]
     clustering = load_clustering(folder.router)
     ckpts = [folder.expert(i).read_checkpoint(fallback=fallback) for i in range(n)]
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    files = sorted([f"expert{i}.onnx" for i in range(n)] + [ROUTER, MANIFEST])
+    with output_folder(out, files, SOMA_FORMAT, force, "ONNX export") as tmp:
         for i, ckpt in enumerate(ckpts):
             export_onnx(ckpt.theta, Layout(ckpt.model), tmp / f"expert{i}.onnx", form, seq_len)
-        with atomic_path(tmp / "router.npz", "router") as path, open(path, "wb") as f:
+        with atomic_path(tmp / ROUTER, "router") as path, open(path, "wb") as f:
             np.savez(f, idf=clustering.idf, projection=clustering.projection, centroids=clustering.centroids,
                      config=np.array(clustering.config.to_json()))
         manifest = {"format": SOMA_FORMAT, "format_version": SOMA_VERSION, "form": form, "seq_len": seq_len,
                     "experts": [{"file": f"expert{i}.onnx", "step": c.step, "embed": c.model.embed,
                                  "hidden": c.model.hidden, "layers": c.model.layers} for i, c in enumerate(ckpts)],
-                    "top_k": soma["top_k"], "temperature": TEMPERATURE, "router": "router.npz",
+                    "top_k": soma["top_k"], "temperature": TEMPERATURE, "router": ROUTER,
                     "featurizer": json.loads(clustering.config.to_json()),
-                    "spec": "zosoma.porting.export and PORTING.md, 'Router'"}
-        atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=2), "manifest")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            tmp.rename(out)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                    "spec": "zosoma.porting.export and PORTING.md, 'Router'", "files": files}
+        atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=2), "manifest")
     return [f"wrote {out}/: {n} experts as ONNX ({form}), router.npz ({clustering.n_clusters} centroids, "
             f"{clustering.config.n_features} features, {clustering.config.svd_dim} dims) and manifest.json"]

@@ -16,6 +16,9 @@
     OUT/model.onnx      the kit's model as the standard-LSTM ONNX graph (zosoma.formats.onnx)
     OUT/check_port.py   the standalone checker (plain NumPy): python check_port.py OUT PORT/
 
+The manifest's "files" lists these eight, the files zosoma owns in OUT: `--force` replaces them
+and leaves anything else in OUT alone.
+
 Reference values are computed in float64 (the NumPy reference of zosoma.model.reference, run in
 float64 on the float32 weights), so every tolerance measures only what a float32 port may differ
 by. Each stage's inputs are the kit's own, so errors never compound from stage to stage: the
@@ -25,7 +28,6 @@ update is checked from the kit's scalars, not the port's.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +41,13 @@ from zosoma.formats.onnx import build_model, save_model
 from zosoma.model import reference
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
+from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.soma.cluster import ClusterConfig, fit_clusters
 from zosoma.soma.routing import Router
 
 KIT_FORMAT, KIT_VERSION = "zosoma-porting-kit", 1
 CHECKER = Path(__file__).with_name("check_port.py")
+MODEL = "model.onnx"
 
 # Tolerances for a float32 port against the float64 reference (atol, rtol, why). zosoma's own
 # float32 paths run as a port (a float32 forward, ONNX Runtime on model.onnx, the Numba forward,
@@ -244,35 +248,31 @@ STAGES = (
 
 def write_kit(out, config: ModelConfig = ModelConfig(embed=16, hidden=32, layers=2), seed: int = 0,
               force: bool = False) -> Path:
-    """Write the kit into folder `out` (new, or replaced with force). Returns the manifest's path."""
+    """Write the kit into folder `out`: a new one, or with force one where the kit's files replace
+    those an earlier kit wrote (zosoma.porting.output_folder; other files are left alone). Returns
+    the manifest's path."""
     out = Path(out)
-    if out.exists() and not force:
-        raise ConfigError(f"{out} exists; pass --force to replace it")
-    theta, layout = kit_model(config, seed)
-    rng = np.random.default_rng([seed, 0x9017])
-    built = {"forward": forward_stage(theta, layout, rng), "losses": loss_stage(theta, layout, rng),
-             "noise": noise_stage(), "spsa_step": spsa_stage(theta, layout, rng), "router": router_stage(seed)}
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    stages = []
-    for name, what in STAGES:
-        inputs, outputs, keys = built[name]
-        with atomic_path(tmp / f"{name}.npz", "porting kit") as path, open(path, "wb") as f:
-            np.savez(f, **inputs, **outputs)
-        stages.append({"name": name, "file": f"{name}.npz", "what": what, "inputs": sorted(inputs),
-                       "outputs": _outputs(keys)})
-    save_model(build_model(theta, layout), tmp / "model.onnx")
-    shutil.copyfile(CHECKER, tmp / CHECKER.name)
-    manifest = {"format": KIT_FORMAT, "format_version": KIT_VERSION, "zosoma_version": __version__,
-                "spec": "PORTING.md in the zosoma repository", "seed": seed,
-                "model": {"embed": config.embed, "hidden": config.hidden, "layers": config.layers, "vocab": VOCAB,
-                          "parameters": layout.size,
-                          "layout": [[e.name, list(e.shape), e.offset] for e in layout.entries]},
-                "tolerance": "|port - kit| <= atol + rtol * |kit| elementwise; integers exactly",
-                "stages": stages}
-    atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=2), "porting kit")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out / "manifest.json"
+    files = sorted([f"{name}.npz" for name, _ in STAGES] + [MODEL, CHECKER.name, MANIFEST])
+    with output_folder(out, files, KIT_FORMAT, force, "porting kit") as tmp:
+        theta, layout = kit_model(config, seed)
+        rng = np.random.default_rng([seed, 0x9017])
+        built = {"forward": forward_stage(theta, layout, rng), "losses": loss_stage(theta, layout, rng),
+                 "noise": noise_stage(), "spsa_step": spsa_stage(theta, layout, rng), "router": router_stage(seed)}
+        stages = []
+        for name, what in STAGES:
+            inputs, outputs, keys = built[name]
+            with atomic_path(tmp / f"{name}.npz", "porting kit") as path, open(path, "wb") as f:
+                np.savez(f, **inputs, **outputs)
+            stages.append({"name": name, "file": f"{name}.npz", "what": what, "inputs": sorted(inputs),
+                           "outputs": _outputs(keys)})
+        save_model(build_model(theta, layout), tmp / MODEL)
+        atomic_write(tmp / CHECKER.name, CHECKER.read_bytes(), "porting kit")
+        manifest = {"format": KIT_FORMAT, "format_version": KIT_VERSION, "zosoma_version": __version__,
+                    "spec": "PORTING.md in the zosoma repository", "seed": seed,
+                    "model": {"embed": config.embed, "hidden": config.hidden, "layers": config.layers,
+                              "vocab": VOCAB, "parameters": layout.size,
+                              "layout": [[e.name, list(e.shape), e.offset] for e in layout.entries]},
+                    "tolerance": "|port - kit| <= atol + rtol * |kit| elementwise; integers exactly",
+                    "stages": stages, "files": files}
+        atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=2), "porting kit")
+    return out / MANIFEST
