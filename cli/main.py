@@ -26,6 +26,7 @@ class ZosomaGroup(click.Group):
 
         from zosoma.errors import ZosomaError
         warnings.showwarning = _warning_line
+        signal.signal(signal.SIGTERM, _abort)  # as Ctrl-C: cleanups run (training commands save first)
         try:
             return super().invoke(ctx)
         except ZosomaError as e:
@@ -33,6 +34,10 @@ class ZosomaGroup(click.Group):
         except KeyboardInterrupt as e:  # a second stop signal, or Ctrl-C outside training
             click.echo("aborted", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+
+
+def _abort(signum, frame):
+    raise Interrupted(signum)
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None):

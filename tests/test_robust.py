@@ -1,0 +1,239 @@
+"""Robust training: coefficient shaping bounds a cliff-step and is checkpointed; a diverging model
+is restarted (or dropped) on its own, the others untouched; every decision survives a kill."""
+
+import dataclasses
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers import zosoma_cmd
+from zosoma.config import ModelConfig, TrainConfig, from_json, to_json
+from zosoma.corpus import BatchSampler, load_corpus
+from zosoma.errors import ConfigError
+from zosoma.runs.executor import Inline, LocalProcesses
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.records import Dropped, Evaluated, Finished, Restarted, Step
+from zosoma.runs.soma import create_soma, load_ensemble, resume_soma
+from zosoma.runs.trainer import RESTART_STREAM, Trainer, from_checkpoint, new_state, train
+from zosoma.strategies import make_strategy
+from zosoma.strategies.shaping import Chain, spread
+from zosoma.strategies.shaping.clip import WARMUP
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+CFG = TrainConfig(steps=120, batch=4, seq_len=16, perturbations=4, lr=0.2, checkpoint_every=20)
+
+
+# --- shaping ---------------------------------------------------------------------------------------
+
+def scalars(rng, steps, P=32, scale=1.0):
+    return [rng.normal(0, scale, P) for _ in range(steps)]
+
+
+def shaped(cfg, steps):
+    chain, state, out = Chain(cfg), Chain(cfg).init(), []
+    for g in steps:
+        g, state, info = chain(g, state)
+        out.append((g, info))
+    return out, state
+
+
+def test_normalize_holds_every_step_to_the_first_steps_spread():
+    rng = np.random.default_rng(0)
+    cfg = TrainConfig(shaping=("normalize",), normalize_window=20)
+    growing = [g * (1 + t / 10) for t, g in enumerate(scalars(rng, 100))]  # a run whose scalars grow
+    out, state = shaped(cfg, growing)
+    reference = np.mean([spread(g) for g in growing[:20]])
+    assert all(np.array_equal(g, raw) for (g, _), raw in zip(out[:20], growing[:20]))
+    assert np.allclose([spread(g) for g, _ in out[20:]], reference, rtol=1e-12)
+    assert state["normalize"] == {"steps": 20, "sum": pytest.approx(20 * reference)}
+
+
+def test_clip_bounds_a_cliff_step():
+    rng = np.random.default_rng(1)
+    steps = scalars(rng, 60)
+    cliff = steps[40].copy()
+    cliff[7] = 500.0  # one sequence on a loss cliff: one scalar hundreds of times the others
+    steps[40] = cliff
+    out, _ = shaped(TrainConfig(shaping=("clip",), clip_at=5.0), steps)
+    g, info = out[40]
+    median = np.median(np.abs(np.concatenate(steps[:40])))
+    assert info["clip_count"] >= 1 and abs(g[7]) < 5 * 1.5 * median  # bounded near 5 running medians
+    assert all(info["clip_count"] == 0 for _, info in out[:WARMUP])
+
+
+@pytest.mark.parametrize("pieces", [("clip",), ("normalize",), ("clip", "normalize")])
+def test_shaping_bounds_the_step_on_a_constructed_cliff(pieces):
+    """The update's norm is sqrt(d/P) x the scalars' spread: on the cliff-step plain SPSA's is
+    ~100x a typical step's; shaped, it stays within a few times."""
+    rng = np.random.default_rng(2)
+    steps = scalars(rng, 80)
+    steps[70] = steps[70].copy()
+    steps[70][3] = 1000.0
+    out, _ = shaped(TrainConfig(shaping=pieces, normalize_window=20), steps)
+    typical = np.median([spread(g) for g, _ in out[20:70]])
+    assert spread(steps[70]) > 30 * typical
+    assert spread(out[70][0]) < 3 * typical
+
+
+def test_shaping_passes_a_skipped_step_through():
+    cfg = TrainConfig(shaping=("clip", "normalize"))
+    chain = Chain(cfg)
+    state = chain.init()
+    bad = np.array([1.0, np.nan, 2.0])
+    g, new, info = chain(bad, state)
+    assert g is bad and new is state and info == {}
+
+
+def test_shaping_is_an_spsa_option_and_its_names_are_checked():
+    with pytest.raises(ConfigError, match="--shaping is not used by --optimizer es"):
+        make_strategy(TrainConfig(optimizer="es", eps=0.02, lr=0.005, shaping=("normalize",)))
+    with pytest.raises(ConfigError, match="unknown shaping 'rank'"):
+        make_strategy(TrainConfig(shaping=("rank",)))
+    cfg = TrainConfig(shaping=["clip", "normalize"])  # as JSON or TOML give it
+    assert cfg.shaping == ("clip", "normalize") and from_json(to_json(cfg))["TrainConfig"] == cfg
+
+
+def test_a_checkpoint_from_before_shaping_existed_trains_without_it():
+    old = json.loads(to_json(MODEL, CFG))
+    for field in ("shaping", "on_divergence", "clip_at", "normalize_window", "restart_lr_factor", "max_restarts"):
+        del old["TrainConfig"][field]
+    assert from_json(json.dumps(old))["TrainConfig"] == dataclasses.replace(CFG, shaping=(), on_divergence="stop")
+
+
+def text_corpus(tmp_path):
+    rng = np.random.default_rng(3)
+    words = [b"river", b"stone", b"light", b"green", b"0123", b"4567", b"\n"]
+    path = tmp_path / "a.txt"
+    path.write_bytes(b" ".join(words[i] for i in rng.integers(0, 7, 4000)))
+    return path
+
+
+def single_trainer(folder, cfg, corpus, ckpt=None):
+    sampler = BatchSampler(corpus, cfg.seq_len + 1)
+    state = from_checkpoint(ckpt) if ckpt is not None else new_state(MODEL, cfg)
+    return Trainer(folder, MODEL, cfg, sampler, state)
+
+
+@pytest.mark.parametrize("pieces", [("clip",), ("normalize",), ("clip", "normalize")])
+def test_each_shaping_is_bit_reproducible_and_checkpointed(tmp_path, pieces):
+    corpus = load_corpus([str(text_corpus(tmp_path))])
+    cfg = dataclasses.replace(CFG, steps=80, shaping=pieces, normalize_window=10, clip_at=1.5)
+    whole = single_trainer(tmp_path / "whole", cfg, corpus)
+    records = [r for r in train(whole) if isinstance(r, Step)]
+    assert any(r.metrics.get("normalize_scale", 1.0) != 1.0 or r.metrics.get("clip_count") for r in records)
+    part = single_trainer(tmp_path / "part", cfg, corpus)
+    list(train(part, should_stop=lambda: part.state.step == 50))
+    ckpt = RunFolder(tmp_path / "part").read_checkpoint()
+    assert ckpt.step == 50 and set(ckpt.extra["shaping"]) == set(pieces)  # the pieces' state is saved
+    resumed = single_trainer(tmp_path / "part", cfg, corpus, ckpt)
+    list(train(resumed))
+    assert np.array_equal(resumed.theta, whole.theta)
+    assert resumed.state.shaping == whole.state.shaping
+
+
+# --- restart and drop ------------------------------------------------------------------------------
+
+def faulty_soma(run_dir, text, cfg, bad_lr=None):
+    """A SOMA run of 2 experts, nothing trained yet; with bad_lr, expert 1 alone at that rate."""
+    create_soma(run_dir, MODEL, cfg, 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])
+    if bad_lr is not None:
+        folder = RunFolder(run_dir).expert(1)
+        ckpt = folder.read_checkpoint()
+        ckpt.train = dataclasses.replace(ckpt.train, lr=bad_lr)
+        folder.write_checkpoint(ckpt)
+
+
+RESTART = dataclasses.replace(CFG, on_divergence="restart", max_restarts=2)
+
+
+def test_a_diverging_expert_restarts_while_the_other_trains_untouched(tmp_path):
+    text = text_corpus(tmp_path)
+    faulty_soma(tmp_path / "clean", text, RESTART)
+    faulty_soma(tmp_path / "fault", text, RESTART, bad_lr=40.0)
+    list(resume_soma(tmp_path / "clean", Inline()))
+    records = list(resume_soma(tmp_path / "fault", Inline()))
+    restarts = [r for r in records if isinstance(r, Restarted)]
+    assert restarts and {r.expert for r in restarts} == {1}
+    assert [r.lr_scale for r in restarts] == [0.5, 0.25][:len(restarts)]
+    a = RunFolder(tmp_path / "clean").expert(0).read_checkpoint()
+    b = RunFolder(tmp_path / "fault").expert(0).read_checkpoint()
+    assert np.array_equal(a.theta, b.theta) and a.step == b.step == CFG.steps  # bit for bit
+    bad = RunFolder(tmp_path / "fault").expert(1).read_checkpoint()
+    assert [r["step"] for r in bad.extra["restarts"]] == [r.step for r in restarts]
+    assert all(r["to"] < r["step"] for r in bad.extra["restarts"])
+    # after the rollback each restart draws other batches and noise: the counters' stream moves on
+    steps = [json.loads(x) for x in (tmp_path / "fault" / "expert1" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+
+
+def test_a_dropped_expert_is_left_out_of_routing_and_said(tmp_path):
+    text = text_corpus(tmp_path)
+    cfg = dataclasses.replace(RESTART, max_restarts=1)
+    faulty_soma(tmp_path / "run", text, cfg, bad_lr=400.0)
+    records = list(resume_soma(tmp_path / "run", Inline()))
+    assert [type(r) for r in records if isinstance(r, (Restarted, Dropped))] == [Restarted, Dropped]
+    results = next(r for r in records if isinstance(r, Evaluated)).results
+    assert results["dropped"] == [1] and results["training"][1]["dropped"]["verdict"].startswith("rising")
+    assert len(results["training"][1]["restarts"]) == 1 and results["training"][0]["dropped"] is None
+    held = results["heldout"]["overall"]
+    assert held["routed"] == held["expert0"] == held["oracle"]  # everything goes to expert 0
+    soma = json.loads((tmp_path / "run" / "soma.json").read_text())
+    assert soma["experts_status"][1]["dropped"] and soma["experts_status"][0] == {"restarts": 0, "dropped": None}
+    with pytest.warns(UserWarning, match="experts \\[1\\] were dropped; routing top-1 instead of top-2"):
+        ensemble = load_ensemble(tmp_path / "run", top_k=2)
+    experts, _ = ensemble.router.select([b"river stone", b"0123 4567"])
+    assert set(experts.ravel()) == {0}
+    # a resume finds nothing to train and says the same
+    again = list(resume_soma(tmp_path / "run", Inline()))
+    assert {r.expert for r in again if isinstance(r, Finished)} == {0, 1}
+    assert not any(isinstance(r, Step) for r in again)
+
+
+def test_restarts_are_the_same_inline_and_in_processes(tmp_path):
+    text = text_corpus(tmp_path)
+    for name, executor in (("inline", Inline()), ("processes", LocalProcesses(2))):
+        faulty_soma(tmp_path / name, text, RESTART, bad_lr=40.0)
+        list(resume_soma(tmp_path / name, executor))
+    for i in range(2):
+        a = RunFolder(tmp_path / "inline").expert(i).read_checkpoint()
+        b = RunFolder(tmp_path / "processes").expert(i).read_checkpoint()
+        assert np.array_equal(a.theta, b.theta) and a.extra.get("restarts") == b.extra.get("restarts")
+
+
+def test_a_restart_decision_survives_sigkill_and_resume(tmp_path):
+    text = text_corpus(tmp_path)
+    args = ["train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",
+            "--seq-len", "16", "-P", "4", "--lr", "40", "--steps", "3000", "--checkpoint-every", "20",
+            "--on-divergence", "restart", "--max-restarts", "2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    done = subprocess.run(zosoma_cmd() + [str(a) for a in args + ["--run-dir", whole]], capture_output=True, text=True)
+    assert done.returncode == 1 and "training gave up on it" in done.stderr, done.stderr
+    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args + ["--run-dir", cut]], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+    def restarted():
+        try:
+            return bool(RunFolder(cut).read_checkpoint().extra.get("restarts"))
+        except Exception:
+            return False
+
+    import time
+    deadline = time.time() + 120
+    while not restarted() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    resumed = subprocess.run(zosoma_cmd() + ["train", "--resume", str(cut)], capture_output=True, text=True)
+    assert resumed.returncode == 1 and "training gave up on it" in resumed.stderr
+    a, b = RunFolder(whole).read_checkpoint(), RunFolder(cut).read_checkpoint()
+    assert np.array_equal(a.theta, b.theta) and a.step == b.step
+    assert a.extra["restarts"] == b.extra["restarts"] and a.extra["dropped"] == b.extra["dropped"]
+
+
+def test_restart_is_refused_where_it_cannot_work(tmp_path):
+    text = text_corpus(tmp_path)
+    with pytest.raises(ConfigError, match="summed ablation's experts move in lockstep"):
+        create_soma(tmp_path / "summed", MODEL, RESTART, 2, loss="summed", chunk_size=256, train_paths=[str(text)])
+    assert RESTART_STREAM == 1 << 16
