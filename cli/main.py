@@ -753,19 +753,20 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     ablation) as CONFIG describes, over its seeds; writes results.md, results.csv and plots.
 
     CONFIG: a TOML file, or a shipped one by name (cpu). Finished runs are never repeated; after
-    Ctrl-C or a crash, the same command resumes the others from their checkpoints."""
+    Ctrl-C or a crash, the same command resumes the others from their checkpoints. An --out that
+    another configuration made (another lr, budget, evaluation setting, ...) is refused."""
     import os
 
-    from zosoma.experiments.compare import (Stopped, find_config, jobs as all_jobs, load_comparison, run_comparison,
-                                            tuning_jobs)
-    from zosoma.runs.folder import RunFolder
+    from zosoma.experiments.compare import (Stopped, check_folder, find_config, jobs as all_jobs, load_comparison,
+                                            run_comparison, tuning_jobs)
 
     _check_executor_options(ctx, executor_kind, "--jobs", jobs)
     path = find_config(config)
     cmp = load_comparison(path)
+    out = Path(out or Path("results") / path.stem)
+    finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
     if not plan:
         device = _ops(device).name
-    out = Path(out or Path("results") / path.stem)
     click.echo(f"{cmp.title}\nbudget {cmp.flops:.3g} forward FLOPs per run; seeds {list(cmp.seeds)}; output {out}")
     click.echo(f"  {'method':<24}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
     for m in cmp.methods + cmp.ablation:
@@ -773,7 +774,6 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
         click.echo(f"  {m.name:<24}{params:>10,}{m.train.perturbations:>6}{m.train.steps:>7}"
                    f"{m.flops_per_step() * m.train.steps:>11.3g}")
     sweep, todo = tuning_jobs(cmp, out), all_jobs(cmp, out)
-    finished = sum(RunFolder(j.run_dir).read_result() is not None for j in sweep + todo)
     if sweep:
         t = cmp.tuning
         which = "every method" if t.methods is None else ", ".join(t.methods)

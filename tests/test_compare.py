@@ -2,16 +2,18 @@
 
 import dataclasses
 import json
+import re
+import signal
 import subprocess
 
 import numpy as np
 import pytest
 
-from helpers import zosoma_cmd
+from helpers import one_line_error, run_cli, zosoma_cmd
 from zosoma.experiments import compare
-from zosoma.experiments.compare import Job, curve_steps, find_config, jobs, load_comparison, run_job
+from zosoma.experiments.compare import Job, check_folder, curve_steps, find_config, jobs, load_comparison, run_job
 from zosoma.errors import ConfigError
-from zosoma.runs.folder import RunFolder
+from zosoma.runs.folder import SETTINGS, RunFolder
 from zosoma.model.evaluate import EvalResult
 from zosoma.model.forward import nll_stream
 from zosoma.soma.routing import cut_segments
@@ -45,6 +47,15 @@ train = {perturbations = 2}
 
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+
+@pytest.fixture
+def restore_sigint():
+    """The command's Ctrl-C handler stays for its process: put pytest's back after a CliRunner run."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, before)
+
 
 @pytest.fixture
 def mini(tmp_path):
@@ -94,12 +105,59 @@ def test_shipped_configs_load():
     (MINI.replace("layers = 1}", "layers = 0}", 1), "layers must be at least 1"),
     ("title = [", "bad.toml"),
     (MINI + '[tuning]\nmethods = ["SPSA P=3"]\n', "no such method"),
+    (MINI.replace('experts = 2\nmodel', 'experts = 0\nmodel', 1), r"SOMA N=2: experts must be an integer >= 1, got 0"),
+    (MINI.replace('curve_points = 2', 'curve_points = 2.5'),
+     r"curve_points must be an integer >= 1, got 2.5"),
+    (MINI.replace('curve_points = 2', 'eval_top_k = [0]'), r"eval_top_k must be an integer >= 1, got 0"),
 ])
 def test_bad_configs_are_one_line_errors(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_comparison(path)
+
+
+TRAIN_KEYS = r"\(known: batch, beta2, engine, eps, forward_precision, lr, momentum, noise, on_divergence, optimizer, "
+
+
+@pytest.mark.parametrize("old, new, message", [
+    # a typo inside a method's, the shared or the ablation's train and model tables
+    ("train = {perturbations = 2, lr = 0.05}  #", "train = {perturbatons = 2, lr = 0.05}  #",
+     r"bad.toml \[\[method\]\] SOMA N=2 train: unknown key\(s\) perturbatons " + TRAIN_KEYS),
+    ("model = {embed = 4,", "model = {embd = 4,",
+     r"bad.toml \[\[method\]\] SOMA N=2 model: unknown key\(s\) embd \(known: embed, hidden, layers\)$"),
+    ("train = {batch = 2, seq_len = 8}", "train = {batch = 2, seq_len = 8, batchh = 3}",
+     r"bad.toml train: unknown key\(s\) batchh " + TRAIN_KEYS),
+    ("train = {perturbations = 2}\n", "train = {perturbations = 2, lrr = 1}\n",
+     r"bad.toml \[ablation\] train: unknown key\(s\) lrr " + TRAIN_KEYS),
+    ("steps = 3\nmodel = {embed = 4,", "steps = 3\nmodel = {embed = 4, hiden = 3,",
+     r"bad.toml \[ablation\] model: unknown key\(s\) hiden \(known: embed, hidden, layers\)$"),
+    # a budget that is no number of FLOPs
+    ("flops = 4e9", "flops = inf", r"bad.toml: flops must be a positive finite number, got inf$"),
+    ("flops = 4e9", "flops = nan", r"bad.toml: flops must be a positive finite number, got nan$"),
+    ("flops = 4e9", "flops = 0", r"bad.toml: flops must be a positive finite number, got 0$"),
+    ("flops = 4e9", "flops = -4e9", r"bad.toml: flops must be a positive finite number, got -4000000000.0$"),
+    ("flops = 4e9", 'flops = "4e9"', r"bad.toml: flops must be a positive finite number, got '4e9'$"),
+    ("flops = 4e9", "flops = true", r"bad.toml: flops must be a positive finite number, got True$"),
+    # seeds no run can take, found before any run starts
+    ("seeds = [0, 1]", "seeds = [-1]", r"bad.toml: seeds must be integers in \[0, 2\*\*63\), got -1$"),
+    ("seeds = [0, 1]", "seeds = [9223372036854775807, 1.5]", r"bad.toml: seeds must be integers in .*, got 1.5$"),
+    ("seeds = [0, 1]", "seeds = [9223372036854775808]", r"bad.toml: seeds must be integers in .*, got 9223372036854775808$"),
+    ("seeds = [0, 1]", "seeds = [0, 0]", r"bad.toml: seeds must be distinct, got \[0, 0\]$"),
+    ("seeds = [0, 1]", "seeds = 1", r"bad.toml: seeds must be a list, got 1$"),
+    ("seeds = [0]\nexperts", "seeds = [-2]\nexperts",
+     r"bad.toml \[ablation\]: seeds must be integers in \[0, 2\*\*63\), got -2$"),
+    ("[ablation]", "[tuning]\nseed = -1\n\n[ablation]",
+     r"bad.toml \[tuning\]: seed must be an integer in \[0, 2\*\*63\), got -1$"),
+])
+def test_bad_configs_through_the_command_line(tmp_path, restore_sigint, old, new, message):
+    """Exit code 1, one line saying what is wrong, no traceback, nothing written."""
+    assert old in MINI
+    (tmp_path / "bad.toml").write_text(MINI.replace(old, new, 1))
+    for plan in ([], ["--plan"]):
+        line = one_line_error(run_cli(["compare", "bad.toml", "--out", "out", "--jobs", "1", *plan]), 1)
+        assert re.search("^Error: " + message, line), line
+    assert not (tmp_path / "out").exists()
 
 
 def test_curve_steps():
@@ -172,6 +230,94 @@ def test_a_soma_run_with_another_expert_count_is_refused(mini, tmp_path):
     other = load_comparison_text(tmp_path, MINI.replace("experts = 2\nmodel", "experts = 3\nmodel", 1))
     with pytest.raises(ConfigError, match="another configuration"):
         run_job(Job(str(tmp_path / "run"), other.methods[0], 0, True), other)
+
+
+TINY = """
+title = "tiny"
+seeds = [0]
+flops = 4e6               # a few steps per run
+curve_points = 2
+curve_bytes = 256
+train = {batch = 2, seq_len = 8}
+
+[[method]]
+name = "SPSA small"
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 0.05}
+
+[[method]]
+name = "SPSA wide"
+model = {embed = 6, hidden = 11, layers = 1}
+train = {perturbations = 2, lr = 0.05}
+"""
+
+
+def compare_cli(*args):
+    return run_cli(["compare", "my.toml", "--out", "out", "--jobs", "1", *args])
+
+
+def test_a_comparison_folder_is_bound_to_its_config(tmp_path, restore_sigint):
+    """A rerun with a changed lr, budget or evaluation setting is refused in one line naming what
+    changed (and --plan says so), never answered with the old runs, which stay as they were."""
+    (tmp_path / "my.toml").write_text(TINY)
+    plan = compare_cli("--plan")
+    assert plan.exit_code == 0 and "2 runs, 0 already finished" in plan.output
+    assert not (tmp_path / "out").exists()  # a plan writes nothing
+    first = compare_cli()
+    assert first.exit_code == 0, first.output
+    runs = tmp_path / "out" / "runs"
+    kept = {p: p.read_bytes() for p in [*runs.glob("*/result.json"), tmp_path / "out" / SETTINGS]}
+    assert len(kept) == 3
+
+    def refused(text):
+        (tmp_path / "my.toml").write_text(text)
+        lines = [one_line_error(compare_cli(*plan), 1) for plan in (["--plan"], [])]
+        assert lines[0] == lines[1] and "another --out" in lines[0]
+        assert {p: p.read_bytes() for p in kept} == kept
+        return lines[0]
+
+    line = refused(TINY.replace("lr = 0.05}", "lr = 0.03}", 1))
+    assert line == ("Error: out/runs/spsa-small-seed0 (SPSA small, seed 0) was made with another configuration "
+                    "(train.lr was 0.05, now 0.03): give this comparison another --out")
+    line = refused(TINY.replace("flops = 4e6", "flops = 8e6"))
+    was, now = (load_comparison_text(tmp_path, TINY.replace("4e6", f)).methods[0].train.steps for f in ("4e6", "8e6"))
+    assert f"(SPSA small, seed 0) was made with another configuration (train.steps was {was}, now {now}; " in line
+    line = refused(TINY.replace("curve_bytes = 256", "curve_bytes = 512").replace("[[method]]", "segment = 128\n\n"
+                                                                                     "[[method]]", 1))
+    assert line == ("Error: out was made with another configuration (curve_bytes was 256, now 512; "
+                    "segment was 256, now 128): give this comparison another --out")
+    (tmp_path / "my.toml").write_text(TINY)
+    again = compare_cli()
+    assert again.exit_code == 0 and "2 runs, 2 already finished" in again.output
+    assert {p: p.read_bytes() for p in kept} == kept
+
+
+def test_an_unfinished_run_of_another_config_is_refused_before_any_run_trains(tmp_path, restore_sigint):
+    """Only a checkpoint (no result.json) of the old lr: the plan does not count the folder as
+    usable, and no other run starts training in it."""
+    (tmp_path / "my.toml").write_text(TINY)
+    cmp = load_comparison(tmp_path / "my.toml")
+    small, wide = jobs(cmp, "out")
+    assert run_job(small, cmp, stopping=_StopAfter(2)) is None  # stopped at step 2, checkpointed
+    (tmp_path / "my.toml").write_text(TINY.replace("lr = 0.05}", "lr = 0.03}", 1))
+    for plan in (["--plan"], []):
+        line = one_line_error(compare_cli(*plan), 1)
+        assert "spsa-small-seed0 (SPSA small, seed 0) was made with another configuration (train.lr was 0.05" in line
+    assert not RunFolder(wide.run_dir).path.exists()
+
+
+def test_an_unfinished_soma_run_of_another_config_is_refused(mini, tmp_path):
+    """A SOMA run's description and every expert's checkpoint are checked before anything trains."""
+    soma = jobs(mini, tmp_path / "out")[0]
+    compare._Run(soma, mini)  # created: every expert at step 0
+    assert check_folder(mini, tmp_path / "out") == 0
+    for old, new, what in [("lr = 0.05}", "lr = 0.07}", "train.lr was 0.05, now 0.07"),
+                           ("experts = 2\nmodel", "experts = 3\nmodel", "experts was 2, now 3"),
+                           ("[[method]]", "chunk_size = 1024\n\n[[method]]", "chunk_size was 2048, now 1024")]:
+        other = load_comparison_text(tmp_path, MINI.replace(old, new, 1))
+        with pytest.raises(ConfigError, match=re.escape(f"(SOMA N=2, seed 0) was made with another configuration "
+                                                        f"({what}")):
+            check_folder(other, tmp_path / "out")
 
 
 def load_comparison_text(tmp_path, text):
@@ -257,3 +403,8 @@ def test_tuning_only_the_methods_named(mini, tmp_path):
     assert soma["train"]["lr"] == 0.05 and "heldout" in soma
     text = paths["results.md"].read_text()
     assert text.count("| SPSA P=2 |") >= 2 and "| SOMA N=2 | lr" not in text
+    # the main runs are bound to the tuned setting: a rerun finds every run finished and its own
+    assert check_folder(cmp, tmp_path / "out") == len(sweep) + 2
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "runs").rglob("result.json")}
+    run_comparison(cmp, tmp_path / "out")
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

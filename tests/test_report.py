@@ -155,6 +155,17 @@ def test_plots_are_png(results, tmp_path):
         assert 750 not in steps  # the step only one seed logged is not drawn
 
 
+def test_plots_of_runs_stopped_before_their_first_point(tmp_path):
+    """Every run's guard stopped it before the first point past step 0 (0 FLOPs): the FLOPs plot
+    is drawn without a log axis instead of failing."""
+    rng = np.random.default_rng(2)
+    runs = [make_run(m, "spsa", 0, rng, steps=(0,)) for m in ("SPSA P=2", "SPSA P=4")]
+    flops, wall = tmp_path / "f.png", tmp_path / "w.png"
+    drawn = plot_curves(runs, flops, wall)
+    assert flops.read_bytes()[:8] == PNG_MAGIC and wall.read_bytes()[:8] == PNG_MAGIC
+    assert [len(x) for x, _ in drawn[str(flops)].values()] == [0, 0]
+
+
 def test_plots_without_matplotlib(results, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import now raises ImportError
     with pytest.raises(ConfigError, match=r"zosoma\[plots\]"):

@@ -44,12 +44,17 @@ Output folder:
                                   is never repeated)
     OUT/runs/ablation-<loss>-seed<s>/
     OUT/results.md, results.csv, nats_vs_flops.png, nats_vs_wall.png     (zosoma.experiments.report)
+    OUT/settings.json             what the results depend on besides each run's configuration:
+                                  the evaluation protocol, chunking, routing, tuning (settings())
 
 Runs are independent units of work for an executor (zosoma.runs.executor: inline, or `--jobs`
 worker processes with one BLAS thread each on a machine with as many cores); a killed comparison
-resumes every unfinished run from its checkpoints, and a run folder started under a different
-configuration is refused rather than mixed. With device "cuda" every run trains and is evaluated
-on the GPU; checkpoints stay device-independent, so a run may resume on the other device.
+resumes every unfinished run from its checkpoints. OUT is bound to the config that made it:
+before anything trains, every run folder's record (result.json, else its checkpoints) is checked
+against the job the config makes now, and OUT/settings.json against settings(); a difference is
+refused in one line naming it (check_folder), never answered with the old runs. With device
+"cuda" every run trains and is evaluated on the GPU; checkpoints stay device-independent, so a run
+may resume on the other device.
 """
 
 from __future__ import annotations
@@ -69,13 +74,13 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import RETIRED, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, load_corpus, load_text
 from zosoma.download import find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, DataError
 from zosoma.runs.executor import Inline
-from zosoma.runs.folder import CheckpointFallback, RunFolder
+from zosoma.runs.folder import CheckpointFallback, RunFolder, changes
 from zosoma.runs.records import Failed, Note, Result
 from zosoma.runs.single import data_record, load_data
 from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
@@ -166,28 +171,31 @@ def load_comparison(path: Path) -> Comparison:
         raise ConfigError(f"{path}: {e}") from None
     _known(raw, _TOP_KEYS, str(path))
     try:
-        shared = dict(raw.get("train", {}))
-        budget = float(raw["flops"])
-        methods = tuple(_method(m, shared, budget=budget) for m in raw.get("method", []))
+        shared = dict(_train_table(raw.get("train", {}), str(path)))
+        budget = _positive_number(raw["flops"], f"{path}: flops")
+        methods = tuple(_method(m, shared, f"{path} [[method]] {m.get('name', '?') if isinstance(m, dict) else '?'}",
+                                budget=budget) for m in _list(raw.get("method", []), f"{path}: [[method]]"))
         ablation, ablation_seeds = (), ()
         if "ablation" in raw:
-            a = dict(raw["ablation"])
-            _known(a, {"seeds", "experts", "steps", "model", "train"}, f"{path} [ablation]")
-            ablation_seeds = tuple(int(s) for s in a.pop("seeds"))
-            ablation = tuple(_method({"name": f"ablation {loss}", "loss": loss, **a}, shared, steps=a["steps"])
-                             for loss in ("independent", "summed"))
+            a = dict(_known(raw["ablation"], {"seeds", "experts", "steps", "model", "train"}, f"{path} [ablation]"))
+            ablation_seeds = _seeds(a.pop("seeds"), f"{path} [ablation]: seeds")
+            steps = _int(a["steps"], f"{path} [ablation]: steps")
+            ablation = tuple(_method({"name": f"ablation {loss}", "loss": loss, **a}, shared, f"{path} [ablation]",
+                                     steps=steps) for loss in ("independent", "summed"))
         tuning = None
         if "tuning" in raw:
-            t = dict(raw["tuning"])
-            _known(t, {"seed", "lr_factors", "sigma_factors", "methods"}, f"{path} [tuning]")
-            names = _names(t.pop("methods")) if "methods" in t else None
-            tuning = Tuning(**{k: (int(v) if k == "seed" else tuple(float(x) for x in v)) for k, v in t.items()},
-                            methods=names)
-        cmp = Comparison(title=str(raw.get("title", Path(path).stem)), seeds=tuple(int(s) for s in raw["seeds"]),
+            where = f"{path} [tuning]"
+            t = _known(raw["tuning"], {"seed", "lr_factors", "sigma_factors", "methods"}, where)
+            factors = {k: tuple(_positive_number(x, f"{where}: {k}") for x in _list(t[k], f"{where}: {k}"))
+                       for k in ("lr_factors", "sigma_factors") if k in t}
+            tuning = Tuning(seed=_seed(t.get("seed", Tuning.seed), f"{where}: seed"), **factors,
+                            methods=_names(t["methods"]) if "methods" in t else None)
+        lowest = {"curve_points": 1, "curve_bytes": 2, "segment": 1, "context": 1, "top_k": 1, "chunk_size": 1}
+        top_k = tuple(_int(k, f"{path}: eval_top_k") for k in _list(raw.get("eval_top_k", []), f"{path}: eval_top_k"))
+        cmp = Comparison(title=str(raw.get("title", Path(path).stem)), seeds=_seeds(raw["seeds"], f"{path}: seeds"),
                          flops=budget, methods=methods, ablation=ablation, ablation_seeds=ablation_seeds,
-                         tuning=tuning, eval_top_k=tuple(int(k) for k in raw.get("eval_top_k", ())),
-                         **{k: int(raw[k]) for k in ("curve_points", "curve_bytes", "segment", "context",
-                                                      "top_k", "chunk_size") if k in raw})
+                         tuning=tuning, eval_top_k=top_k,
+                         **{k: _int(raw[k], f"{path}: {k}", low) for k, low in lowest.items() if k in raw})
     except KeyError as e:
         raise ConfigError(f"{path}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -200,34 +208,82 @@ def load_comparison(path: Path) -> Comparison:
     unknown = sorted(set(cmp.tuning.methods or ()) - set(names)) if cmp.tuning else []
     if unknown:
         raise ConfigError(f"{path} [tuning]: no such method(s) {unknown}; the methods are {names}")
-    if cmp.curve_points < 1 or cmp.curve_bytes < 2:
-        raise ConfigError(f"{path}: curve_points must be >= 1 and curve_bytes >= 2")
     return cmp
 
 
-def _known(table: dict, keys: set, where: str) -> None:
+def _known(table, keys: set, where: str) -> dict:
+    """The TOML table, refused in one line when it holds a key not in `keys` (naming those that are)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table, got {table!r}")
     unknown = sorted(set(table) - keys)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(keys))})")
+    return table
 
 
-def _method(raw: dict, shared: dict, budget: float | None = None, steps: int | None = None) -> Method:
-    _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, f"method {raw.get('name', '?')}")
-    model = ModelConfig(**raw.get("model", {}))
-    fields = {**shared, **raw.get("train", {})}
-    for key in ("steps", "seed", "checkpoint_every"):  # the budget, the run and resumability set these
-        if key in fields:
-            raise ConfigError(f"method {raw['name']}: train.{key} is set by the comparison, not the config")
-    method = Method(str(raw["name"]), model, TrainConfig(**fields), int(raw.get("experts", 1)),
+_SET_BY_COMPARISON = ("steps", "seed", "checkpoint_every")  # the budget, the run and resumability set these
+_TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - set(_SET_BY_COMPARISON)
+_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _train_table(table, where: str) -> dict:
+    """A train table: TrainConfig's fields, less those the comparison sets."""
+    for key in _SET_BY_COMPARISON:
+        if isinstance(table, dict) and key in table:
+            raise ConfigError(f"{where}: train.{key} is set by the comparison, not the config")
+    return _known(table, _TRAIN_KEYS, f"{where} train")
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise ConfigError(f"{what} must be a list, got {value!r}")
+    return value
+
+
+def _int(value, what: str, low: int = 1) -> int:
+    """A TOML integer >= low (true and false are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{what} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _seed(value, what: str, one: str = "an integer") -> int:
+    """A seed as every run takes it (TrainConfig: [0, 2**63)), checked before any run starts."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise ConfigError(f"{what} must be {one} in [0, 2**63), got {value!r}")
+    return value
+
+
+def _seeds(value, what: str) -> tuple[int, ...]:
+    seeds = tuple(_seed(s, what, "integers") for s in _list(value, what))
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{what} must be distinct, got {list(seeds)}")
+    return seeds
+
+
+def _positive_number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _method(raw: dict, shared: dict, where: str, budget: float | None = None, steps: int | None = None) -> Method:
+    """One method's table (`where` names it in errors) with the shared train fields under its own;
+    its steps are the budget's, or `steps`."""
+    _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, where)
+    model = ModelConfig(**_known(raw.get("model", {}), _MODEL_KEYS, f"{where} model"))
+    own = _train_table(raw.get("train", {}), where)
+    fields = {**shared, **own}
+    method = Method(str(raw["name"]), model, TrainConfig(**fields), _int(raw.get("experts", 1), f"{where}: experts"),
                     str(raw.get("loss", "independent")), _names(raw.get("series", ())))
     strategy = make_strategy(method.train)  # a shared setting the strategy ignores must keep its default
-    for key in raw.get("train", {}):  # the method's own settings must all be read
+    for key in own:  # the method's own settings must all be read
         if key not in COMMON | strategy.options:
-            raise ConfigError(f"method {method.name}: {unused_option(strategy, key)}")
+            raise ConfigError(f"{where}: {unused_option(strategy, key)}")
     if steps is None:
         steps = int(budget // method.flops_per_step())
         if steps < 1:
-            raise ConfigError(f"method {method.name}: the budget of {budget:.3g} FLOPs is less than one step "
+            raise ConfigError(f"{where}: the budget of {budget:.3g} FLOPs is less than one step "
                               f"({method.flops_per_step():.3g} FLOPs)")
     train_cfg = dataclasses.replace(method.train, steps=int(steps), checkpoint_every=min(500, int(steps)))
     return dataclasses.replace(method, train=train_cfg)
@@ -352,8 +408,7 @@ class _Run:
                         new_folder=False)
         run = open_soma(self.folder.path)
         self.heldout = run.heldout
-        if (run.soma["experts"], run.soma["loss"], run.soma["chunk_size"]) != (m.experts, m.loss, self.cmp.chunk_size):
-            self._refuse()
+        _check_run(self.job, self.cmp, {k: run.soma[k] for k in ("experts", "loss", "chunk_size")})
         if m.loss == "summed":
             self.trainers = lockstep_trainers(run, self.ops)
         else:
@@ -363,12 +418,7 @@ class _Run:
         self.router = Router(load_clustering(self.folder.router), self.cmp.top_k)
 
     def _same_config(self, model, cfg):
-        if model != self.job.method.model or cfg != self.cfg:
-            self._refuse()
-
-    def _refuse(self):
-        raise ConfigError(f"{self.folder} was started with another configuration; remove it or choose "
-                          "another output folder")
+        _check_run(self.job, self.cmp, {"model": dataclasses.asdict(model), "train": dataclasses.asdict(cfg)})
 
     @property
     def step(self) -> int:
@@ -434,13 +484,103 @@ def curve_steps(steps: int, points: int) -> list[int]:
 def run_job(job: Job, cmp: Comparison, wikitext: str | None = None,
             stopping: Callable[[], bool] = lambda: False) -> dict | None:
     """Train one run to its budget, recording the held-out curve, and evaluate it; a finished run
-    (result.json) is read back instead. Returns the result record of zosoma.experiments.report's schema, or
-    None when stopping() turned true first (the run is checkpointed where it was)."""
+    (result.json) of the same job is read back instead, and one of another configuration refused.
+    Returns the result record of zosoma.experiments.report's schema, or None when stopping()
+    turned true first (the run is checkpointed where it was)."""
     folder = RunFolder(job.run_dir)
     if folder.read_result() is None:
         with folder.lock(wait=True):  # one writer per run folder (a killed comparison's worker may linger)
-            return folder.read_result() or _train_and_score(job, cmp, wikitext, stopping, folder)
-    return folder.read_result()
+            if folder.read_result() is None:
+                return _train_and_score(job, cmp, wikitext, stopping, folder)
+    result = folder.read_result()
+    _check_run(job, cmp, _from_result(result))
+    return result
+
+
+# ------------------------------------------------------------------- a folder bound to its config
+
+def settings(cmp: Comparison) -> dict:
+    """What a comparison's results depend on besides each run's own configuration (which its
+    checkpoints and result.json record): the evaluation protocol, SOMA's chunking and routing, the
+    tuning sweep. OUT is bound to these (RunFolder.bind)."""
+    return {"curve_points": cmp.curve_points, "curve_bytes": cmp.curve_bytes, "segment": cmp.segment,
+            "context": cmp.context, "top_k": cmp.top_k, "chunk_size": cmp.chunk_size,
+            "eval_top_k": list(cmp.eval_top_k), "tuning": dataclasses.asdict(cmp.tuning) if cmp.tuning else None}
+
+
+def _expected(job: Job, cmp: Comparison) -> dict:
+    """The configuration a job's folder must hold (the keys _check_run compares)."""
+    m, cfg = job.method, dataclasses.replace(job.method.train, seed=job.seed)
+    return {"method": m.name, "experts": m.experts, "loss": m.loss, "series": list(m.series),
+            "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(cfg), "chunk_size": cmp.chunk_size}
+
+
+def _from_result(result: dict) -> dict:
+    """What a finished run's record says it was (a field an older zosoma did not write takes its
+    default, as a checkpoint's config does)."""
+    def config(cls, fields):
+        retired = RETIRED.get(cls.__name__, ())
+        return {**dataclasses.asdict(cls()), **{k: v for k, v in fields.items() if k not in retired}}
+    return {"method": result.get("method"), "experts": result.get("experts"), "loss": result.get("loss"),
+            "series": result.get("series", []), "model": config(ModelConfig, result.get("model", {})),
+            "train": config(TrainConfig, result.get("train", {}))}
+
+
+def _check_run(job: Job, cmp: Comparison, found: dict) -> None:
+    """Refuse a run folder whose recorded configuration (the fields in `found`) is not the job's."""
+    expected = _expected(job, cmp)
+    diffs = changes(found, {k: expected[k] for k in found})
+    if diffs:
+        raise ConfigError(f"{job.run_dir} ({job.method.name}, seed {job.seed}) was made with another configuration "
+                          f"({'; '.join(diffs)}): give this comparison another --out")
+
+
+def _check_folder_of(job: Job, cmp: Comparison) -> dict | None:
+    """Refuse a job's folder that holds another configuration, reading only: its finished record,
+    else its SOMA description and every expert's checkpoint, else its checkpoint. Returns the
+    finished record, or None (nothing yet, an unfinished run, or a SOMA run whose creation was cut
+    short: it is redone)."""
+    folder = RunFolder(job.run_dir)
+    result = folder.read_result()
+    if result is not None:
+        _check_run(job, cmp, _from_result(result))
+        return result
+    if folder.is_soma:
+        soma = folder.read_soma()
+        _check_run(job, cmp, {k: soma[k] for k in ("experts", "loss", "chunk_size")})
+        held = [folder.expert(i) for i in range(soma["experts"])]
+    elif folder.has_checkpoint:
+        _check_run(job, cmp, {"experts": 1})
+        held = [folder]
+    else:
+        held = []
+    for f in held:
+        ckpt = f.read_checkpoint()
+        _check_run(job, cmp, {"model": dataclasses.asdict(ckpt.model), "train": dataclasses.asdict(ckpt.train)})
+    return None
+
+
+def check_folder(cmp: Comparison, out_dir: Path) -> int:
+    """Refuse (ConfigError, one line naming what changed) an output folder that other settings,
+    or another configuration of any of its runs, left; writes nothing. Returns how many of the
+    comparison's runs are finished. With [tuning], the main runs of the tuned methods are known
+    only once the sweep has finished; run_comparison checks them then."""
+    RunFolder(out_dir).bind("comparison", settings(cmp), write=False)
+    sweep = tuning_jobs(cmp, out_dir)
+    done = _check_jobs(cmp, sweep)
+    main = cmp
+    if cmp.tuning is not None:
+        if len(done) == len(sweep):
+            main, _ = tuned(cmp, done, out_dir)
+        else:
+            main = dataclasses.replace(cmp, methods=tuple(m for m in cmp.methods if not cmp.tuning.tunes(m)))
+    return len(done) + len(_check_jobs(main, jobs(main, out_dir)))
+
+
+def _check_jobs(cmp: Comparison, todo: list[Job]) -> dict[str, dict]:
+    """Check every job's folder against the job; the finished ones' records by run folder."""
+    done = {job.run_dir: _check_folder_of(job, cmp) for job in todo}
+    return {run_dir: result for run_dir, result in done.items() if result is not None}
 
 
 def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunFolder) -> dict | None:
@@ -520,6 +660,8 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
     errors: list[str] = []
     rows = None
     with RunFolder(out_dir).lock():  # one comparison at a time in an output folder
+        check_folder(cmp, out_dir)  # nothing trains in a folder another configuration left
+        RunFolder(out_dir).bind("comparison", settings(cmp))
         if cmp.tuning is not None:
             sweep = tuning_jobs(cmp, out_dir, device)
             _run_jobs(executor, cmp, sweep, wikitext, should_stop, on_result, results, errors)
@@ -530,6 +672,8 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
                 raise ConfigError(f"{len(errors)} tuning run(s) failed; the first: {errors[0]}")
             cmp, rows = tuned(cmp, results, out_dir)
         todo = jobs(cmp, out_dir, device)
+        if cmp.tuning is not None:
+            _check_jobs(cmp, todo)  # the tuned methods' main runs, known only now
         _run_jobs(executor, cmp, todo, wikitext, should_stop, on_result, results, errors)
     if should_stop():
         raise Stopped(f"stopped: {sum(j.run_dir in results for j in todo)} of {len(todo)} runs finished; the "

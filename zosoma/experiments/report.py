@@ -188,12 +188,14 @@ def plot_curves(results, path_flops, path_wall, title=None):
         fig = Figure(figsize=(7, 4.5), dpi=120)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
+        positive = False
         for method, (flops, wall, mean, lo, hi) in curves.items():
             x = flops if log_x else wall
             keep = x > 0 if log_x else np.ones_like(x, bool)  # step 0 has 0 FLOPs: no place on a log axis
+            positive |= bool(keep.any())
             (line,) = ax.plot(x[keep], mean[keep], label=method)
             ax.fill_between(x[keep], lo[keep], hi[keep], color=line.get_color(), alpha=0.2, linewidth=0)
-        if log_x:
+        if log_x and positive:  # every run stopped by its guard before its first point past step 0: no log axis
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out nats/byte")

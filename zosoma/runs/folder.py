@@ -20,7 +20,9 @@ A SOMA run:
     RUN/results.json         the routed evaluation
 
 A comparison (zosoma.experiments.compare): OUT/runs/<method>-seed<s>/ is a single or SOMA run
-folder plus curve.jsonl (the held-out curve) and result.json (the finished run's record).
+folder plus curve.jsonl (the held-out curve) and result.json (the finished run's record);
+OUT/settings.json records the settings the whole folder was made with (RunFolder.bind), those
+that change results without being part of any run's configuration.
 
 A run driven on a cluster (zosoma.runs.ray_executor) holds RUN/.token, a random token the driver
 writes and every worker reads back, so a worker that does not see the driver's folder says so.
@@ -73,6 +75,7 @@ LOCK = ".lock"
 SCALARS = "scalars.jsonl"
 TOKEN = ".token"
 PLACEMENT = "placement.json"
+SETTINGS = "settings.json"
 DAMAGED = "checkpoint.damaged-{time}.h5"
 
 
@@ -341,6 +344,27 @@ class RunFolder:
     def append_curve(self, point: dict) -> None:
         append_line(self.path / CURVE, json.dumps(point), "curve")
 
+    # --- a folder of runs bound to its settings ----------------------------------------------
+
+    def bind(self, study: str, settings: dict, write: bool = True) -> None:
+        """Bind this folder of runs to `settings` (JSON-able): the first call records them in
+        SETTINGS; a later one with other settings, or another kind of `study`, is refused in one
+        line naming what changed. write=False checks only (a plan writes nothing)."""
+        wanted = _plain({"study": study, **settings})
+        path = self.path / SETTINGS
+        if path.exists():
+            try:
+                found = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{path} is unreadable ({e}): give this {study} another --out") from None
+            diffs = changes(found, wanted) if isinstance(found, dict) else [f"{SETTINGS} holds {json.dumps(found)}"]
+            if diffs:
+                raise ConfigError(f"{self.path} was made with another configuration ({'; '.join(diffs)}): give "
+                                  f"this {study} another --out")
+        elif write:
+            self.make()
+            write_json(path, wanted, "settings")
+
     # --- populations sharded over workers and runs on a cluster ------------------------------
 
     def append_scalars(self, step: int, coeffs) -> None:
@@ -425,6 +449,25 @@ def _no_interrupts():
             signal.signal(s, handler)
         for s in held:
             signal.raise_signal(s)
+
+
+def changes(found: dict, wanted: dict, prefix: str = "") -> list[str]:
+    """'KEY was A, now B' for every key whose value differs between a recorded configuration and
+    the one asked for (nested tables by dotted key: train.lr); [] when they agree."""
+    found, wanted = _plain(found), _plain(wanted)
+    out = []
+    for key in dict.fromkeys([*found, *wanted]):
+        a, b = found.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} was {json.dumps(a)}, now {json.dumps(b)}")
+    return out
+
+
+def _plain(obj):
+    """obj as JSON reads it back (tuples become lists), so recorded and asked-for values compare."""
+    return json.loads(json.dumps(obj))
 
 
 def write_json(path: Path, obj, what: str = "file") -> None:
