@@ -615,7 +615,7 @@ def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunF
         result["heldout_by_k"] = {str(k): run.score(run.heldout, k)["overall"]
                                   for k in cmp.eval_top_k if k <= m.experts}
     folder.write_result(result)
-    return result
+    return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
 
 
 @dataclass(frozen=True)
