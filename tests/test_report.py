@@ -102,14 +102,17 @@ def test_tuning_and_n_curve_tables(tmp_path):
             **({"2": 2.9 - n / 10 + s} if n > 1 else {})}} for n in (1, 2, 4) for s in (0.0, 0.2)]
     runs[-1]["divergence"] = [{"expert": 3, "step": 50, "verdict": "rising"}]  # N=4, second seed
     runs[-1]["heldout_by_k"] = {"1": 9.0, "2": 8.0}
+    runs[0]["restarts"] = [{"expert": 0, "step": 90, "to": 50, "lr_scale": 0.5, "verdict": "rising"}] * 2
+    runs[0]["dropped"] = [{"expert": 0, "step": 99, "verdict": "rising"}]  # N=1, first seed
     rows = n_curve(runs)
     assert [(r["N"], sorted(r["k"]), r["diverged"]) for r in rows] == [(1, [1], 0), (2, [1, 2], 0), (4, [1, 2], 1)]
     assert rows[1]["k"][2][0] == pytest.approx(2.9 - 0.2 + 0.1) and rows[1]["seeds"] == 2
     assert rows[2]["k"][2][0] == pytest.approx((2.5 + 8.0) / 2)  # every seed, the diverged one too
     assert rows[2]["k_trained"][2] == (pytest.approx(2.5), 0.0)  # the seed that did not diverge
     text = n_curve_markdown(rows)
-    assert "| equal params | 1 | 100,000 | 2 | 0 | 3.000 ± 0.141 | n/a | 3.000 ± 0.141 | n/a |" in text
-    assert "| equal params | 4 | 100,000 | 2 | 1 | 5.800 ± 4.525 | 5.250 ± 3.889 | 2.600 ± 0.000 | 2.500 ± 0.000 |" in text
+    assert "| equal params | 1 | 100,000 | 2 | 0 | 2 (1) | 3.000 ± 0.141 | n/a | 3.000 ± 0.141 | n/a | n/a |" in text
+    assert ("| equal params | 4 | 100,000 | 2 | 1 | 0 (0) | 5.800 ± 4.525 | 5.250 ± 3.889 | 2.600 ± 0.000 | "
+            "2.500 ± 0.000 | n/a |") in text
     drawn = plot_n_curve(rows, tmp_path / "n.png")
     x, y = drawn["equal params, top-2"]  # N = 2 and 4, means over the seeds that did not diverge
     np.testing.assert_allclose(x, [2, 4])

@@ -442,11 +442,14 @@ class _Run:
         return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
 
     def training(self) -> dict:
-        """Skipped steps summed over experts, the guards' verdicts, the mean final training loss."""
+        """Skipped steps summed over experts, the guards' verdicts (a run they stopped), every
+        restart and dropped expert (--on-divergence restart), the mean final training loss."""
         s = [t.summary() for t in self.trainers]
         finals = [x["final_train_loss"] for x in s if x["final_train_loss"] is not None]
         verdicts = [dict(x["divergence"], expert=i) for i, x in enumerate(s) if x["divergence"]]
         return {"skipped_steps": sum(x["skipped_steps"] for x in s), "divergence": verdicts or None,
+                "restarts": [dict(r, expert=i) for i, x in enumerate(s) for r in x["restarts"]],
+                "dropped": [dict(x["dropped"], expert=i) for i, x in enumerate(s) if x["dropped"]],
                 "final_train_loss": float(np.mean(finals)) if finals else None}
 
     def totals(self) -> dict:
@@ -455,9 +458,13 @@ class _Run:
                 "wall_s": sum(x.wall_s for x in s)}
 
     def ensemble(self, top_k: int | None = None) -> Ensemble:
+        """The run's model; a SOMA run's router top-k (default the comparison's) over the experts
+        it did not drop (fewer when fewer are left)."""
         router = self.router
-        if top_k is not None and isinstance(router, Router):
-            router = Router(router.clustering, top_k, router.temperature)
+        if isinstance(router, Router):
+            dropped = [i for i, t in enumerate(self.trainers) if t.state.dropped]
+            k = min(top_k or router.top_k, len(self.trainers) - len(dropped))
+            router = Router(router.clustering, k, router.temperature, dropped)
         return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
 
     def score(self, corpus: Corpus, top_k: int | None = None) -> dict:

@@ -61,6 +61,8 @@ def summarise(results):
                         for d in _domains(runs)},
             "skipped_steps": sum(r.get("skipped_steps", 0) for r in runs),
             "diverged": sum(bool(r.get("divergence")) for r in runs),
+            "restarts": sum(len(r.get("restarts") or ()) for r in runs),
+            "dropped": sum(len(r.get("dropped") or ()) for r in runs),
             "final_train_loss": _mean_std([r["final_train_loss"] for r in runs
                                            if r.get("final_train_loss") is not None])[0],
         })
@@ -112,11 +114,12 @@ def markdown_table(rows):
     header = ["method", "params", "seeds", "steps", "forward FLOPs", "wall s",
               "held-out nats/byte (mean ± std)", "WikiText-103 nats/byte (mean ± std)",
               f"held-out at {at:.0f} s" if at else "held-out at equal seconds", "final train loss",
-              "skipped steps", "diverged seeds", *domains]
+              "skipped steps", "diverged seeds", "restarts (experts dropped)", *domains]
     body = [[row["method"], f"{row['n_params']:,}", row["seeds"], f"{row['steps']:,}", _flops(row["flops"]),
              f"{row['wall_s']:.0f}", _pm(row["heldout_mean"], row["heldout_std"]), _wikitext(row),
              _nats(row.get("heldout_at_equal_wall")), _nats(row.get("final_train_loss")),
              row.get("skipped_steps", 0), row.get("diverged", 0),
+             f"{row.get('restarts', 0)} ({row.get('dropped', 0)})",
              *(_nats(row["domains"].get(d)) for d in domains)] for row in rows]
     return _table(header, body)
 
@@ -133,7 +136,8 @@ def write_csv(results, path):
     """One row per run; an empty cell where a run has no WikiText-103 or lacks a domain."""
     domains = _domains(results)
     fields = ["method", "kind", "seed", "n_params", "steps", "flops", "wall_s", "heldout_overall", "wikitext103",
-              "final_train_loss", "skipped_steps", "divergence", *(f"heldout_{d}" for d in domains)]
+              "final_train_loss", "skipped_steps", "divergence", "restarts", "dropped",
+              *(f"heldout_{d}" for d in domains)]
 
     with atomic_path(path, "report") as tmp:
         with open(tmp, "w", newline="") as f:
@@ -147,6 +151,9 @@ def write_csv(results, path):
                 row["skipped_steps"] = run.get("skipped_steps", 0)
                 row["divergence"] = "; ".join(f"expert {v['expert']} step {v['step']}: {v['verdict']}"
                                               for v in run.get("divergence") or [])
+                row["restarts"] = "; ".join(f"expert {v['expert']} step {v['step']} to {v['to']}, lr x{v['lr_scale']:g}"
+                                            for v in run.get("restarts") or [])
+                row["dropped"] = "; ".join(f"expert {v['expert']} step {v['step']}" for v in run.get("dropped") or [])
                 row.update({f"heldout_{d}": run["heldout"].get(d) for d in domains})
                 out.writerow(row)
 
@@ -269,6 +276,9 @@ def n_curve(results):
         trained = [r for r in runs if not r.get("divergence")]
         rows.append({"series": series, "N": N, "n_params": runs[0]["n_params"], "seeds": len(runs),
                      "diverged": len(runs) - len(trained),
+                     "restarts": sum(len(r.get("restarts") or ()) for r in runs),
+                     "dropped": sum(len(r.get("dropped") or ()) for r in runs),
+                     "wikitext": _mean_std([r["wikitext103"] for r in trained if r.get("wikitext103") is not None]),
                      "k": {k: _mean_std([r["heldout_by_k"][str(k)] for r in runs]) for k in ks},
                      "k_trained": {k: _mean_std([r["heldout_by_k"][str(k)] for r in trained]) for k in ks}})
     return rows
@@ -276,11 +286,14 @@ def n_curve(results):
 
 def n_curve_markdown(rows):
     ks = sorted({k for row in rows for k in row["k"]})
-    header = ["series", "N", "params in all", "seeds", "diverged", *(f"top-{k} held-out" for k in ks),
-              *(f"top-{k}, seeds that did not diverge" for k in ks)]
+    header = ["series", "N", "params in all", "seeds", "diverged", "restarts (experts dropped)",
+              *(f"top-{k} held-out" for k in ks), *(f"top-{k}, seeds that did not diverge" for k in ks),
+              "WikiText-103 (routed), seeds that did not diverge"]
     body = [[r["series"], r["N"], f"{r['n_params']:,}", r["seeds"], r["diverged"],
+             f"{r.get('restarts', 0)} ({r.get('dropped', 0)})",
              *(_pm(*r["k"][k]) if k in r["k"] else MISSING for k in ks),
-             *(_pm(*r["k_trained"][k]) if k in r["k_trained"] else MISSING for k in ks)] for r in rows]
+             *(_pm(*r["k_trained"][k]) if k in r["k_trained"] else MISSING for k in ks),
+             _pm(*r["wikitext"]) if r.get("wikitext") and r["wikitext"][0] is not None else MISSING] for r in rows]
     return _table(header, body)
 
 

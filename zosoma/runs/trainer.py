@@ -213,7 +213,7 @@ class Trainer:
         state, cfg, step, verdict = self.state, self.cfg, self.state.step, self.verdict
         self.verdict = None
         if len(state.restarts) >= cfg.max_restarts:
-            state.dropped = state.divergence = {"step": step, "verdict": verdict}
+            state.dropped = {"step": step, "verdict": verdict}
             self.checkpoint()
             return Dropped(self.expert, step, verdict, len(state.restarts))
         ok = healthy_steps(state.metrics)  # where the smoothed loss was within the guard's ratio of its best
