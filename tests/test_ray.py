@@ -2,9 +2,10 @@
 inline run's numbers bit for bit, through a lost node, a worker process killed with os._exit, a lost
 actor and a driver killed with SIGKILL; a bad address, a folder the workers cannot see and a missing
 Ray are one line. A head that `ray start` started with token authentication (token_head, a cluster
-of its own) takes this machine's token by explicit address, and without it is one line. One Ray
-instance serves the session (ray_local, 2 CPUs); the node-loss test, last, replaces it with a
-cluster of its own (ray_local starts it again for any test after it)."""
+of its own) takes this machine's token by explicit address, and without it is one line; the Ray a
+driver starts ends with it when it is SIGKILLed. One Ray instance serves the session (ray_local, 2
+CPUs); the node-loss test, last, replaces it with a cluster of its own (ray_local starts it again
+for any test after it)."""
 
 import hashlib
 import json
@@ -34,6 +35,7 @@ from zosoma.runs.executor import Inline
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.population import Sharding
 from zosoma.runs.ray_executor import RayExecutor, RayWorkers, connect
+from zosoma.runs.reaper import descendants, start_time
 from zosoma.runs.records import Failed, Finished, Note, Step
 from zosoma.runs.single import start_run
 from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
@@ -345,6 +347,66 @@ def test_an_address_that_does_not_answer_is_one_line_and_nothing_else(tmp_path, 
                             "`ray start --head` prints?)")
     assert time.monotonic() - t0 < 6
     assert capfd.readouterr() == ("", "")  # none of Ray's warnings
+
+
+def alive(processes: dict) -> dict:
+    return {pid: name for pid, (t, name) in processes.items() if start_time(pid) == t}
+
+
+def holding_files_under(root: str) -> set:
+    """The processes with a file open under `root` (a Ray temp root: every process of its
+    instance keeps its log files there)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(root) for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.add(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def named(pids) -> dict:
+    """pid -> (start time, name: its first command-line word, as Ray's processes set it)."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = (start_time(pid), Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode())
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ray_started_by_a_driver_ends_within_seconds_of_its_sigkill(tmp_path, two_domains):
+    """The Ray a driver starts (no --address; its own temp root here) ends with it: the GCS, the
+    raylet, its agents and workers, all gone within 5 s of a SIGKILL mid-training (without the
+    reaper, the agents stay a minute)."""
+    temp, log = short_temp_dir(), tmp_path / "driver.log"
+    with open(log, "wb") as out:
+        driver = subprocess.Popen(zosoma_cmd() + soma_args(two_domains, 5000), stdout=out, stderr=subprocess.STDOUT,
+                                  env=ray_free_env(RAY_TMPDIR=temp, HOME=str(tmp_path)))
+    ray_side = {}
+    try:
+        metrics = [Path("run") / f"expert{i}" / "metrics.jsonl" for i in range(2)]
+        deadline = time.monotonic() + 240
+        while not all(m.exists() and m.stat().st_size for m in metrics):  # both experts train
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        ray_side = named(holding_files_under(temp) | set(descendants(driver.pid)))
+        names = " ".join(name for _, name in ray_side.values())
+        assert "raylet" in names and "ray::DashboardAgent" in names and "ray::RuntimeEnvAgent" in names, names
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 5
+        while alive(ray_side) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(ray_side)
+    finally:
+        driver.kill()
+        for pid in alive(ray_side):  # this test's own leftovers, if it failed
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_lost_node_changes_nothing_but_the_time(tmp_path, two_domains):

@@ -2,7 +2,8 @@
 
 Needs the `ray` extra (pip install 'zosoma[ray]'); without it, asking for Ray is a one-line error.
 
-    connect(address)    None: start Ray on this machine; "auto": the cluster `ray start` made
+    connect(address)    None: start Ray on this machine (its processes end with this one, a
+                        SIGKILL included: zosoma.runs.reaper); "auto": the cluster `ray start` made
                         on this machine; HOST:PORT: that cluster's head, with this machine's Ray
                         auth token when there is one. An address that does not answer, or refuses
                         the token, is one line within `timeout` seconds (Ray itself would retry,
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from zosoma.errors import ConfigError
+from zosoma.runs import reaper
 from zosoma.runs.executor import THREAD_VARS, one_line
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.population import Shard, ShardSpec, WorkerLost, error_line
@@ -71,6 +73,7 @@ def connect(address: str | None = None, timeout: float = CONNECT_TIMEOUT_S, num_
         return ray
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     if not address or address == "local":
+        reaper.start()
         try:  # in this thread: Ray's own processes end with the thread that started them
             ray.init(address="local", num_cpus=num_cpus, **kwargs)
         except Exception as e:
