@@ -1,15 +1,22 @@
 """Ray (zosoma.runs.ray_executor): SOMA's experts as Ray tasks and a population over Ray actors give an
 inline run's numbers bit for bit, through a lost node, a worker process killed with os._exit, a lost
 actor and a driver killed with SIGKILL; a bad address, a folder the workers cannot see and a missing
-Ray are one line. One Ray instance serves the session (ray_local, 2 CPUs); the node-loss test, last,
-replaces it with a cluster of its own (ray_local starts it again for any test after it)."""
+Ray are one line. A head that `ray start` started with token authentication (token_head, a cluster
+of its own) takes this machine's token by explicit address, and without it is one line; the Ray a
+driver starts ends with it when it is SIGKILLed. One Ray instance serves the session (ray_local, 2
+CPUs); the node-loss test, last, replaces it with a cluster of its own (ray_local starts it again
+for any test after it)."""
 
 import hashlib
 import json
 import os
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +34,8 @@ from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.population import Sharding
-from zosoma.runs.ray_executor import RayExecutor, RayWorkers
+from zosoma.runs.ray_executor import RayExecutor, RayWorkers, connect
+from zosoma.runs.reaper import descendants, start_time
 from zosoma.runs.records import Failed, Finished, Note, Step
 from zosoma.runs.single import start_run
 from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
@@ -220,6 +228,185 @@ def test_a_driver_killed_with_sigkill_reruns_without_retraining_finished_experts
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert {name: sha(experts[done] / name) for name in before} == before  # not retrained, not rewritten
     assert RunFolder(other).read_checkpoint().step == 200 and steps(other) == 200
+
+
+def ray_free_env(**extra) -> dict:
+    """This process's environment without any RAY_ variable (ray.init sets RAY_AUTH_MODE here), plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, **extra}
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def short_temp_dir() -> str:
+    """A private Ray temp root in /tmp: Ray's socket paths under it must stay short."""
+    return tempfile.mkdtemp(prefix="zr", dir="/tmp")
+
+
+@dataclass
+class Head:
+    address: str
+    token: str
+    home: Path  # a HOME whose ~/.ray/auth_token holds the token, as on the head's machine
+
+
+@pytest.fixture(scope="module")
+def token_head(tmp_path_factory):
+    """A Ray head as `ray start --head` starts one on a machine where a token exists (Ray 2.59 on
+    then turns token authentication on): its own HOME, temp dir and free ports, 2 CPUs. Stopped
+    by SIGTERM to its own `ray start --block` process, which takes its Ray processes with it (a
+    bare `ray stop` would stop every Ray on the machine)."""
+    home, token, temp = tmp_path_factory.mktemp("home"), secrets.token_hex(32), short_temp_dir()
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(token)
+    names = ["port", "node-manager-port", "object-manager-port", "dashboard-port", "dashboard-agent-listen-port",
+             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"]
+    ports = dict(zip(names, free_ports(len(names))))
+    log = Path(temp) / "head.log"
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "2",
+           "--temp-dir", temp, "--include-dashboard", "false", "--disable-usage-stats",
+           "--object-store-memory", str(RAY_OPTIONS["object_store_memory"])]
+    cmd += [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
+    with open(log, "wb") as out:
+        head = subprocess.Popen(cmd, env=ray_free_env(HOME=str(home)), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "Token authentication is enabled" in log.read_text()
+        yield Head(f"127.0.0.1:{ports['port']}", token, home)
+    finally:
+        head.terminate()
+        try:
+            head.wait(90)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def soma_args(two_domains, steps):
+    return ["train", "--experts", "2", "--data", str(two_domains / "prose.txt"), "--data",
+            str(two_domains / "digits.txt"), "--chunk-size", "256", "--steps", str(steps), "-P", "2", *TINY,
+            "--executor", "ray", "--run-dir", "run"]
+
+
+def test_a_head_with_token_authentication_takes_this_machines_token(tmp_path, two_domains, token_head):
+    """The token the head read (~/.ray/auth_token) is the driver's too: by explicit address, as with
+    --address auto, SOMA trains on that cluster."""
+    result = subprocess.run(zosoma_cmd() + soma_args(two_domains, 3) + ["--address", token_head.address],
+                            env=ray_free_env(HOME=str(token_head.home)), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "InvalidAuthToken" not in result.stderr
+    assert [RunFolder("run").expert(i).read_checkpoint().step for i in range(2)] == [3, 3]
+
+
+def test_a_head_with_token_authentication_and_no_token_here_is_one_line_at_once(tmp_path, two_domains, token_head):
+    """No token, a wrong one, or a RAY_AUTH_TOKEN_PATH to nothing: one line that says how to give the
+    token, within seconds (Ray itself retries for 20 s, printing a warning a second); the right
+    token in RAY_AUTH_TOKEN connects."""
+    nowhere = tmp_path / "home"
+    nowhere.mkdir()
+    fix = "on the head run `ray get-auth-token` and set RAY_AUTH_TOKEN to what it prints"
+    cases = [({}, f"Error: the Ray cluster at {token_head.address} refused the connection: it needs its auth "
+                  f"token, and this machine has none (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); {fix}"),
+             ({"RAY_AUTH_TOKEN": "0" * 64}, f"Error: the Ray cluster at {token_head.address} refused the auth token in "
+                                            f"RAY_AUTH_TOKEN: {fix}"),
+             ({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")}, f"Error: RAY_AUTH_TOKEN_PATH is {tmp_path / 'none'}, "
+                                                               "which is missing or empty: put the Ray cluster's auth "
+                                                               "token there (`ray get-auth-token` on the head prints "
+                                                               "it), or unset it")]
+    for extra, line in cases:
+        t0 = time.monotonic()
+        result = subprocess.run(zosoma_cmd() + soma_args(two_domains, 3) + ["--address", token_head.address],
+                                env=ray_free_env(HOME=str(nowhere), **extra), capture_output=True, text=True,
+                                timeout=120)
+        assert (result.returncode, result.stdout, result.stderr.strip()) == (1, "", line)
+        assert time.monotonic() - t0 < 10 and not Path("run").exists()
+    connects = ("import sys\nfrom zosoma.runs.ray_executor import connect\n"
+                "print(connect(sys.argv[1]).cluster_resources()['CPU'])")
+    result = subprocess.run([sys.executable, "-c", connects, token_head.address], capture_output=True, text=True,
+                            env=ray_free_env(HOME=str(nowhere), RAY_AUTH_TOKEN=token_head.token), timeout=120)
+    assert result.stdout.strip() == "2.0", result.stderr[-3000:]
+
+
+def test_an_address_that_does_not_answer_is_one_line_and_nothing_else(tmp_path, ray_local, capfd):
+    with socket.create_server(("0.0.0.0", 0)) as silent:  # takes connections, never answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as e:
+            connect(address, timeout=2)
+    assert str(e.value) == (f"no Ray cluster answered at {address} within 2 s (is it a Ray head's GCS address, as "
+                            "`ray start --head` prints?)")
+    assert time.monotonic() - t0 < 6
+    assert capfd.readouterr() == ("", "")  # none of Ray's warnings
+
+
+def alive(processes: dict) -> dict:
+    return {pid: name for pid, (t, name) in processes.items() if start_time(pid) == t}
+
+
+def holding_files_under(root: str) -> set:
+    """The processes with a file open under `root` (a Ray temp root: every process of its
+    instance keeps its log files there)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(root) for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.add(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def named(pids) -> dict:
+    """pid -> (start time, name: its first command-line word, as Ray's processes set it)."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = (start_time(pid), Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode())
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ray_started_by_a_driver_ends_within_seconds_of_its_sigkill(tmp_path, two_domains):
+    """The Ray a driver starts (no --address; its own temp root here) ends with it: the GCS, the
+    raylet, its agents and workers, all gone within 5 s of a SIGKILL mid-training (without the
+    reaper, the agents stay a minute)."""
+    temp, log = short_temp_dir(), tmp_path / "driver.log"
+    with open(log, "wb") as out:
+        driver = subprocess.Popen(zosoma_cmd() + soma_args(two_domains, 5000), stdout=out, stderr=subprocess.STDOUT,
+                                  env=ray_free_env(RAY_TMPDIR=temp, HOME=str(tmp_path)))
+    ray_side = {}
+    try:
+        metrics = [Path("run") / f"expert{i}" / "metrics.jsonl" for i in range(2)]
+        deadline = time.monotonic() + 240
+        while not all(m.exists() and m.stat().st_size for m in metrics):  # both experts train
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        ray_side = named(holding_files_under(temp) | set(descendants(driver.pid)))
+        names = " ".join(name for _, name in ray_side.values())
+        assert "raylet" in names and "ray::DashboardAgent" in names and "ray::RuntimeEnvAgent" in names, names
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 5
+        while alive(ray_side) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(ray_side)
+    finally:
+        driver.kill()
+        for pid in alive(ray_side):  # this test's own leftovers, if it failed
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_lost_node_changes_nothing_but_the_time(tmp_path, two_domains):

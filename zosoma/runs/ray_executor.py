@@ -2,9 +2,12 @@
 
 Needs the `ray` extra (pip install 'zosoma[ray]'); without it, asking for Ray is a one-line error.
 
-    connect(address)    None: start Ray on this machine; "auto": the cluster `ray start` made on this
-                        machine; HOST:PORT: that cluster's head. An unreachable address is a
-                        one-line error within `timeout` seconds (Ray itself would wait for minutes).
+    connect(address)    None: start Ray on this machine (its processes end with this one, a
+                        SIGKILL included: zosoma.runs.reaper); "auto": the cluster `ray start` made
+                        on this machine; HOST:PORT: that cluster's head, with this machine's Ray
+                        auth token when there is one. An address that does not answer, or refuses
+                        the token, is one line within `timeout` seconds (Ray itself would retry,
+                        printing a warning a second, for minutes).
     RayExecutor         an executor (zosoma.runs.executor): each unit is a Ray task with `cpus` CPUs
                         (as many BLAS threads) and `gpus` GPUs, retried up to `max_retries` times
                         when its worker process or its node dies. A unit is idempotent (it resumes
@@ -29,11 +32,15 @@ import logging
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from zosoma.errors import ConfigError
+from zosoma.runs import reaper
 from zosoma.runs.executor import THREAD_VARS, one_line
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.population import Shard, ShardSpec, WorkerLost, error_line
@@ -60,10 +67,13 @@ def connect(address: str | None = None, timeout: float = CONNECT_TIMEOUT_S, num_
     ray = import_ray()
     if address and address not in ("auto", "local"):
         _reachable(address, timeout)
+        if "://" not in address:
+            _answers(address, timeout)
     if ray.is_initialized():
         return ray
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     if not address or address == "local":
+        reaper.start()
         try:  # in this thread: Ray's own processes end with the thread that started them
             ray.init(address="local", num_cpus=num_cpus, **kwargs)
         except Exception as e:
@@ -100,6 +110,74 @@ def _reachable(address: str, timeout: float) -> None:
     except OSError as e:
         raise ConfigError(f"cannot reach the Ray cluster at {address} within {timeout:.0f} s: "
                           f"{e.strerror or type(e).__name__}") from None
+
+
+# Asks a GCS for its cluster id once; prints nothing when it answered, else the error's name and first line.
+_PROBE = """import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1])
+except Exception as e:
+    print(type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+"""
+TOKEN_FIX = "on the head run `ray get-auth-token` and set RAY_AUTH_TOKEN to what it prints"
+
+
+def _answers(address: str, timeout: float) -> None:
+    """A ConfigError line unless the Ray GCS at HOST:PORT answers within `timeout` and takes this
+    machine's auth token (if it wants one). Asked in a subprocess: Ray's warnings stay there,
+    and a connection that hangs is given up."""
+    source = _use_token()
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, address], capture_output=True, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"no Ray cluster answered at {address} within {timeout:.0f} s (is it a Ray head's "
+                          "GCS address, as `ray start --head` prints?)") from None
+    answer = probe.stdout.strip()
+    if probe.returncode == 0 and not answer:
+        return
+    answer = answer or (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+    if not answer.startswith("AuthenticationError"):
+        raise ConfigError(f"cannot connect to Ray at {address}: {answer}")
+    mode = os.environ.get("RAY_AUTH_MODE", "").lower()
+    if source is None:
+        raise ConfigError(f"the Ray cluster at {address} refused the connection: it needs its auth token, and "
+                          "this machine has none (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); "
+                          f"{TOKEN_FIX}")
+    if mode != "token":
+        raise ConfigError(f"the Ray cluster at {address} refused the connection: it needs its auth token, and "
+                          f"RAY_AUTH_MODE={mode} here turns tokens off; set RAY_AUTH_MODE=token")
+    raise ConfigError(f"the Ray cluster at {address} refused the auth token in {source}: {TOKEN_FIX}")
+
+
+def _use_token() -> str | None:
+    """Where Ray reads this machine's auth token from, in Ray's order (None: nowhere). With a
+    token and RAY_AUTH_MODE unset, turns token mode on in this process (and the probe's), as
+    ray.init does for `auto` but not for an explicit address, which the head then refuses."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        source = "RAY_AUTH_TOKEN"
+    elif path:
+        if not _has_text(Path(path)) and os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled":
+            raise ConfigError(f"RAY_AUTH_TOKEN_PATH is {path}, which is missing or empty: put the Ray cluster's "
+                              "auth token there (`ray get-auth-token` on the head prints it), or unset it")
+        source = f"RAY_AUTH_TOKEN_PATH ({path})"
+    else:
+        default = Path.home() / ".ray" / "auth_token"
+        source = str(default) if _has_text(default) else None
+    if source is not None and "RAY_AUTH_MODE" not in os.environ:
+        from ray._raylet import Config
+        os.environ["RAY_AUTH_MODE"] = "token"
+        Config.initialize("")  # Ray reads its config once; this is how ray.init switches token mode on
+    return source
+
+
+def _has_text(path: Path) -> bool:
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
 
 
 def _thread_env(cpus: float) -> dict:
