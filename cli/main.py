@@ -524,7 +524,7 @@ def data_show():
             click.echo(f"  {name:<14} {doc.size:>10,} bytes")
     base = ngram_baselines(corpora["train"], corpora["heldout"])
     click.echo(f"held-out nats/byte of byte n-gram models counted on train (add-one): unigram "
-               f"{base['unigram']:.3f}, bigram {base['bigram']:.3f}; uniform 5.545")
+               f"{base['unigram']:.3f}, bigram {base['bigram']:.3f}; trigram (Witten-Bell) {base['trigram']:.3f}; uniform 5.545")
     click.echo(f"location: {default_corpus_dir()} (licences in LICENSES/)")
 
 

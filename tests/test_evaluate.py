@@ -67,3 +67,9 @@ def test_ngram_baselines():
     # bigram: a->b seen 4 times (+1) of 4 + 256; b->a seen 3 times (+1) of 3 + 256
     expected = -(2 * math.log(5 / 260) + math.log(4 / 259)) / 3
     assert base["bigram"] == pytest.approx(expected)
+    # trigram (Witten-Bell): after "ab", a seen 3 times (one distinct byte); after "ba", b 3 times;
+    # each backs off to the Witten-Bell bigram, which backs off to the add-one unigram
+    p_a, p_b = 5 / 264, 5 / 264
+    a_after_b, b_after_a = (3 + p_a) / 4, (4 + p_b) / 5
+    expected = -(math.log(p_b) + math.log((3 + a_after_b) / 4) + math.log((3 + b_after_a) / 4)) / 3
+    assert base["trigram"] == pytest.approx(expected)
