@@ -79,6 +79,7 @@ from zosoma.corpus import BatchSampler, Corpus, load_corpus, load_text
 from zosoma.download import find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, DataError
+from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes
 from zosoma.runs.records import Failed, Note, Result
@@ -593,6 +594,7 @@ def _check_jobs(cmp: Comparison, todo: list[Job]) -> dict[str, dict]:
 def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunFolder) -> dict | None:
     run = _Run(job, cmp)
     curve = folder.read_curve()
+    events = EventLog(folder.path)  # the run's curve and final figures for TensorBoard
     if job.curve:
         subset = Corpus(run.heldout.names, tuple(d[:cmp.curve_bytes] for d in run.heldout.docs))
         for target in curve_steps(run.cfg.steps, cmp.curve_points):
@@ -606,6 +608,7 @@ def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunF
                 point = {**run.totals(), "heldout": run.score(subset)["overall"]}
                 curve.append(point)
                 folder.append_curve(point)
+                events.evaluation(point["step"], point["heldout"], tag="eval/heldout_curve")
     elif not run.advance(run.cfg.steps, stopping):
         return None
     m = job.method
@@ -622,6 +625,12 @@ def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunF
         result["heldout_by_k"] = {str(k): run.score(run.heldout, k)["overall"]
                                   for k in cmp.eval_top_k if k <= m.experts}
     folder.write_result(result)
+    events.hparams({"method": m.name, "experts": m.experts, "seed": job.seed, "params": result["n_params"],
+                 **{k: result["train"][k] for k in ("perturbations", "lr", "eps", "optimizer", "shaping",
+                                                    "on_divergence")}},
+                {"hparams/validation": result.get("validation"), "hparams/heldout": (result.get("heldout") or {}).get("overall"),
+                 "hparams/wikitext103": result.get("wikitext103")})  # TensorBoard's HParams view
+    events.close()
     return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
 
 

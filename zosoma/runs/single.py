@@ -22,6 +22,7 @@ from zosoma.errors import ConfigError, DataError
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
+from zosoma.runs.events import EventLog
 from zosoma.runs.folder import CheckpointFallback, RunFolder
 from zosoma.runs.placement import Placement
 from zosoma.runs.population import Sharding, make_trainer
@@ -147,6 +148,10 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
                    wall_s=state.wall_s, n_params=model.n_params(), **trainer.summary())
     trainer.folder.write_results(results)
+    held = results["heldout"]["overall"] if results["heldout"] else None
+    log = EventLog(trainer.folder.path)
+    log.evaluation(state.step, held, results["wikitext103"])
+    log.close()
     yield Evaluated(results)
 
 

@@ -32,6 +32,7 @@ from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError, DataError
 from zosoma.model.params import Layout
+from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder
 from zosoma.runs.population import summed_trainers
@@ -306,7 +307,20 @@ def _evaluate(run: SomaRun, ops: Ops):
                    wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts), training=training,
                    dropped=list(ensemble.router.dropped))
     run.folder.write_results(results)
+    _evaluation_events(run, ckpts, results)
     yield Evaluated(results)
+
+
+def _evaluation_events(run: SomaRun, ckpts, results: dict) -> None:
+    """The routed ensemble's figures in RUN's event file, each expert's alone in its folder's."""
+    step = max(c.step for c in ckpts)
+    held = (results["heldout"] or {}).get("overall", {})
+    wiki = results["wikitext103"] or {}
+    for folder, key, at in [(run.folder, "routed", step)] + [(run.folder.expert(i), f"expert{i}", c.step)
+                                                            for i, c in enumerate(ckpts)]:
+        log = EventLog(folder.path)
+        log.evaluation(at, held.get(key), wiki.get(key))
+        log.close()
 
 
 def router_of(folder: RunFolder, ckpts, top_k: int, temperature: float = 0.1) -> Router:

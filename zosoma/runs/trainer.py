@@ -30,6 +30,7 @@ from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import Layout, init_params
+from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, window_for
 from zosoma.runs.records import Diverged, Dropped, Finished, Restarted, Step, Stopped
@@ -104,6 +105,7 @@ class Trainer:
         self.timings: dict = {}  # seconds of the step in progress: data, noise, forward, update
         self._pop = None  # the population `losses` evaluated, for `update`
         self.guard = DivergenceGuard.replay(state.metrics, window_for(cfg.steps))
+        self.events = EventLog(self.folder.path, since=state.step)  # TensorBoard's view of metrics.jsonl
         self.verdict = None  # the guard's verdict on the latest step
         # a run resumed after its guard stopped it goes on: resuming says "continue"
         self.stop_on_divergence = cfg.on_divergence == "stop" and state.divergence is None
@@ -165,6 +167,7 @@ class Trainer:
         if self.verdict and state.divergence is None and cfg.on_divergence != "restart":
             state.divergence = {"step": state.step, "verdict": self.verdict}
         self.folder.append_metrics(record)
+        self.events.step(record, self.guard)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             self.checkpoint()
         return Step(self.expert, record)
@@ -187,6 +190,7 @@ class Trainer:
 
     def checkpoint(self) -> None:
         self.folder.write_checkpoint(self.to_checkpoint(), self.keep)
+        self.events.flush()  # what the checkpoint covers is on disk
 
     @property
     def halted(self) -> bool:
@@ -227,6 +231,7 @@ class Trainer:
         self.guard = DivergenceGuard.replay(self.state.metrics, self.guard.window)
         self.checkpoint()
         self.folder.rewrite_metrics(self.state.metrics)
+        self.events.rolled_back(back.step)
         return Restarted(self.expert, step, verdict, back.step, restarts[-1]["lr_scale"])
 
     def summary(self) -> dict:
@@ -267,18 +272,21 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> 
     """Train one model with its own losses (SOMA's independent experts; a single model) to
     cfg.steps, yielding a Step record per step and a final Finished, or Stopped when
     should_stop() turned true (the state is checkpointed first)."""
-    while not trainer.done:
-        if should_stop():
-            trainer.checkpoint()
-            yield Stopped(trainer.expert, trainer.state.step)
-            return
-        yield trainer.update(*trainer.coefficients(*trainer.losses()))
-        if trainer.halted:
-            yield trainer.halt()
-            return
-        if trainer.restarting:
-            record = trainer.restart()
-            yield record
-            if isinstance(record, Dropped):
+    try:
+        while not trainer.done:
+            if should_stop():
+                trainer.checkpoint()
+                yield Stopped(trainer.expert, trainer.state.step)
                 return
-    yield Finished(trainer.expert, trainer.state.step)
+            yield trainer.update(*trainer.coefficients(*trainer.losses()))
+            if trainer.halted:
+                yield trainer.halt()
+                return
+            if trainer.restarting:
+                record = trainer.restart()
+                yield record
+                if isinstance(record, Dropped):
+                    return
+        yield Finished(trainer.expert, trainer.state.step)
+    finally:
+        trainer.events.close()

@@ -1,0 +1,90 @@
+"""TensorBoard event files: every run folder has them, and TensorBoard's own reader finds in them
+what metrics.jsonl says (per step), the evaluation, and a resumed or restarted run's one course."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorboard", reason="the test extra installs TensorBoard, whose reader checks the files")
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer  # noqa: E402
+
+from helpers import run_cli  # noqa: E402
+from zosoma.runs.folder import CHECKPOINT, METRICS  # noqa: E402
+
+TINY = ["--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "-P", "4"]
+
+
+def scalars(logdir) -> dict:
+    """{run: {tag: [(step, value)]}} as TensorBoard shows them (purged events dropped)."""
+    mux = EventMultiplexer().AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    out = {}
+    for run, tags in mux.Runs().items():
+        out[run] = {t: [(e.step, e.value) for e in mux.Scalars(run, t)] for t in tags["scalars"]}
+    return out
+
+
+def metrics(folder):
+    return [json.loads(line) for line in (folder / METRICS).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("events") / "a.txt"
+    rng = np.random.default_rng(5)
+    words = [b"river", b"stone", b"light", b"0123", b"\n"]
+    path.write_bytes(b" ".join(words[i] for i in rng.integers(0, 5, 3000)))
+    return path
+
+
+def test_a_run_folder_shows_its_metrics_in_tensorboard(text, tmp_path):
+    run = tmp_path / "runs" / "one"
+    base = ["train", "--data", text, "--heldout", text, *TINY, "--checkpoint-every", "10"]
+    assert run_cli(base + ["--run-dir", run, "--steps", "25", "--shaping", "normalize"]).exit_code == 0
+    shown = scalars(tmp_path / "runs")["one"]
+    logged = metrics(run)
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("spread", "train/spread"),
+                     ("normalize_scale", "train/normalize_scale"), ("forward_s", "time/forward_s")):
+        assert shown[tag] == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in logged], tag
+    assert [s for s, _ in shown["guard/smoothed"]] == list(range(1, 26))
+    results = json.loads((run / "results.json").read_text())
+    assert shown["eval/heldout"] == [(25, pytest.approx(results["heldout"]["overall"], rel=1e-6))]
+
+
+def test_a_resumed_run_shows_one_course(text, tmp_path):
+    """Steps past the checkpoint a run resumed from were logged twice: TensorBoard shows the
+    second course only, equal to metrics.jsonl."""
+    run = tmp_path / "runs" / "one"
+    base = ["train", "--data", text, "--heldout", text, *TINY, "--checkpoint-every", "10"]
+    assert run_cli(base + ["--run-dir", run, "--steps", "15"]).exit_code == 0
+    # back to the step-10 checkpoint, as a kill between steps 10 and 15 would have left it
+    (run / CHECKPOINT).unlink()
+    (run / "results.json").unlink()
+    assert run_cli(["train", "--resume", run, "--steps", "20"]).exit_code == 0
+    shown = scalars(tmp_path / "runs")["one"]["train/loss"]
+    assert shown == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in metrics(run)]
+    assert [s for s, _ in shown] == list(range(1, 21))
+
+
+def test_a_soma_run_shows_each_expert_and_the_ensemble(text, tmp_path):
+    run = tmp_path / "runs" / "soma"
+    assert run_cli(["train", "--data", text, "--heldout", text, *TINY, "--steps", "6", "--experts", "2",
+                    "--chunk-size", "256", "--workers", "1", "--run-dir", run]).exit_code == 0
+    shown = scalars(tmp_path / "runs")
+    assert {"soma", "soma/expert0", "soma/expert1"} <= set(shown)
+    results = json.loads((run / "results.json").read_text())
+    assert shown["soma"]["eval/heldout"][0][1] == pytest.approx(results["heldout"]["overall"]["routed"], rel=1e-6)
+    for i in range(2):
+        assert len(shown[f"soma/expert{i}"]["train/loss"]) == 6
+        assert shown[f"soma/expert{i}"]["eval/heldout"][0][1] == pytest.approx(
+            results["heldout"]["overall"][f"expert{i}"], rel=1e-6)
+
+
+def test_a_restarted_run_shows_the_course_it_kept(text, tmp_path):
+    run = tmp_path / "runs" / "one"
+    result = run_cli(["train", "--data", text, "--heldout", text, *TINY, "--steps", "120", "--lr", "40",
+                      "--checkpoint-every", "20", "--on-divergence", "restart", "--max-restarts", "1", "--run-dir", run])
+    assert result.exit_code == 1 and "restarted at step" in result.output
+    shown = scalars(tmp_path / "runs")["one"]["train/loss"]
+    assert shown == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in metrics(run)]
