@@ -237,3 +237,17 @@ def test_restart_is_refused_where_it_cannot_work(tmp_path):
     with pytest.raises(ConfigError, match="summed ablation's experts move in lockstep"):
         create_soma(tmp_path / "summed", MODEL, RESTART, 2, loss="summed", chunk_size=256, train_paths=[str(text)])
     assert RESTART_STREAM == 1 << 16
+
+
+def test_a_sharded_population_restarts_as_one_process_does(tmp_path):
+    from zosoma.runs.population import InProcess, Sharding
+    from zosoma.runs.single import start_run
+    text = text_corpus(tmp_path)
+    cfg = dataclasses.replace(RESTART, lr=40.0, max_restarts=1)
+    ends = []
+    for name, sharding in (("one", None), ("sharded", Sharding(InProcess(), 2))):
+        records = list(start_run(tmp_path / name, MODEL, cfg, [str(text)], [str(text)], sharding=sharding))
+        assert any(isinstance(r, Restarted) for r in records) and isinstance(records[-1], Dropped)
+        ends.append(RunFolder(tmp_path / name).read_checkpoint())
+    assert np.array_equal(ends[0].theta, ends[1].theta)
+    assert ends[0].extra["restarts"] == ends[1].extra["restarts"] and ends[0].step == ends[1].step

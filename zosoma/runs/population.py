@@ -53,7 +53,7 @@ from zosoma.errors import ConfigError, ZosomaError
 from zosoma.model.params import Layout
 from zosoma.runs.executor import child_threads, exit_with_parent, one_line
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.trainer import RunState, Trainer, apply_update
+from zosoma.runs.trainer import RunState, Trainer, apply_update, stream
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 
@@ -105,7 +105,9 @@ class Shard:
 
     def __init__(self, spec: ShardSpec, step: int, replay: Sequence = ()):
         ckpt = RunFolder(spec.run_dir).read_checkpoint(step)
-        self.cfg, self.expert, self.pairs = ckpt.train, spec.expert, spec.pairs
+        restarts = len(ckpt.extra.get("restarts") or ())  # a restart's stream and rate (zosoma.runs.trainer)
+        self.cfg, self.stream, self.pairs = ckpt.train, stream(spec.expert, restarts), spec.pairs
+        self.lr_scale = ckpt.train.restart_lr_factor ** restarts
         self.strategy = make_strategy(ckpt.train)
         self.ops = run_ops(get_ops(spec.device), ckpt.train.engine, ckpt.train.forward_precision)
         self.layout = Layout(ckpt.model)
@@ -121,10 +123,10 @@ class Shard:
         """The step's update from its P scalars, exactly as Trainer.update applies it."""
         t0 = time.perf_counter()
         cfg, step = self.cfg, self.step
-        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
+        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule) * self.lr_scale
         self.theta, self.optimizer, _ = apply_update(self.strategy, self.ops, self.layout, self.theta,
                                                      self.optimizer, np.asarray(coeffs, np.float64),
-                                                     self.strategy.ask(self.expert, step), lr)
+                                                     self.strategy.ask(self.stream, step), lr)
         self.step += 1
         self.update_s = time.perf_counter() - t0
 
@@ -134,9 +136,9 @@ class Shard:
             raise RuntimeError(f"population worker at step {self.step} was asked for step {step}")
         t0 = time.perf_counter()
         cfg = self.cfg
-        batch = self.sampler.batch(cfg.seed, self.expert, step, cfg.batch)
+        batch = self.sampler.batch(cfg.seed, self.stream, step, cfg.batch)
         timings = {"data": time.perf_counter() - t0, "update": self.update_s}
-        plus, minus = self.ops.perturbed_losses(self.theta, self.layout, batch, self.strategy.ask(self.expert, step),
+        plus, minus = self.ops.perturbed_losses(self.theta, self.layout, batch, self.strategy.ask(self.stream, step),
                                                 pairs=self.pairs, timings=timings)
         return plus, minus, timings
 
@@ -358,7 +360,7 @@ class ShardedTrainer(Trainer):
     def losses(self):
         t0 = time.perf_counter()
         step = self.state.step
-        self._pop = self.strategy.ask(self.expert, step)
+        self._pop = self.strategy.ask(self.stream, step)
         every = self.group.losses(step)
         mine = [every[m] for m in self.members]
         wall = time.perf_counter() - t0
@@ -379,6 +381,15 @@ class ShardedTrainer(Trainer):
         for m in self.members:
             self.group.apply(m, coeffs)
         return self.state.theta, self.state.optimizer, not np.all(np.isfinite(coeffs))
+
+    def adopt(self, state) -> None:
+        """A restart rolled the model back: the workers are rebuilt from its new checkpoint (at
+        their first step asked for), and the scalars logged past it belong to the abandoned course."""
+        super().adopt(state)
+        self.synced = state.step
+        self.folder.cut_scalars(state.step)
+        for m in self.members:
+            self.group.close(m)
 
     def _sync(self) -> None:
         """The driver's theta and optimizer state from a worker, when they are behind."""
@@ -422,9 +433,6 @@ def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSam
     if sharding is None:
         return Trainer(folder, model, cfg, sampler, state, extra=extra, ops=ops)
     check_shardable(cfg, sharding.size)
-    if cfg.on_divergence == "restart":
-        raise ConfigError("--on-divergence restart needs the model in one process: its workers cannot be rolled "
-                          "back yet; use stop or continue with --population-workers")
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     device = (ops or get_ops("cpu")).name
     specs = [ShardSpec(str(folder.path), sampler.corpus, 0, pairs, device)

@@ -225,14 +225,19 @@ class Trainer:
         restarts = state.restarts + [{"step": step, "verdict": verdict, "to": back.step,
                                       "lr_scale": cfg.restart_lr_factor ** (len(state.restarts) + 1)}]
         # compute already spent stays counted: tokens and wall time go on from here
-        self.state = RunState(self.ops.asarray(back.theta), {k: self.ops.asarray(v) for k, v in back.optimizer.items()},
-                              back.step, back.metrics, state.tokens, state.wall_s, None, back.shaping, restarts)
-        self.stream = stream(self.expert, len(restarts))
-        self.guard = DivergenceGuard.replay(self.state.metrics, self.guard.window)
+        self.adopt(RunState(back.theta, back.optimizer, back.step, back.metrics, state.tokens, state.wall_s, None,
+                            back.shaping, restarts))
         self.checkpoint()
         self.folder.rewrite_metrics(self.state.metrics)
         self.events.rolled_back(back.step)
         return Restarted(self.expert, step, verdict, back.step, restarts[-1]["lr_scale"])
+
+    def adopt(self, state: RunState) -> None:
+        """Go on from `state` (a restart's rollback): on the engine, with its stream and guard."""
+        state.theta = self.ops.asarray(state.theta)
+        state.optimizer = {k: self.ops.asarray(v) for k, v in state.optimizer.items()}
+        self.state, self.stream = state, stream(self.expert, len(state.restarts))
+        self.guard = DivergenceGuard.replay(state.metrics, self.guard.window)
 
     def summary(self) -> dict:
         """What results record of the training itself (training_summary)."""
