@@ -6,8 +6,10 @@ kit's inputs, independently of the kit's own misreadings."""
 import io
 import json
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,7 +167,7 @@ def wrong_cosine_end(kit, good, layout):
     rates = []
     for kind, w, total, factor in zip(f["schedule"], f["warmup"], f["total"], f["factor"]):
         row = []
-        for t in range(int(f["steps"])):
+        for t in range(int(f["count"])):
             if t < w:
                 row.append(float(f["lr"]) * (t + 1) / w)
             elif kind == "constant":
@@ -385,3 +387,22 @@ def test_a_port_value_off_the_formats_grid_fails(kit, good, tmp_path):
     text = io.StringIO()
     assert check_port.check(kit, folder, out=text, stages=["bf16"]) == 1
     assert "values that are not bf16 values (round to the format)" in text.getvalue()
+
+
+def test_porting_md_names_every_stage_input_output_and_setting(kit):
+    """The specification and the kit stay one: PORTING.md names (in backticks) every stage and
+    every input, output and setting of each (a per-layer name as name{l}, shaping's per chain as
+    <chain>_scalars and <chain>_<piece>_states)."""
+    text = (Path(__file__).resolve().parents[1] / "PORTING.md").read_text()
+    missing = []
+    for name, stage in _manifest(kit).items():
+        if f"`{name}`" not in text:
+            missing.append(name)
+        for kind in ("inputs", "outputs", "settings"):
+            for n in stage[kind]:
+                chain = re.sub(r"^(clip_normalize|clip|normalize)_", "<chain>_", n)
+                forms = {n, re.sub(r"\d+$", "{l}", n), chain, re.sub(r"^<chain>_(clip|normalize)_", "<chain>_<piece>_",
+                                                                      chain)}
+                if not any(f"`{f}`" in text for f in forms):
+                    missing.append(f"{name}.{n}")
+    assert not missing, missing

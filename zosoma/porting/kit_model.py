@@ -108,8 +108,8 @@ NOISE_LENGTH = 300  # more than two Rademacher blocks of 128, and not a multiple
 
 
 def noise_stage() -> Stage:
-    """Counters (K,) each of seed (uint64), expert, step, member; outputs philox (K, 4) uint32
-    (block 0 of each counter), rademacher and gaussian (K, NOISE_LENGTH) float32."""
+    """C counters, each of seed (uint64), expert, step, member; outputs philox (C, 4) uint32
+    (block 0 of each counter), rademacher and gaussian (C, NOISE_LENGTH)."""
     seed, expert, step, member = (np.array(c, dtype) for c, dtype in
                                   zip(zip(*NOISE_COUNTERS), (np.uint64, np.uint32, np.uint32, np.uint32)))
     words = np.array([philox4x32_10(0, m, s, e, *stream_key(int(sd))) for sd, e, s, m in NOISE_COUNTERS], np.uint32)
@@ -127,8 +127,9 @@ def noise_stage() -> Stage:
     }
     misreadings = {"philox": [(what, np.array([fn(sd, e, s, m) for sd, e, s, m in NOISE_COUNTERS], np.uint32))
                               for what, fn in swapped.items()]}
-    inputs = {"seed": (seed, "(K,) uint64"), "expert": (expert, "(K,) uint32"), "step": (step, "(K,) uint32"),
-              "member": (member, "(K,) uint32"), "length": (np.int64(NOISE_LENGTH), "values per counter")}
+    inputs = {"seed": (seed, "(C,) uint64"), "expert": (expert, "(C,) uint32 the stream word"),
+              "step": (step, "(C,) uint32"), "member": (member, "(C,) uint32"),
+              "length": (np.int64(NOISE_LENGTH), "values per counter")}
     outputs = {
         "philox": Out(words, "bits", counters, layout_hint),
         "rademacher": Out(rad.astype(np.int8), "bits", counters + ("length",),

@@ -68,9 +68,10 @@ def _needs(layout: Layout) -> dict:
     out = {}
     for layer in range(L):
         x = "tokens" if layer == 0 else f"hidden{layer - 1} (kit's, step t)"
-        out[f"gates{layer}"] = ("theta", x, "h0 (t = 0)", f"hidden{layer} (kit's, step t-1)")
+        out[f"gates{layer}"] = ("theta", x, "h0 (on the grid, at t = 0)", f"hidden{layer} (kit's, step t-1)")
         out[f"activations{layer}"] = (f"gates{layer} (kit's)",)
-        out[f"cells{layer}"] = (f"activations{layer} (kit's)", "c0 (t = 0)", f"cells{layer} (kit's, step t-1)")
+        out[f"cells{layer}"] = (f"activations{layer} (kit's)", "c0 (on the grid, at t = 0)",
+                                f"cells{layer} (kit's, step t-1)")
         out[f"hidden{layer}"] = (f"activations{layer} (kit's o)", f"cells{layer} (kit's, step t)")
     out["logits"] = ("theta", f"hidden{L - 1} (kit's)")
     return out
@@ -383,9 +384,9 @@ def int8_stage(theta, layout: Layout, rng) -> Stage:
                       "scale s_x s_w_ih (layer 0: s_x = s_embed, above: 1/127), out.b's is s_out / 127"),
         "quantized": Out(chain["quantized"], "exact", ("theta", "scales (kit's)"),
                          "q = clip(rint(W / s), -127, 127); biases clip(rint(b / s_acc)) in int32; " + rint_hint),
-        "sigmoid_table": Out(SIGMOID_TABLE, "exact", (), "rint(32768 sigmoid(-8 + k / 16)), k = 0..256, "
+        "sigmoid_table": Out(SIGMOID_TABLE, "exact", ("nothing: a constant",), "rint(32768 sigmoid(-8 + k / 16)), k = 0..256, "
                              "saturated to int16 (tanh(8) gives 32767)"),
-        "tanh_table": Out(TANH_TABLE, "exact", (), "rint(32768 tanh(-8 + k / 16)), k = 0..256, saturated to int16"),
+        "tanh_table": Out(TANH_TABLE, "exact", ("nothing: a constant",), "rint(32768 tanh(-8 + k / 16)), k = 0..256, saturated to int16"),
         "state_h": Out(chain["state_h"], "exact", ("h0",), "q_h = clip(rint(127 h), -127, 127)"),
         "state_c": Out(chain["state_c"], "exact", ("c0",), "q_c = clip(rint(2048 c), -32768, 32767) (Q4.11)"),
     }

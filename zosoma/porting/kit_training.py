@@ -133,7 +133,7 @@ def schedule_stage() -> Stage:
               "warmup": (warmups.astype(np.int64), "(n,) warm-up steps (zosoma's default is 20)"),
               "total": (totals.astype(np.int64), "(n,) the run's length in steps"),
               "factor": (scales, "(n,) the restart factor: restart_lr_factor ** restarts"),
-              "steps": (np.int64(n), "evaluate steps 0 .. steps - 1")}
+              "count": (np.int64(n), "evaluate steps 0 .. count - 1")}
     outputs = {"rates": Out(lr, "rate", tuple(inputs),
                             "warm-up lr (t+1)/warmup for t < warmup; cosine progress (t - warmup) / max(1, total - "
                             "warmup), clamped at 1: 0 is reached at t = total (never taken), not at the last step")}
@@ -246,7 +246,8 @@ def momentum_stage(theta, rng) -> Stage:
               "lr": (np.float64(lr), SCHEDULED), "momentum": (np.float64(beta), "beta"),
               "weight_decay": (np.float64(wd), "decoupled"), **_counters(seed, expert, step)}
     outputs = {
-        "ghat": Out(ghat, "direction", ("scalars", "P", "seed", "expert", "step"), "(1/P) sum_k g_k delta_k"),
+        "ghat": Out(ghat, "direction", ("scalars", "P", "seed", "expert", "step", "theta (its length d)"),
+                    "(1/P) sum_k g_k delta_k"),
         "m_new": Out(m_new, "direction", ("m", "ghat (kit's)", "momentum"), "m <- beta m + ghat (no dampening)"),
         "theta_new": Out(theta_new, "update", ("theta", "m_new (kit's)", "lr", "weight_decay"),
                          "theta - lr m_new - lr wd theta (decay of the OLD theta)"),
@@ -279,7 +280,8 @@ def adam_stage(theta, rng) -> Stage:
               "beta2": (np.float64(b2), "second-moment decay"), "eps_adam": (np.float64(eps_adam), "added to sqrt(v_hat)"),
               "weight_decay": (np.float64(wd), "decoupled (AdamW)"), **_counters(seed, expert, step)}
     outputs = {
-        "ghat": Out(ghat, "direction", ("scalars", "P", "seed", "expert", "step"), "(1/P) sum_k g_k delta_k"),
+        "ghat": Out(ghat, "direction", ("scalars", "P", "seed", "expert", "step", "theta (its length d)"),
+                    "(1/P) sum_k g_k delta_k"),
         "m_new": Out(m_new, "direction", ("m", "ghat (kit's)", "beta1"), "beta1 m + (1 - beta1) ghat"),
         "v_new": Out(v_new, "direction", ("v", "ghat (kit's)", "beta2"), "beta2 v + (1 - beta2) ghat^2"),
         "theta_new": Out(theta_new, "adam", ("theta", "m_new (kit's)", "v_new (kit's)", "step", "lr", "weight_decay"),
@@ -457,9 +459,10 @@ def train_stage(theta, layout: Layout, seed: int) -> Stage:
     lag = lambda t: t if t <= c["fault_step"] else t - 1  # noqa: E731  the counter not advanced by the skip
     inputs = {"theta": (theta, "(d,) float32 theta at step 0"), **_text_inputs(corpus),
               "T": (np.int64(T_LOOP), "a window is T + 1 bytes"), "B": (np.int64(B_LOOP), "windows per batch"),
-              "P": (np.int64(P), "pairs"), "eps": (np.float64(eps), ""),
+              "P": (np.int64(P), "pairs"), "eps": (np.float64(eps), "the perturbation scale"),
               "lr": (np.float64(c["lr"]), "the PEAK rate: schedule it (warm-up, cosine to steps)"),
-              "warmup": (np.int64(c["warmup"]), ""), "steps": (np.int64(N), "the run's length and the steps taken"),
+              "warmup": (np.int64(c["warmup"]), "warm-up steps"),
+              "steps": (np.int64(N), "the run's length (the schedule's total) and the steps taken"),
               "weight_decay": (np.float64(wd), "decoupled"), "seed": (np.uint64(c["seed"]), "the run's seed"),
               "stream": (np.int64(c["stream"]), "the expert word of the counters and the batch stream (expert 3, "
                                                  "no restarts)"),
@@ -521,12 +524,14 @@ def shaping_stage(rng) -> Stage:
     for chain in (("clip",), ("normalize",), ("clip", "normalize")):
         name = "_".join(chain)
         shaped, states = _shape(chain, scalars, SHAPING["clip_at"], SHAPING["normalize_window"])
-        outputs[f"{name}_scalars"] = Out(shaped, "host64", ("scalars", "clip_at", "normalize_window") + tuple(
-            f"{p}_state" for p in chain), f"the pieces {' then '.join(chain)} applied row by row, state carried; "
-                                           "a row with a non-finite scalar passes through untouched")
+        needs = ("scalars",) + tuple(x for p in chain for x in ({"clip": "clip_at", "normalize": "normalize_window"}[p],
+                                                                 f"{p}_state"))
+        outputs[f"{name}_scalars"] = Out(shaped, "host64", needs,
+                                         f"the pieces {' then '.join(chain)} applied row by row, each state carried "
+                                         "from row to row; a row with a non-finite scalar passes through untouched")
         for piece in chain:
             outputs[f"{name}_{piece}_states"] = Out(
-                states[piece], "host64", (f"{name}_scalars",) + (f"{piece}_state",),
+                states[piece], "host64", needs,
                 "each row's state after it: clip [steps, median EMA], normalize [steps, sum of spreads]; a "
                 "skipped row leaves it as it was")
     misreadings = {"clip_scalars": [("bound from this step's median (not the steps' before)",
@@ -663,7 +668,7 @@ def restart_stage(seed: int) -> Stage:
             philox4x32_10(0, 0, to, stream_, *stream_key(run_seed)), np.uint32))
     assert out["action"] == ["restart", "restart", "restart", "drop"] and out["verdict"][0] == "rising"
     assert out["verdict"][1] == "non-finite" and out["rollback_to"][0] == 150 and out["rollback_to"][2] == 175
-    pad = lambda rows, fill: np.array([list(r) + [fill] * (S - len(r)) for r in rows])  # noqa: E731
+    pad = lambda rows, fill: np.array([list(r) + [fill] * (max(map(len, rows)) - len(r)) for r in rows])  # noqa: E731
     inputs = {"losses": (pad([s["losses"] for s in scen], np.nan), "(n, S) each step's loss (the guard's input: "
                                                                     "the mean of the 2P members), padded with NaN"),
               "skipped": (pad([s["skipped"] for s in scen], False), "(n, S) bool the step was skipped"),
@@ -673,12 +678,13 @@ def restart_stage(seed: int) -> Stage:
               "expert": (np.array([s["expert"] for s in scen]), "(n,) the expert"),
               "checkpoints": (pad([s["checkpoints"] for s in scen], -1),
                               "(n, k) steps of the current course's checkpoints on disk, sorted, padded with -1"),
-              "max_restarts": (np.int64(RESTART["max_restarts"]), ""),
-              "restart_lr_factor": (np.float64(RESTART["factor"]), ""),
+              "max_restarts": (np.int64(RESTART["max_restarts"]), "restarts allowed; the next verdict drops"),
+              "restart_lr_factor": (np.float64(RESTART["factor"]), "the rate's factor per restart"),
               "restart_stream": (np.int64(RESTART_STREAM), "65536: a restart's stream is expert + 65536 restarts"),
-              **_text_inputs(corpus), "T": (np.int64(T_LOOP), ""), "B": (np.int64(B_LOOP), ""),
+              **_text_inputs(corpus), "T": (np.int64(T_LOOP), "a window is T + 1 bytes"),
+              "B": (np.int64(B_LOOP), "windows per batch"),
               "seed": (np.uint64(run_seed), "the run's seed"), "lr": (np.float64(RESTART["lr"]), "the peak rate"),
-              "warmup": (np.int64(RESTART["warmup"]), ""), "after": (np.int64(RESTART["after"]),
+              "warmup": (np.int64(RESTART["warmup"]), "warm-up steps"), "after": (np.int64(RESTART["after"]),
                                                                      "steps checked after the rollback")}
     guard = ("losses", "skipped", "length", "run_steps")
     outputs = {
