@@ -284,8 +284,8 @@ def int8_chain(theta, layout: Layout, tokens, h0, c0) -> dict:
             acc_h = qh @ w[f"q_w_hh{layer}"]
             z = acc_x * (s_x * w[f"s_w_ih{layer}"]) + acc_h * (w[f"s_w_hh{layer}"] / Q_H)
             qz = requantize(z)
-            a = int8_activations(qz.reshape(Bn, 4, H).transpose(0, 2, 1).reshape(-1, 4)).reshape(Bn, H, 4)
-            a = a.transpose(0, 2, 1).reshape(Bn, 4 * H)
+            a = int8_activations(qz.reshape(Bn, 4, H).transpose(0, 2, 1).reshape(-1, 4))  # (B H, 4) i, f, g, o
+            a = a.reshape(Bn, H, 4).transpose(0, 2, 1).reshape(Bn, 4 * H)  # back to blocks i, f, g, o
             qc = int8_cell(a[:, H:2 * H], a[:, :H], a[:, 2 * H:3 * H], qc).astype(np.float64)
             qh = int8_hidden(a[:, 3 * H:], qc).astype(np.float64)
             for k, v in zip(keep, (qz, a, qc, qh)):
@@ -297,11 +297,11 @@ def int8_chain(theta, layout: Layout, tokens, h0, c0) -> dict:
 
 
 def _qname(name: str) -> str:
-    """prepare()'s key of a layout tensor's integers."""
+    """prepare()'s key of a layout tensor's integers: q_embed, q_w_ih0, q_bias0, ..., q_out_b."""
     if name in ("embed", "out.w", "out.b"):
-        return {"embed": "q_embed", "out.w": "q_out_w", "out.b": "q_out_b"}[name]
+        return "q_" + name.replace(".", "_")
     layer, kind = name[4:].split(".")
-    return f"q_{kind}{layer}" if kind == "bias" else f"q_{kind}{layer}"
+    return f"q_{kind}{layer}"
 
 
 def requantize(z) -> np.ndarray:
@@ -417,8 +417,7 @@ def int8_stage(theta, layout: Layout, rng) -> Stage:
                             ("edge_tensor", "edge_scale (kit's)"), rint_hint)
     outputs["edge_qz"] = Out(requantize(edges["edge_z"]), "exact", ("edge_z",),
                              "clip(rint(4096 z), -32768, 32767): " + rint_hint)
-    outputs["edge_activations"] = Out(e_acts, "exact", ("edge_gates",), outputs["activations0"].hint
-                                      if L else "")
+    outputs["edge_activations"] = Out(e_acts, "exact", ("edge_gates",), outputs["activations0"].hint)
     outputs["edge_cells"] = Out(e_cells, "exact", ("edge_activations (kit's)", "edge_c"),
                                 "c = clip(rint((16 f c + i g) / 2^19)): " + rint_hint)
     outputs["edge_hidden"] = Out(e_hidden, "exact", ("edge_activations (kit's o)", "edge_cells (kit's)"),
