@@ -113,7 +113,7 @@ def port_batches(kit):
 def port_schedule(kit):
     f = load(kit, "schedule")
     return {"rates": np.array([[learning_rate(t, float(f["lr"]), int(n), int(w), str(k)) * float(s)
-                                for t in range(int(f["steps"]))]
+                                for t in range(int(f["count"]))]
                                for k, w, n, s in zip(f["schedule"], f["warmup"], f["total"], f["factor"])])}
 
 
