@@ -821,16 +821,18 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
 @click.option("--seed", type=int, default=0, show_default=True, callback=_nonneg)
 @click.option("--force", is_flag=True, help="Write into OUT if it exists: only the files an earlier kit wrote there (OUT/manifest.json lists them) are replaced; anything else in OUT is left alone, and a file of the user's with a name the kit uses stops it before anything changes.")
 def porting_kit(out, embed, hidden, layers, seed, force):
-    """Write the conformance vectors a port must reproduce, one .npz per stage (forward, losses,
-    noise, one SPSA step, router) with manifest.json of tolerances, the kit's model as ONNX, and
-    the standalone checker: python OUT/check_port.py OUT PORT_OUTPUTS/. PORTING.md is the
-    specification."""
+    """Write the conformance vectors a port must reproduce, one .npz per stage (the forward, the
+    loss, the noise, initialisation, batches, the schedule, one step of each strategy, N training
+    steps, shaping, the restart rule, the router, the bf16, fp16 and int8 forwards) with
+    manifest.json of tolerances and hints, the kit's model as ONNX, and the standalone checker:
+    python OUT/check_port.py OUT PORT_OUTPUTS/ [--stage NAME]. PORTING.md is the specification."""
     from zosoma.config import ModelConfig
-    from zosoma.porting.kit import write_kit
+    from zosoma.porting.kit import STAGES, write_kit
 
     manifest = write_kit(Path(out), ModelConfig(embed=embed, hidden=hidden, layers=layers), seed, force)
-    click.echo(f"wrote {manifest.parent}/: manifest.json, forward/losses/noise/spsa_step/router.npz, model.onnx, "
-               f"check_port.py\ncheck a port: python {manifest.parent / 'check_port.py'} {manifest.parent} PORT_OUTPUTS/")
+    click.echo(f"wrote {manifest.parent}/: manifest.json, {len(STAGES)} stages ({', '.join(STAGES)}) as .npz, "
+               f"misreadings.npz, model.onnx, check_port.py\n"
+               f"check a port: python {manifest.parent / 'check_port.py'} {manifest.parent} PORT_OUTPUTS/")
 
 
 @cli.command("precision-study")

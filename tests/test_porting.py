@@ -1,6 +1,7 @@
-"""The porting kit and its standalone checker (zosoma.porting): the kit's float64 vectors, the
-tolerances it states (zosoma's own float32 paths, run as a port would, must pass them with a
-margin), and a checker that accepts the reference and rejects a perturbed output."""
+"""The porting kit and its standalone checker (zosoma.porting): the kit folder, the checker's
+verdicts (a perturbed output, NaN, damaged files) and the command. tests/test_porting_stages.py
+checks the stages themselves: zosoma's own code passes each, a wrong reading of each convention
+fails it."""
 
 import ast
 import json
@@ -12,25 +13,15 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
 from helpers import (error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, snapshot, users_files,
                      zosoma_cmd)
 from zosoma.cli.main import cli
-from zosoma.config import ModelConfig
-from zosoma.engines.ops import Ops
-from zosoma.model import forward
-from zosoma.model.noise import noise, philox4x32_10, stream_key
-from zosoma.model.params import Layout
-from zosoma.model.population import Population
+from zosoma.model.noise import philox4x32_10, stream_key
 from zosoma.porting import check_port
 from zosoma.porting.kit import write_kit
-from zosoma.soma.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
-from zosoma.soma.routing import Router
-from zosoma.strategies.spsa import central_differences
-
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
@@ -42,93 +33,6 @@ def kit(tmp_path_factory):
 def _load(kit, name):
     with np.load(kit / f"{name}.npz") as f:
         return {k: f[k] for k in f.files}
-
-
-def _float32_forward(p, tokens, h0, c0, L, H):
-    """The forward in float32, every intermediate kept: what a straightforward port computes."""
-    x = p["embed"][tokens]
-    out = {"embedded": x}
-    for layer in range(L):
-        h, c = h0[layer], c0[layer]
-        keep = {k: [] for k in ("gates", "activations", "cells", "hidden")}
-        for t in range(tokens.shape[1]):
-            z = x[:, t] @ p[f"lstm{layer}.w_ih"] + h @ p[f"lstm{layer}.w_hh"] + p[f"lstm{layer}.bias"]
-            a = np.concatenate([1 / (1 + np.exp(-z[:, :2 * H])), np.tanh(z[:, 2 * H:3 * H]),
-                                1 / (1 + np.exp(-z[:, 3 * H:]))], axis=1)
-            c = a[:, H:2 * H] * c + a[:, :H] * a[:, 2 * H:3 * H]
-            h = a[:, 3 * H:] * np.tanh(c)
-            for k, v in zip(keep, (z, a, c, h)):
-                keep[k].append(v)
-        for k, v in keep.items():
-            out[f"{k}{layer}"] = np.stack(v, axis=1).astype(np.float32)
-        x = out[f"hidden{layer}"]
-    return out
-
-
-def zosoma_port(kit: Path, port: Path) -> None:
-    """Every stage's outputs from zosoma's own float32 code, written as a port would."""
-    port.mkdir(exist_ok=True)
-    manifest = json.loads((kit / "manifest.json").read_text())
-    cfg = ModelConfig(**{k: manifest["model"][k] for k in ("embed", "hidden", "layers")})
-    layout = Layout(cfg)
-    L, H = cfg.layers, cfg.hidden
-
-    f = _load(kit, "forward")
-    out = _float32_forward(layout.views(f["theta"]), f["tokens"], f["h0"], f["c0"], L, H)
-    session = ort.InferenceSession(str(kit / "model.onnx"), providers=["CPUExecutionProvider"])
-    out["logits"], out["hT"], out["cT"] = session.run(None, {"tokens": f["tokens"].astype(np.int64),
-                                                              "h0": f["h0"], "c0": f["c0"]})
-    np.savez(port / "forward.npz", **out)
-
-    f = _load(kit, "losses")
-    nll, _ = forward.nll_stream(f["theta"], layout, f["batch"][:, :-1], f["batch"][:, 1:])
-    np.savez(port / "losses.npz", nll=nll, loss=forward.population_loss(f["theta"][None], layout, f["batch"])[0])
-
-    f = _load(kit, "noise")
-    counters = [(int(s), int(e), int(t), int(m)) for s, e, t, m in zip(f["seed"], f["expert"], f["step"], f["member"])]
-    n = int(f["length"])
-    np.savez(port / "noise.npz",
-             philox=np.array([philox4x32_10(0, m, t, e, *stream_key(s)) for s, e, t, m in counters], np.uint32),
-             rademacher=np.stack([noise(n, *c) for c in counters]),
-             gaussian=np.stack([noise(n, *c, kind="gaussian") for c in counters]))
-
-    f = _load(kit, "spsa_step")
-    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]))
-    plus, minus = Ops().perturbed_losses(f["theta"], layout, f["batch"], pop)
-    scalars, _ = central_differences(plus, minus, pop.scale)
-    theta_new = Ops().sgd_update(f["theta"], f["scalars"], pop, float(f["lr"]))  # from the kit's scalars
-    np.savez(port / "spsa_step.npz", plus=plus, minus=minus, scalars=scalars, theta_new=theta_new)
-
-    f = _load(kit, "router")
-    config = ClusterConfig.from_json(str(f["config"]))
-    clustering = Clustering(config, f["idf"], f["projection"], f["centroids"])
-    contexts = [f["contexts"][a:b] for a, b in zip(f["offsets"][:-1], f["offsets"][1:])]
-    indptr, indices, data = _tfidf(_ngram_counts(contexts, config), clustering.idf, config.sublinear_tf)
-    counts_csr = _ngram_counts(contexts, config)
-    counts = np.zeros((len(contexts), config.n_features), np.int64)
-    features = np.zeros((len(contexts), config.n_features), np.float32)
-    for r in range(len(contexts)):
-        cols = slice(indptr[r], indptr[r + 1])
-        counts[r, counts_csr[1][cols]] = counts_csr[2][cols]
-        features[r, indices[cols]] = data[cols]
-    emb = clustering.embed(contexts)
-    experts, weights = Router(clustering, int(f["top_k"]), float(f["temperature"])).select(contexts)
-    np.savez(port / "router.npz", counts=counts, features=features, embeddings=emb,
-             distances=clustering.sq_distances(emb), experts=experts, weights=weights)
-
-
-def _margins(kit, port):
-    """{stage/output: max |diff| / allowed}, over the elements' own limits."""
-    manifest = json.loads((kit / "manifest.json").read_text())
-    out = {}
-    for stage in manifest["stages"]:
-        ref, got = _load(kit, stage["name"]), _load(port, stage["name"])
-        for name, tol in stage["outputs"].items():
-            diff = np.abs(got[name].astype(np.float64) - ref[name].astype(np.float64))
-            allowed = tol["atol"] + tol["rtol"] * np.abs(ref[name].astype(np.float64))
-            out[f"{stage['name']}/{name}"] = float(np.max(np.where(allowed > 0, diff / np.maximum(allowed, 1e-300),
-                                                                   np.where(diff > 0, np.inf, 0.0))))
-    return out
 
 
 def test_the_checker_imports_nothing_of_zosoma():
@@ -143,16 +47,6 @@ def test_the_kit_accepts_its_own_outputs(kit):
                             capture_output=True, text=True, cwd=kit.parent)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 failed, 0 skipped: PASS" in result.stdout
-
-
-def test_zosomas_float32_paths_pass_with_a_margin(kit, tmp_path):
-    """The stated tolerances are neither loose nor tight: zosoma's own float32 code (the Numba
-    forward, ONNX Runtime on the kit's graph, the CPU engine's SPSA step, the router) passes
-    every one of them with room to spare."""
-    zosoma_port(kit, tmp_path / "port")
-    assert check_port.check(kit, tmp_path / "port", strict=True) == 0
-    margins = _margins(kit, tmp_path / "port")
-    assert max(margins.values()) <= 0.2, {k: v for k, v in margins.items() if v > 0.2}
 
 
 def _box_muller32(a, b):
@@ -276,7 +170,7 @@ def test_a_damaged_npz_is_one_line(kit, tmp_path, side, how):
     else:
         assert result.returncode == 1
         assert f"[FAIL] forward: {damaged} is damaged (" in result.stdout
-        assert "[ok] nll" in result.stdout and result.stdout.strip().endswith("1 failed, 3 skipped: FAIL")
+        assert "[ok] nll" in result.stdout and result.stdout.strip().endswith("1 failed, 16 skipped: FAIL")
 
 
 # --- --force replaces the kit and nothing else; failures leave the folder as it was -------------------
@@ -302,7 +196,7 @@ def test_force_replaces_the_kit_and_nothing_else(tmp_path):
     assert users.items() <= snapshot(out).items()  # every one of the user's files, byte for byte
     manifest = json.loads((out / "manifest.json").read_text())
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"notes.txt", "mine"}
-    forward = (out / "forward.npz").read_bytes()
+    forward, kit_files = (out / "forward.npz").read_bytes(), list(manifest["files"])
     (out / "retired.npz").write_bytes(b"an earlier kit's file this one no longer writes")
     (tmp_path / "outside.txt").write_text("the user's")
     manifest["files"] += ["retired.npz", "mine", "../outside.txt", "/etc/hostname"]  # only plain files of its own
@@ -311,7 +205,7 @@ def test_force_replaces_the_kit_and_nothing_else(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads((out / "manifest.json").read_text())["seed"] == 1
     assert (out / "forward.npz").read_bytes() != forward
-    assert set(snapshot(out)) == set(users) | set(manifest["files"][:8])  # retired.npz gone, nothing temporary left
+    assert set(snapshot(out)) == set(users) | set(kit_files)  # retired.npz gone, nothing temporary left
     assert users.items() <= snapshot(out).items() and (tmp_path / "outside.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kit", "outside.txt"]
 
@@ -354,7 +248,7 @@ def test_a_failure_half_way_leaves_the_old_kit(tmp_path, monkeypatch, when):
             rename(src, dst)
         monkeypatch.setattr(os, "rename", flaky)
     result = kit_cli(out, "--force", "--seed", "1")
-    assert result.exit_code == 1 and "Aborted!" in result.output
+    assert result.exit_code == 130 and "aborted" in result.output  # 128 + SIGINT, as a Ctrl-C
     assert snapshot(out) == before  # the old kit and the user's files, as they were
     assert leftovers(tmp_path, out) == []
 
@@ -362,8 +256,10 @@ def test_a_failure_half_way_leaves_the_old_kit(tmp_path, monkeypatch, when):
 def test_a_full_disk_is_one_line_and_leaves_the_old_kit_or_nothing(tmp_path):
     seed = tmp_path / "seed"
     users_files(seed / "kit")
-    assert kit_cli(seed / "kit", "--force").exit_code == 0  # about 430 kB
-    for case, size, extra in (("replace", 700 << 10, ["--force", "--seed", "1"]), ("new", 160 << 10, [])):
+    assert kit_cli(seed / "kit", "--force").exit_code == 0
+    held = sum(p.stat().st_size for p in (seed / "kit").iterdir() if p.is_file())  # about 1.3 MB
+    # room for the old kit and half a new one; a new kit into a disk of an eighth of one
+    for case, size, extra in (("replace", held * 3 // 2, ["--force", "--seed", "1"]), ("new", held // 8, [])):
         root = tmp_path / case
         target = root / "disk" / "kit"
         proc, disk = on_a_full_disk(root, zosoma_cmd() + ["porting-kit", target, *SMALL, *extra], size, 60_000,

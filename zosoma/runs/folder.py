@@ -58,6 +58,7 @@ from pathlib import Path
 from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from zosoma.runs.guard import rollback_index
 from zosoma.runs.placement import Placement
 
 CHECKPOINT = "checkpoint.h5"
@@ -279,8 +280,7 @@ class RunFolder:
             return self.read_checkpoint()  # raises the reason
         restarts = max(recency(c)[0] for c in checkpoints)
         course = sorted((c for c in checkpoints if recency(c)[0] == restarts), key=lambda c: c.step)
-        earlier = [c for c in course if c.step < before and healthy(c.step)]
-        return earlier[-1] if earlier else course[0]
+        return course[rollback_index([c.step for c in course], before, healthy)]
 
     def checkpoint_file(self, fallback: bool = True) -> Path:
         """The file read_checkpoint would read (for commands that show or convert one file)."""

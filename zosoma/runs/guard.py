@@ -96,3 +96,12 @@ def healthy_steps(metrics: list[dict]) -> set[int]:
         if guard.healthy and guard.skipped_run == 0:
             out.add(record["step"])
     return out
+
+
+def rollback_index(course: list[int], before: int, healthy) -> int:
+    """Where a restart rolls back to: the index, in `course` (the steps of the current course's
+    checkpoints, sorted), of the newest from before step `before` (the first step of the guard's
+    window) at which healthy(step), or with none, of the oldest (where the course's last restart
+    put it)."""
+    earlier = [k for k, step in enumerate(course) if step < before and healthy(step)]
+    return earlier[-1] if earlier else 0

@@ -1,0 +1,407 @@
+"""zosoma's own float32 code run as a port would run it: every stage of the porting kit, computed
+from the stage's inputs (and, where the manifest says so, the kit's values of other outputs), written
+to PORT/<stage>.npz. tests/test_porting.py checks that it passes every stage with a margin, and
+derives each deliberately wrong port from it by changing one convention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.engines.ops import Ops
+from zosoma.model import forward, lowrank, precision, precision_kernels
+from zosoma.model.noise import noise, philox4x32_10, stream_key
+from zosoma.model.params import Layout, init_params
+from zosoma.model.population import Population
+from zosoma.model.precision import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
+from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
+from zosoma.runs.trainer import apply_update, stream
+from zosoma.soma.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
+from zosoma.soma.routing import Router
+from zosoma.strategies import make_strategy
+from zosoma.strategies.base import learning_rate
+from zosoma.strategies.es import centered_ranks
+from zosoma.strategies.shaping import Chain
+from zosoma.strategies.spsa import central_differences
+
+
+def load(folder: Path, name: str) -> dict:
+    with np.load(folder / f"{name}.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def sigmoid32(x):
+    return (1 / (1 + np.exp(-x))).astype(np.float32)
+
+
+def float32_forward(p, tokens, h0, c0, L, H):
+    """The forward in float32, every intermediate kept: what a straightforward port computes."""
+    x = p["embed"][tokens]
+    out = {"embedded": x}
+    for layer in range(L):
+        h, c = h0[layer], c0[layer]
+        keep = {k: [] for k in ("gates", "activations", "cells", "hidden")}
+        for t in range(tokens.shape[1]):
+            z = x[:, t] @ p[f"lstm{layer}.w_ih"] + h @ p[f"lstm{layer}.w_hh"] + p[f"lstm{layer}.bias"]
+            a = np.concatenate([sigmoid32(z[:, :2 * H]), np.tanh(z[:, 2 * H:3 * H]), sigmoid32(z[:, 3 * H:])], axis=1)
+            c = a[:, H:2 * H] * c + a[:, :H] * a[:, 2 * H:3 * H]
+            h = a[:, 3 * H:] * np.tanh(c)
+            for k, v in zip(keep, (z, a, c, h)):
+                keep[k].append(v)
+        for k, v in keep.items():
+            out[f"{k}{layer}"] = np.stack(v, axis=1).astype(np.float32)
+        x = out[f"hidden{layer}"]
+    return out
+
+
+def _corpus(f) -> Corpus:
+    docs = tuple(f["text"][a:b] for a, b in zip(f["offsets"][:-1], f["offsets"][1:]))
+    return Corpus(tuple(f"doc{i}" for i in range(len(docs))), docs)
+
+
+def _pop(f, P=None, scale=None, kind="rademacher", rank=0):
+    return Population(int(f["P"] if P is None else P), float(scale), int(f["seed"]), int(f["expert"]),
+                      int(f["step"]), kind, rank)
+
+
+def port_forward(kit, layout, cfg):
+    f = load(kit, "forward")
+    out = float32_forward(layout.views(f["theta"]), f["tokens"], f["h0"], f["c0"], cfg.layers, cfg.hidden)
+    session = ort.InferenceSession(str(kit / "model.onnx"), providers=["CPUExecutionProvider"])
+    out["logits"], out["hT"], out["cT"] = session.run(None, {"tokens": f["tokens"].astype(np.int64),
+                                                              "h0": f["h0"], "c0": f["c0"]})
+    return out
+
+
+def port_losses(kit, layout):
+    f = load(kit, "losses")
+    nll, _ = forward.nll_stream(f["theta"], layout, f["batch"][:, :-1], f["batch"][:, 1:])
+    return {"nll": nll, "loss": forward.population_loss(f["theta"][None], layout, f["batch"])[0]}
+
+
+def port_noise(kit):
+    f = load(kit, "noise")
+    counters = [(int(s), int(e), int(t), int(m)) for s, e, t, m in zip(f["seed"], f["expert"], f["step"], f["member"])]
+    n = int(f["length"])
+    return {"philox": np.array([philox4x32_10(0, m, t, e, *stream_key(s)) for s, e, t, m in counters], np.uint32),
+            "rademacher": np.stack([noise(n, *c) for c in counters]),
+            "gaussian": np.stack([noise(n, *c, kind="gaussian") for c in counters])}
+
+
+def port_init(kit):
+    f = load(kit, "init")
+    cfg = ModelConfig(int(f["embed"]), int(f["hidden"]), int(f["layers"]))
+    return {"theta": init_params(cfg, int(f["seed"]), int(f["expert"]))}
+
+
+def port_batches(kit):
+    f = load(kit, "batches")
+    sampler = BatchSampler(_corpus(f), int(f["T"]) + 1)
+    seed, st, B = int(f["seed"]), int(f["stream"]), int(f["B"])
+    steps = [int(s) for s in f["steps"]]
+    doc, start = (np.stack(a) for a in zip(*(sampler.positions(seed, st, s, B) for s in steps)))
+    return {"draws": np.stack([np.random.default_rng([seed, st, s]).integers(0, sampler.n_windows, size=B)
+                               for s in steps]),
+            "doc": doc, "start": start, "batches": np.stack([sampler.batch(seed, st, s, B) for s in steps])}
+
+
+def port_schedule(kit):
+    f = load(kit, "schedule")
+    return {"rates": np.array([[learning_rate(t, float(f["lr"]), int(n), int(w), str(k)) * float(s)
+                                for t in range(int(f["count"]))]
+                               for k, w, n, s in zip(f["schedule"], f["warmup"], f["total"], f["factor"])])}
+
+
+def port_spsa(kit, layout):
+    f = load(kit, "spsa_step")
+    pop = _pop(f, scale=f["eps"])
+    plus, minus = Ops().perturbed_losses(f["theta"], layout, f["batch"], pop)
+    scalars, _ = central_differences(plus, minus, pop.scale)
+    theta_new = Ops().sgd_update(f["theta"], f["scalars"], pop, float(f["lr"]))  # from the kit's scalars
+    return {"plus": plus, "minus": minus, "scalars": scalars, "theta_new": theta_new}
+
+
+def port_momentum(kit, layout):
+    f = load(kit, "momentum")
+    cfg = TrainConfig(optimizer="momentum", momentum=float(f["momentum"]), weight_decay=float(f["weight_decay"]))
+    pop = _pop(f, scale=1e-3)
+    ops = Ops()
+    theta_new, state = make_strategy(cfg).update(ops, None, f["theta"], {"m": f["m"]}, f["scalars"], pop,
+                                                 float(f["lr"]))
+    return {"ghat": ops.noise_sum(f["scalars"], f["theta"].size, pop), "m_new": state["m"], "theta_new": theta_new}
+
+
+def port_adam(kit, layout):
+    f = load(kit, "adam")
+    cfg = TrainConfig(optimizer="adam", momentum=float(f["beta1"]), beta2=float(f["beta2"]),
+                      weight_decay=float(f["weight_decay"]))
+    pop = _pop(f, scale=1e-3)
+    ops = Ops()
+    theta_new, state = make_strategy(cfg).update(ops, None, f["theta"], {"m": f["m"], "v": f["v"]}, f["scalars"],
+                                                 pop, float(f["lr"]))
+    return {"ghat": ops.noise_sum(f["scalars"], f["theta"].size, pop), "m_new": state["m"], "v_new": state["v"],
+            "theta_new": theta_new}
+
+
+def port_es(kit, layout):
+    f = load(kit, "es")
+    cfg = TrainConfig(optimizer="es", eps=float(f["sigma"]), lr=float(f["lr"]), weight_decay=float(f["weight_decay"]),
+                      perturbations=int(f["P"]), seed=int(f["seed"]))
+    strategy = make_strategy(cfg)
+    pop = strategy.ask(int(f["expert"]), int(f["step"]))
+    ops = Ops()
+    plus, minus = ops.perturbed_losses(f["theta"], layout, f["batch"], pop)
+    coefficients, _ = strategy.coefficients(plus, minus)
+    theta_new, _ = strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))
+    return {"plus": plus, "minus": minus, "ranks": centered_ranks(-np.stack([plus, minus], axis=1).ravel()),
+            "coefficients": coefficients, "theta_new": theta_new}
+
+
+def port_eggroll(kit, layout):
+    f = load(kit, "eggroll")
+    cfg = TrainConfig(optimizer="eggroll", eps=float(f["sigma"]), rank=int(f["rank"]), perturbations=int(f["P"]),
+                      seed=int(f["seed"]))
+    strategy = make_strategy(cfg)
+    pop = strategy.ask(int(f["expert"]), int(f["step"]))
+    ops = Ops()
+    plus, minus = ops.perturbed_losses(f["theta"], layout, f["batch"], pop)
+    coefficients, _ = strategy.coefficients(plus, minus)
+    return {"perturbation": lowrank.materialise(layout, pop.scale, pop.rank, pop.seed, pop.expert, pop.step, 0,
+                                                np.float32),
+            "plus": plus, "minus": minus, "coefficients": coefficients,
+            "theta_new": strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))[0]}
+
+
+def port_train(kit, layout, schedule=True, skip_counts=True):
+    """The training loop with zosoma's engine, updating from the kit's scalars (apply_update: the
+    trainer's skip rule). schedule / skip_counts False: a port that takes the peak rate every step,
+    or whose counter does not advance on a skipped step (the deliberately wrong ports)."""
+    f = load(kit, "train")
+    N, P, eps, wd = int(f["steps"]), int(f["P"]), float(f["eps"]), float(f["weight_decay"])
+    cfg = TrainConfig(steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
+                      warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]))
+    sampler = BatchSampler(_corpus(f), int(f["T"]) + 1)
+    strategy, ops = make_strategy(cfg), Ops()
+    theta = f["theta"].copy()
+    out = {k: [] for k in ("batches", "rates", "plus", "minus", "scalars")}
+    skips = 0
+    for t in range(N):
+        c = t if skip_counts else t - skips  # the step counter
+        batch = sampler.batch(cfg.seed, int(f["stream"]), c, cfg.batch)
+        pop = strategy.ask(int(f["stream"]), c)
+        plus, minus = ops.perturbed_losses(theta, layout, batch, pop)
+        if t == int(f["fault_step"]):
+            plus[0] = np.nan
+        lr = learning_rate(c, cfg.lr, N, cfg.warmup, cfg.schedule) if schedule else cfg.lr
+        theta, _, skipped = apply_update(strategy, ops, layout, theta, {}, f["scalars"][t], pop, lr)
+        skips += skipped
+        for k, v in zip(out, (batch, lr, plus, minus, central_differences(plus, minus, eps)[0])):
+            out[k].append(v)
+    return {**{k: np.array(v) for k, v in out.items()}, "theta_final": theta}
+
+
+def port_shaping(kit):
+    f = load(kit, "shaping")
+    out = {}
+    state_in = {"clip": dict(zip(("steps", "median"), (int(f["clip_state"][0]), float(f["clip_state"][1])))),
+                "normalize": dict(zip(("steps", "sum"), (int(f["normalize_state"][0]),
+                                                         float(f["normalize_state"][1]))))}
+    for chain in (("clip",), ("normalize",), ("clip", "normalize")):
+        pieces = Chain(TrainConfig(shaping=chain, clip_at=float(f["clip_at"]),
+                                   normalize_window=int(f["normalize_window"])))
+        state = {k: dict(state_in[k]) for k in chain}
+        rows, states = [], {p: [] for p in chain}
+        for g in f["scalars"]:
+            g, state, _ = pieces(g, state)
+            rows.append(g)
+            for p in chain:
+                states[p].append(list(state[p].values()))
+        name = "_".join(chain)
+        out[f"{name}_scalars"] = np.array(rows)
+        out.update({f"{name}_{p}_states": np.array(v, np.float64) for p, v in states.items()})
+    return out
+
+
+def port_restart(kit):
+    f = load(kit, "restart")
+    sampler = BatchSampler(_corpus(f), int(f["T"]) + 1)
+    keys = ("window", "verdict_step", "verdict", "smoothed", "best", "window_start", "healthy", "action",
+            "rollback_to", "lr_scale", "stream", "batches_after", "rates_after", "philox_after")
+    out = {k: [] for k in keys}
+    after, B, seed = int(f["after"]), int(f["B"]), int(f["seed"])
+    for n in range(len(f["length"])):
+        metrics = [{"step": k + 1, "loss": float(f["losses"][n, k]), "skipped": bool(f["skipped"][n, k])}
+                   for k in range(int(f["length"][n]))]
+        window = window_for(int(f["run_steps"][n]))
+        guard, at, verdict = DivergenceGuard(window), 0, ""
+        for rec in metrics:
+            said = guard.observe(rec["loss"], rec["skipped"])
+            if said:
+                at, verdict = rec["step"], said.split(":")[0]
+                break
+        ok = healthy_steps(metrics[:at])
+        restarts = int(f["restarts"][n])
+        drop = restarts >= int(f["max_restarts"])
+        restarts += not drop
+        course = [int(c) for c in f["checkpoints"][n] if c >= 0]
+        to = -1 if drop else course[rollback_index(course, guard.window_start(), ok.__contains__)]
+        scale, st = float(f["restart_lr_factor"]) ** restarts, stream(int(f["expert"][n]), restarts)
+        steps = [max(to, 0) + j for j in range(after)]
+        values = (window, at, verdict, guard.smoothed, guard.best, guard.window_start(),
+                  [k in ok for k in range(f["losses"].shape[1] + 1)], "drop" if drop else "restart", to, scale, st,
+                  np.zeros((after, B, int(f["T"]) + 1), np.uint8) if drop else
+                  np.stack([sampler.batch(seed, st, t, B) for t in steps]),
+                  np.zeros(after) if drop else [learning_rate(t, float(f["lr"]), int(f["run_steps"][n]),
+                                                              int(f["warmup"]), "cosine") * scale for t in steps],
+                  np.zeros(4, np.uint32) if drop else np.array(philox4x32_10(0, 0, to, st, *stream_key(seed)),
+                                                               np.uint32))
+        for k, v in zip(keys, values):
+            out[k].append(v)
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def port_router(kit):
+    f = load(kit, "router")
+    config = ClusterConfig.from_json(str(f["config"]))
+    clustering = Clustering(config, f["idf"], f["projection"], f["centroids"])
+    contexts = [f["contexts"][a:b] for a, b in zip(f["offsets"][:-1], f["offsets"][1:])]
+    counts_csr = _ngram_counts(contexts, config)
+    indptr, indices, data = _tfidf(counts_csr, clustering.idf, config.sublinear_tf)
+    counts = np.zeros((len(contexts), config.n_features), np.int64)
+    features = np.zeros((len(contexts), config.n_features), np.float32)
+    for r in range(len(contexts)):
+        cols = slice(indptr[r], indptr[r + 1])
+        counts[r, counts_csr[1][cols]] = counts_csr[2][cols]
+        features[r, indices[cols]] = data[cols]
+    emb = clustering.embed(contexts)
+    k, tau = int(f["top_k"]), float(f["temperature"])
+    experts, weights = Router(clustering, k, tau).select(contexts)
+    gone, gone_w = Router(clustering, k, tau, tuple(int(i) for i in f["dropped"])).select(contexts)
+    return {"counts": counts, "features": features, "embeddings": emb, "distances": clustering.sq_distances(emb),
+            "experts": experts, "weights": weights, "experts_dropped": gone, "weights_dropped": gone_w}
+
+
+def _shifted(kit_values, first):
+    """(B, T, n) the kit's values of step t-1 at t, `first` (B, n) at t = 0: teacher forcing."""
+    return np.concatenate([first[:, None], kit_values[:, :-1]], axis=1)
+
+
+def port_float_format(kit, layout, fmt):
+    """bf16/fp16 op by op with zosoma.model.precision's rounding, float32 products as its forward
+    computes them, each operation from the kit's values of what it consumes."""
+    f = load(kit, fmt)
+    H, L = layout.config.hidden, layout.config.layers
+    R = lambda x: round_to(x, fmt)  # noqa: E731
+    w = layout.views(R(f["theta"]))
+    out = {"weights": R(f["theta"]), "state_h": R(f["h0"]), "state_c": R(f["c0"])}
+    x = w["embed"][f["tokens"]]
+    for layer in range(L):
+        h_prev = _shifted(f[f"hidden{layer}"], out["state_h"][layer]).astype(np.float32)
+        c_prev = _shifted(f[f"cells{layer}"], out["state_c"][layer])
+        z = (x @ w[f"lstm{layer}.w_ih"]).astype(np.float64) + (h_prev @ w[f"lstm{layer}.w_hh"]).astype(np.float64)
+        out[f"gates{layer}"] = R(z + w[f"lstm{layer}.bias"])
+        g = f[f"gates{layer}"].astype(np.float64)  # the kit's
+        a = np.concatenate([R(precision._sigmoid(g[..., :2 * H])), R(np.tanh(g[..., 2 * H:3 * H])),
+                            R(precision._sigmoid(g[..., 3 * H:]))], axis=-1)
+        out[f"activations{layer}"] = a
+        k = f[f"activations{layer}"].astype(np.float64)
+        out[f"cells{layer}"] = R(k[..., H:2 * H] * c_prev + k[..., :H] * k[..., 2 * H:3 * H])
+        out[f"hidden{layer}"] = R(k[..., 3 * H:].astype(np.float32)
+                                  * R(np.tanh(f[f"cells{layer}"].astype(np.float64))))
+        x = f[f"hidden{layer}"].astype(np.float32)
+    out["logits"] = R((x @ w["out.w"]).astype(np.float64) + w["out.b"])
+    out["nll"] = precision.nll(f["logits"], f["targets"])
+    out["loss"] = precision_kernels.population_loss(f["theta"][None], layout, f["batch"], fmt)[0]
+    out["edge_rounded"] = R(f["edge_values"])
+    out["edge_wide_rounded"] = R(f["edge_wide"])
+    e = f["edge_gates"].astype(np.float64)
+    with np.errstate(over="ignore"):
+        out["edge_activations"] = np.stack([R(precision._sigmoid(e[:, 0])), R(precision._sigmoid(e[:, 1])),
+                                            R(np.tanh(e[:, 2])), R(precision._sigmoid(e[:, 3]))], axis=1)
+    k = f["edge_activations"].astype(np.float64)
+    out["edge_cells"] = R(k[:, 1] * f["edge_c"] + k[:, 0] * k[:, 2])
+    out["edge_hidden"] = R(k[:, 3].astype(np.float32) * R(np.tanh(f["edge_cells"].astype(np.float64))))
+    return out
+
+
+def int8_cell(f_, i, g, qc):
+    return np.clip(np.rint(f_ * qc / Q_ACT + i * g / (Q_ACT * Q_ACT) * Q_CELL), -32768, 32767)
+
+
+def int8_h(o, qc):
+    t = table_lookup(np.clip(2 * qc, -32768, 32767).astype(np.int64), TANH_TABLE)
+    return np.clip(np.rint(o * t * Q_H / (Q_ACT * Q_ACT)), -127, 127)
+
+
+def port_int8(kit, layout):
+    """int8 op by op with zosoma.model.precision's quantisation, tables and integer cell."""
+    f = load(kit, "int8")
+    H, L = layout.config.hidden, layout.config.layers
+    w = precision.prepare(f["theta"], layout, "int8")
+    scales = []
+    quantized = []
+    for e in layout.entries:
+        if e.name.startswith("lstm"):
+            layer, kind = e.name[4:].split(".")
+            s_x = w["s_embed"] if layer == "0" else 1.0 / Q_H
+            scales.append(s_x * w[f"s_w_ih{layer}"] if kind == "bias" else w[f"s_{kind}{layer}"])
+            quantized.append(w[f"q_{kind}{layer}"].ravel())
+        else:
+            key = {"embed": "embed", "out.w": "out_w", "out.b": "out_b"}[e.name]
+            scales.append(w["s_out_w"] / Q_H if key == "out_b" else w[f"s_{key}"])
+            quantized.append(w[f"q_{key}"].ravel())
+    h_grid = np.clip(np.rint(f["h0"].astype(np.float64) * Q_H), -127, 127)
+    c_grid = np.clip(np.rint(f["c0"].astype(np.float64) * Q_CELL), -32768, 32767)
+    out = {"scales": np.array(scales), "quantized": np.concatenate(quantized).astype(np.int64),
+           "sigmoid_table": SIGMOID_TABLE, "tanh_table": TANH_TABLE, "state_h": h_grid, "state_c": c_grid}
+    x, s_x = w["q_embed"][f["tokens"]], w["s_embed"]
+    for layer in range(L):
+        qh = _shifted(f[f"hidden{layer}"], h_grid[layer]).astype(np.float64)
+        qc = _shifted(f[f"cells{layer}"], c_grid[layer]).astype(np.float64)
+        z = (x @ w[f"q_w_ih{layer}"] + w[f"q_bias{layer}"]) * (s_x * w[f"s_w_ih{layer}"]) \
+            + (qh @ w[f"q_w_hh{layer}"]) * (w[f"s_w_hh{layer}"] / Q_H)
+        out[f"gates{layer}"] = np.clip(np.rint(z * Q_GATE), -32768, 32767)
+        g = f[f"gates{layer}"]
+        out[f"activations{layer}"] = np.concatenate(
+            [table_lookup(g[..., :2 * H], SIGMOID_TABLE), table_lookup(g[..., 2 * H:3 * H], TANH_TABLE),
+             table_lookup(g[..., 3 * H:], SIGMOID_TABLE)], axis=-1)
+        a = f[f"activations{layer}"].astype(np.float64)
+        out[f"cells{layer}"] = int8_cell(a[..., H:2 * H], a[..., :H], a[..., 2 * H:3 * H], qc)
+        out[f"hidden{layer}"] = int8_h(a[..., 3 * H:], f[f"cells{layer}"])
+        x, s_x = f[f"hidden{layer}"].astype(np.float64), 1.0 / Q_H
+    out["logits"] = ((x @ w["q_out_w"] + w["q_out_b"]) * (w["s_out_w"] / Q_H)).astype(np.float32)
+    out["nll"] = precision.nll(f["logits"], f["targets"])
+    out["loss"] = precision_kernels.population_loss(f["theta"][None], layout, f["batch"], "int8")[0]
+    s = precision.int8_scale(f["edge_tensor"])
+    out.update(edge_scale=s, edge_q=precision.quantize_int8(f["edge_tensor"], f["edge_scale"]),
+               edge_qz=np.clip(np.rint(f["edge_z"] * Q_GATE), -32768, 32767))
+    e = f["edge_gates"]
+    out["edge_activations"] = np.stack([table_lookup(e[:, k], TANH_TABLE if k == 2 else SIGMOID_TABLE)
+                                        for k in range(4)], axis=1)
+    a = f["edge_activations"].astype(np.float64)
+    out["edge_cells"] = int8_cell(a[:, 1], a[:, 0], a[:, 2], f["edge_c"].astype(np.float64))
+    out["edge_hidden"] = int8_h(a[:, 3], f["edge_cells"])
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def zosoma_port(kit: Path, port: Path) -> dict:
+    """Every stage's outputs from zosoma's own code, written as a port would; returns them too."""
+    port.mkdir(exist_ok=True)
+    manifest = json.loads((kit / "manifest.json").read_text())
+    cfg = ModelConfig(**{k: manifest["model"][k] for k in ("embed", "hidden", "layers")})
+    layout = Layout(cfg)
+    stages = {"forward": port_forward(kit, layout, cfg), "losses": port_losses(kit, layout), "noise": port_noise(kit),
+              "init": port_init(kit), "batches": port_batches(kit), "schedule": port_schedule(kit),
+              "spsa_step": port_spsa(kit, layout), "momentum": port_momentum(kit, layout),
+              "adam": port_adam(kit, layout), "es": port_es(kit, layout), "eggroll": port_eggroll(kit, layout),
+              "train": port_train(kit, layout), "shaping": port_shaping(kit), "restart": port_restart(kit),
+              "router": port_router(kit), "bf16": port_float_format(kit, layout, "bf16"),
+              "fp16": port_float_format(kit, layout, "fp16"), "int8": port_int8(kit, layout)}
+    for name, outputs in stages.items():
+        np.savez(port / f"{name}.npz", **outputs)
+    return stages

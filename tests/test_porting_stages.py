@@ -1,0 +1,408 @@
+"""Every stage of the porting kit, against ports: zosoma's own code (tests/porting_port.py) passes
+each with a margin, and a port that reads one convention of PORTING.md wrong fails that stage,
+with the output's hint and the wrong reading named. The wrong ports are computed here, from the
+kit's inputs, independently of the kit's own misreadings."""
+
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import porting_port
+from porting_port import load
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler
+from zosoma.engines.ops import Ops
+from zosoma.model import precision
+from zosoma.model.noise import noise, philox4x32_10, stream_key
+from zosoma.model.params import Layout
+from zosoma.model.population import Population
+from zosoma.porting import check_port
+from zosoma.porting.kit import write_kit
+from zosoma.runs.folder import RunFolder
+from zosoma.runs.records import Step
+from zosoma.runs.trainer import RunState, Trainer, train
+from zosoma.strategies.base import learning_rate
+from zosoma.strategies.es import centered_ranks
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kit") / "kit"
+    write_kit(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def good(kit, tmp_path_factory):
+    """(the folder zosoma's port wrote, its outputs by stage)."""
+    folder = tmp_path_factory.mktemp("port") / "port"
+    return folder, porting_port.zosoma_port(kit, folder)
+
+
+@pytest.fixture(scope="module")
+def layout(kit):
+    m = json.loads((kit / "manifest.json").read_text())["model"]
+    return Layout(ModelConfig(m["embed"], m["hidden"], m["layers"]))
+
+
+def _manifest(kit) -> dict:
+    return {s["name"]: s for s in json.loads((kit / "manifest.json").read_text())["stages"]}
+
+
+def test_zosomas_own_code_passes_every_stage_with_a_margin(kit, good):
+    """The stated tolerances are neither loose nor tight: zosoma's own float32 code (the Numba
+    forward, ONNX Runtime on the kit's graph, the CPU engine's steps, the trainer's skip rule, the
+    router, the low-precision emulation's operations) passes every stage, and every atol/rtol
+    output with room to spare (1 value of a 16-bit format where its float32 sums straddle a
+    rounding point)."""
+    out = io.StringIO()
+    assert check_port.check(kit, good[0], strict=True, out=out) == 0, out.getvalue()
+    assert "stages: 18 passed; 0 failed; 0 skipped" in out.getvalue()
+    margins = {}
+    for name, stage in _manifest(kit).items():
+        ref, got = load(kit, name), load(good[0], name)
+        for output, tol in stage["outputs"].items():
+            if tol.get("format") or ref[output].dtype.kind in "biuU":
+                continue  # exact integers, or values of a format (checked in ulps above)
+            w, g = ref[output].astype(np.float64), got[output].astype(np.float64)
+            finite = np.isfinite(w)
+            diff = np.abs(np.where(finite, g, 0) - np.where(finite, w, 0))
+            allowed = tol["atol"] + tol["rtol"] * np.abs(np.where(finite, w, 0))
+            margins[f"{name}/{output}"] = float(np.max(np.where(allowed > 0, diff / np.maximum(allowed, 1e-300),
+                                                                np.where(diff > 0, np.inf, 0.0))))
+    assert len(margins) > 60 and max(margins.values()) <= 0.2, {k: v for k, v in margins.items() if v > 0.2}
+
+
+def test_the_kits_training_loop_is_the_trainers(kit, layout, tmp_path, monkeypatch):
+    """The train stage describes zosoma's Trainer: run for real with the stage's settings (the
+    fault injected into its engine), it takes the same rates, counts the skipped step and ends
+    where the kit's trajectory ends, within what its own float32 scalars add."""
+    f = load(kit, "train")
+    cfg = TrainConfig(steps=int(f["steps"]), batch=int(f["B"]), seq_len=int(f["T"]), perturbations=int(f["P"]),
+                      eps=float(f["eps"]), lr=float(f["lr"]), warmup=int(f["warmup"]),
+                      weight_decay=float(f["weight_decay"]), seed=int(f["seed"]), checkpoint_every=1000)
+    trainer = Trainer(tmp_path / "run", layout.config, cfg, BatchSampler(porting_port._corpus(f), cfg.seq_len + 1),
+                      RunState(f["theta"].copy(), {}), expert=int(f["stream"]))
+    losses = trainer.ops.perturbed_losses
+
+    def faulty(theta, layout_, batch, pop, *args, **kw):
+        plus, minus = losses(theta, layout_, batch, pop, *args, **kw)
+        if pop.step == int(f["fault_step"]):
+            plus[0] = np.nan
+        return plus, minus
+
+    monkeypatch.setattr(trainer.ops, "perturbed_losses", faulty)
+    records = [r for r in train(trainer) if isinstance(r, Step)]
+    assert [r.metrics["lr"] for r in records] == list(f["rates"])
+    assert [r.skipped for r in records] == [t == int(f["fault_step"]) for t in range(int(f["steps"]))]
+    assert np.abs(trainer.theta - f["theta_final"]).max() < 1e-4  # its own scalars: ~1e-5 from the kit's
+    assert RunFolder(tmp_path / "run").read_checkpoint().step == int(f["steps"])
+
+
+# --- deliberately wrong ports, one per convention ------------------------------------------------
+
+def _views32(theta, layout, torch_layout=False):
+    p = dict(layout.views(theta))
+    if torch_layout:
+        for e in layout.entries:
+            if len(e.shape) == 2 and e.name != "embed":
+                p[e.name] = p[e.name].reshape(e.shape[1], e.shape[0]).T
+    return p
+
+
+def wrong_orientation(kit, good, layout):
+    f = load(kit, "forward")
+    cfg = layout.config
+    return porting_port.float32_forward(_views32(f["theta"], layout, True), f["tokens"], f["h0"], f["c0"],
+                                        cfg.layers, cfg.hidden)
+
+
+def wrong_activation_order(kit, good, layout):
+    out = dict(good["forward"])
+    for layer in range(layout.config.layers):
+        i, f_, g, o = np.split(out[f"activations{layer}"], 4, axis=-1)
+        out[f"activations{layer}"] = np.concatenate([i, f_, o, g], axis=-1)  # sigmoids together, then tanh
+    return out
+
+
+def wrong_counter_layout(kit, good, layout):
+    f = load(kit, "noise")
+    out = dict(good["noise"])
+    out["philox"] = np.array([philox4x32_10(0, int(t), int(m), int(e), *stream_key(int(s)))
+                              for s, e, t, m in zip(f["seed"], f["expert"], f["step"], f["member"])], np.uint32)
+    return out
+
+
+def wrong_scheduled_lr(kit, good, layout):
+    f = load(kit, "spsa_step")
+    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]))
+    lr = learning_rate(int(f["step"]), float(f["lr"]), 4000, 20, "cosine")  # the default schedule, again
+    return dict(good["spsa_step"], theta_new=Ops().sgd_update(f["theta"], f["scalars"], pop, lr))
+
+
+def wrong_own_scalars(kit, good, layout):
+    f = load(kit, "spsa_step")
+    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]))
+    return dict(good["spsa_step"], theta_new=Ops().sgd_update(f["theta"], good["spsa_step"]["scalars"], pop,
+                                                              float(f["lr"])))
+
+
+def wrong_unscheduled_train(kit, good, layout):
+    return porting_port.port_train(kit, layout, schedule=False)
+
+
+def wrong_skip_counter(kit, good, layout):
+    return porting_port.port_train(kit, layout, skip_counts=False)
+
+
+def wrong_cosine_end(kit, good, layout):
+    f = load(kit, "schedule")
+    rates = []
+    for kind, w, total, factor in zip(f["schedule"], f["warmup"], f["total"], f["factor"]):
+        row = []
+        for t in range(int(f["count"])):
+            if t < w:
+                row.append(float(f["lr"]) * (t + 1) / w)
+            elif kind == "constant":
+                row.append(float(f["lr"]))
+            else:  # reaching 0 at the last step
+                row.append(float(f["lr"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, (t - w) / max(1, total - 1 - w)))))
+        rates.append(np.array(row) * factor)
+    return {"rates": np.array(rates)}
+
+
+def wrong_init_bounds(kit, good, layout):
+    f = load(kit, "init")
+    cfg = ModelConfig(int(f["embed"]), int(f["hidden"]), int(f["layers"]))
+    rng = np.random.default_rng([int(f["seed"]), int(f["expert"]), 0x1D1])
+    theta = np.empty(Layout(cfg).size, np.float32)
+    for e in Layout(cfg).entries:
+        fan_in = e.shape[0] if len(e.shape) == 2 else cfg.hidden
+        theta[e.offset:e.offset + e.size] = (rng.standard_normal(e.size) if e.name == "embed" else
+                                             np.zeros(e.size) if e.name == "out.b" else
+                                             rng.uniform(-fan_in ** -0.5, fan_in ** -0.5, e.size))
+    return {"theta": theta}
+
+
+def wrong_batch_windows(kit, good, layout):
+    f = load(kit, "batches")
+    T1, B = int(f["T"]) + 1, int(f["B"])
+    draws = np.stack([np.random.default_rng([int(f["seed"]), int(f["stream"]), int(s)]).integers(
+        0, f["text"].size - T1 + 1, size=B) for s in f["steps"]])
+    return dict(good["batches"], draws=draws)
+
+
+def wrong_topk_order(kit, good, layout):
+    out = dict(good["router"])
+    order = np.argsort(out["experts"], axis=1)
+    out["experts"] = np.take_along_axis(out["experts"], order, axis=1)
+    out["weights"] = np.take_along_axis(out["weights"], order, axis=1)
+    return out
+
+
+def _features(kit, tf_of):
+    f = load(kit, "router")
+    counts = f["counts"].astype(np.float64)
+    x = tf_of(counts) * f["idf"].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def wrong_tf_of_empty_buckets(kit, good, layout):
+    return dict(good["router"], features=_features(kit, lambda c: 1.0 + np.log(np.maximum(c, 1))))
+
+
+def wrong_zero_norm(kit, good, layout):
+    return dict(good["router"], features=_features(kit, lambda c: np.where(c > 0, 1.0 + np.log(np.maximum(c, 1)), 0)))
+
+
+def wrong_eggroll_factor_order(kit, good, layout):
+    f = load(kit, "eggroll")
+    r, sigma = int(f["rank"]), float(f["sigma"])
+    z = noise(sum((e.shape[0] + e.shape[1]) * r if len(e.shape) == 2 else e.size for e in layout.entries),
+              int(f["seed"]), int(f["expert"]), int(f["step"]), 0, kind="gaussian")
+    E, pos = np.empty(layout.size, np.float32), 0
+    for e in layout.entries:
+        if len(e.shape) == 2:  # B (n, r) first, then A (m, r)
+            m, n = e.shape
+            b = z[pos:pos + n * r].reshape(n, r)
+            a = z[pos + n * r:pos + (m + n) * r].reshape(m, r)
+            E[e.offset:e.offset + e.size] = (sigma / math.sqrt(r) * a @ b.T).ravel()
+            pos += (m + n) * r
+        else:
+            E[e.offset:e.offset + e.size] = sigma * z[pos:pos + e.size]
+            pos += e.size
+    return dict(good["eggroll"], perturbation=E)
+
+
+def wrong_restart_stream(kit, good, layout):
+    f = load(kit, "restart")
+    out = dict(good["restart"])
+    out["philox_after"] = np.array([np.array(philox4x32_10(0, 0, int(to), int(e) + int(r) + 1,
+                                                           *stream_key(int(f["seed"]))), np.uint32)
+                                    if a == "restart" else np.zeros(4, np.uint32)
+                                    for to, e, r, a in zip(good["restart"]["rollback_to"], f["expert"], f["restarts"],
+                                                           good["restart"]["action"])])
+    return out
+
+
+def wrong_es_ranks(kit, good, layout):
+    out = dict(good["es"])
+    out["ranks"] = centered_ranks(np.stack([out["plus"], out["minus"]], axis=1).ravel())  # of the losses
+    return out
+
+
+def wrong_adam_bias_correction(kit, good, layout):
+    f = load(kit, "adam")
+    out = dict(good["adam"])
+    t = int(f["step"])  # not step + 1
+    m_hat = out["m_new"] / (1 - float(f["beta1"]) ** t)
+    v_hat = out["v_new"] / (1 - float(f["beta2"]) ** t)
+    lr, wd = float(f["lr"]), float(f["weight_decay"])
+    out["theta_new"] = f["theta"] - lr * m_hat / (np.sqrt(v_hat) + 1e-8) - lr * wd * f["theta"]
+    return out
+
+
+def wrong_momentum_dampening(kit, good, layout):
+    f = load(kit, "momentum")
+    b = float(f["momentum"])
+    return dict(good["momentum"], m_new=b * f["m"] + (1 - b) * good["momentum"]["ghat"])
+
+
+def wrong_clip_bound(kit, good, layout):
+    f = load(kit, "shaping")
+    steps, m = int(f["clip_state"][0]), float(f["clip_state"][1])
+    rows = []
+    for g in f["scalars"]:
+        if np.all(np.isfinite(g)):
+            if steps >= 10:  # bounded with this step's median folded in first
+                ref = 0.98 * m + 0.02 * float(np.median(np.abs(g)))
+                g = np.clip(g, -f["clip_at"] * ref, f["clip_at"] * ref)
+            m = 0.98 * m + 0.02 * float(np.median(np.abs(g)))
+            steps += 1
+        rows.append(g)
+    return dict(good["shaping"], clip_scalars=np.array(rows))
+
+
+def _half_up(x):
+    return np.floor(np.asarray(x, np.float64) + 0.5)
+
+
+def wrong_int8_rounding(kit, good, layout):
+    """int8 rounding half up (floor(x + 0.5)), as a shift-and-add rounding does, everywhere."""
+    f = load(kit, "int8")
+    out = dict(good["int8"])
+    out["edge_q"] = np.clip(_half_up(f["edge_tensor"] / f["edge_scale"]), -127, 127)
+    out["edge_qz"] = np.clip(_half_up(f["edge_z"] * precision.Q_GATE), -32768, 32767)
+    a = f["edge_activations"].astype(np.float64)
+    out["edge_cells"] = np.clip(_half_up(a[:, 1] * f["edge_c"] / precision.Q_ACT
+                                         + a[:, 0] * a[:, 2] / precision.Q_ACT ** 2 * precision.Q_CELL),
+                                -32768, 32767)
+    return out
+
+
+def wrong_fp16_flush(kit, good, layout):
+    out = dict(good["fp16"])
+    r = out["edge_rounded"]
+    out["edge_rounded"] = np.where(np.abs(r) < 2.0 ** -14, 0.0, r).astype(np.float32)
+    return out
+
+
+def wrong_bf16_direct(kit, good, layout):
+    x = load(kit, "bf16")["edge_wide"]
+    m, e = np.frexp(x)  # float64 rounded once, straight to 8 significant bits
+    return dict(good["bf16"], edge_wide_rounded=np.ldexp(np.rint(m * 256) / 256, e))
+
+
+WRONG = [  # (stage, output, the wrong port, what the checker should say it looks like)
+    ("forward", "gates0", wrong_orientation, "torch's (out, in) layout"),
+    ("forward", "activations0", wrong_activation_order, "gate blocks in the order i, f, o, g"),
+    ("noise", "philox", wrong_counter_layout, "counter (block, step, member, expert)"),
+    ("spsa_step", "theta_new", wrong_scheduled_lr, "lr scheduled again"),
+    ("spsa_step", "theta_new", wrong_own_scalars, "the port's own scalars"),
+    ("train", "theta_final", wrong_unscheduled_train, "lr not scheduled"),
+    ("train", "theta_final", wrong_skip_counter, "does not advance the step counter"),
+    ("schedule", "rates", wrong_cosine_end, "cosine reaching 0 at the last step"),
+    ("init", "theta", wrong_init_bounds, "1/sqrt(fan-in)"),
+    ("batches", "draws", wrong_batch_windows, "concatenated text"),
+    ("router", "experts", wrong_topk_order, "index order"),
+    ("router", "features", wrong_tf_of_empty_buckets, "an empty bucket's tf must be 0"),
+    ("router", "features", wrong_zero_norm, None),
+    ("eggroll", "perturbation", wrong_eggroll_factor_order, "B sliced before A"),
+    ("restart", "philox_after", wrong_restart_stream, "offset by restarts"),
+    ("es", "ranks", wrong_es_ranks, "ranks of the losses"),
+    ("adam", "theta_new", wrong_adam_bias_correction, "t = step (not step + 1)"),
+    ("momentum", "m_new", wrong_momentum_dampening, "dampened"),
+    ("shaping", "clip_scalars", wrong_clip_bound, "this step's median"),
+    ("int8", "edge_q", wrong_int8_rounding, "round half up"),
+    ("fp16", "edge_rounded", wrong_fp16_flush, "subnormals flushed"),
+    ("bf16", "edge_wide_rounded", wrong_bf16_direct, "skipping fp32"),
+]
+
+
+@pytest.mark.parametrize("stage, output, port, looks_like", WRONG, ids=[w[2].__name__[6:] for w in WRONG])
+def test_a_wrong_reading_fails_its_stage_with_its_hint(kit, good, layout, tmp_path, stage, output, port, looks_like):
+    folder = tmp_path / "port"
+    folder.mkdir()
+    np.savez(folder / f"{stage}.npz", **port(kit, good[1], layout))
+    out = io.StringIO()
+    assert check_port.check(kit, folder, out=out, stages=[stage]) == 1, out.getvalue()
+    text = out.getvalue()
+    assert f"[FAIL] {output}:" in text and f"[FAIL] {stage}:" in text, text
+    hint = _manifest(kit)[stage]["outputs"][output]["hint"]
+    assert f"[FAIL] {output}:" in text.split(f"hint: {hint}")[0], text  # the output's own hint, after its line
+    if looks_like:
+        line = text.split(f"[FAIL] {output}:")[1].split("\n  [")[0]
+        assert "looks like:" in line and looks_like in line, text
+    else:
+        assert "NaN or inf from the port" in text and "an all-zero x stays zero" in text
+
+
+def test_the_checker_takes_a_stage_and_refuses_an_unknown_one(kit, good):
+    run = lambda *a: subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(good[0]), *a],  # noqa
+                                    capture_output=True, text=True)
+    one = run("--stage", "router", "--stage", "int8", "--strict")
+    assert one.returncode == 0, one.stdout
+    assert "[PASS] router" in one.stdout and "[PASS] int8" in one.stdout and "] forward" not in one.stdout
+    assert "stages: 2 passed; 0 failed; 0 skipped" in one.stdout
+    bad = run("--stage", "routing")
+    assert bad.returncode == 2 and bad.stdout.startswith("error: no stage 'routing' in the kit (its stages: forward,")
+
+
+def test_a_port_value_off_the_formats_grid_fails(kit, good, tmp_path):
+    """A 16-bit format's outputs must be values of the format: a float32 value one float32 ulp off
+    a bf16 value is not within "one value of the format" even though it is numerically closer."""
+    folder = tmp_path / "port"
+    folder.mkdir()
+    out = dict(good[1]["bf16"])
+    out["gates0"] = np.nextafter(out["gates0"].astype(np.float32), np.float32(np.inf))
+    np.savez(folder / "bf16.npz", **out)
+    text = io.StringIO()
+    assert check_port.check(kit, folder, out=text, stages=["bf16"]) == 1
+    assert "values that are not bf16 values (round to the format)" in text.getvalue()
+
+
+def test_porting_md_names_every_stage_input_output_and_setting(kit):
+    """The specification and the kit stay one: PORTING.md names (in backticks) every stage and
+    every input, output and setting of each (a per-layer name as name{l}, shaping's per chain as
+    <chain>_scalars and <chain>_<piece>_states)."""
+    text = (Path(__file__).resolve().parents[1] / "PORTING.md").read_text()
+    missing = []
+    for name, stage in _manifest(kit).items():
+        if f"`{name}`" not in text:
+            missing.append(name)
+        for kind in ("inputs", "outputs", "settings"):
+            for n in stage[kind]:
+                chain = re.sub(r"^(clip_normalize|clip|normalize)_", "<chain>_", n)
+                forms = {n, re.sub(r"\d+$", "{l}", n), chain, re.sub(r"^<chain>_(clip|normalize)_", "<chain>_<piece>_",
+                                                                      chain)}
+                if not any(f"`{f}`" in text for f in forms):
+                    missing.append(f"{name}.{n}")
+    assert not missing, missing
