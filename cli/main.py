@@ -139,13 +139,6 @@ def new_run_dir(prefix: str) -> Path:
     raise click.ClickException(f"cannot find a free run folder name beside {stem}")
 
 
-MODEL_OPTIONS = ("embed", "hidden", "layers")
-TRAIN_OPTIONS = ("steps", "batch", "seq_len", "perturbations", "eps", "noise", "optimizer", "rank", "lr",
-                 "schedule", "warmup", "momentum", "beta2", "weight_decay", "seed", "checkpoint_every", "engine",
-                 "forward_precision", "on_divergence", "shaping", "clip_at", "normalize_window", "restart_lr_factor",
-                 "max_restarts")
-
-
 @cli.command()
 @click.option("--data", "data", multiple=True, type=click.Path(), help="Training text: a directory of .txt/.gz files, a file, or repeat the option. Default: the shipped 8-domain corpus.")
 @click.option("--heldout", multiple=True, type=click.Path(), help="Held-out text for the final evaluation (default: the shipped held-out slices when --data is not given).")
@@ -201,11 +194,11 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
-    from zosoma.config import PRESETS, ModelConfig
     from zosoma.engines import get_ops, run_ops
     from zosoma.runs.folder import RunFolder
     from zosoma.runs.placement import place
-    from zosoma.strategies.base import COMMON, unused_option
+    from zosoma.strategies.base import UnusedOption
+    from zosoma.strategies.settings import resolve
     from zosoma.runs.single import resume_run, start_run
     from zosoma.runs.soma import resume_soma, start_soma
 
@@ -245,15 +238,10 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         from zosoma.runs.placement import Placement
 
         placement = Placement(**given_placement)
-        base_model, base_train = PRESETS[preset]
-        model = ModelConfig(**{k: options[k] if options[k] is not None else getattr(base_model, k)
-                               for k in MODEL_OPTIONS})
-        given = {k: options[k] for k in TRAIN_OPTIONS if options[k] not in (None, ())}
-        strategy = STRATEGIES[given.get("optimizer", _TC.optimizer)]
-        for k in given:
-            if k not in COMMON | strategy.options:
-                raise click.UsageError(unused_option(strategy, k))
-        cfg = TrainConfig(**{**TrainConfig().__dict__, **base_train, **strategy.defaults, **given})
+        try:
+            model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())})
+        except UnusedOption as e:
+            raise click.UsageError(str(e)) from None
         run_ops(get_ops(placement.device), cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if experts == 1:
             ignored = [n for n in ("loss", "top_k", "chunk_size", "workers") if _given(ctx, n)]

@@ -370,6 +370,23 @@ train = {optimizer = "es", perturbations = 2, eps = 0.02, lr = 0.002}
     assert result["steps"] == cmp.methods[0].train.steps and 0 < result["heldout"]["overall"] < 6
 
 
+def test_a_toml_es_method_without_eps_and_lr_trains_with_es_defaults(tmp_path):
+    """The comparison resolves its methods as the command line does: a strategy's own defaults
+    (ES: eps 0.02, lr 0.005) under what the method and the shared table give."""
+    path = tmp_path / "es.toml"
+    path.write_text(MINI.split("[[method]]")[0] + """
+[[method]]
+name = "OpenAI-ES P=2"
+model = {embed = 6, hidden = 11, layers = 1}
+train = {optimizer = "es", perturbations = 2}
+""")
+    cmp = load_comparison(path)
+    assert (cmp.methods[0].train.eps, cmp.methods[0].train.lr) == (0.02, 0.005)
+    result = run_job(Job(str(tmp_path / "run"), cmp.methods[0], 0, False), cmp)
+    assert (result["train"]["eps"], result["train"]["lr"]) == (0.02, 0.005)
+    assert RunFolder(tmp_path / "run").read_checkpoint().train.eps == 0.02
+
+
 def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_path):
     """[tuning]: every method at each lr factor (and sigma factor for ES/EGGROLL), seed 0, the full
     budget, scored on the validation split; the main runs then use the winner."""

@@ -87,8 +87,7 @@ from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lo
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.soma.cluster import load_clustering
 from zosoma.soma.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
-from zosoma.strategies import make_strategy
-from zosoma.strategies.base import COMMON, unused_option
+from zosoma.strategies.settings import MODEL_KEYS, TRAIN_KEYS, resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -222,8 +221,7 @@ def _known(table, keys: set, where: str) -> dict:
 
 
 _SET_BY_COMPARISON = ("steps", "seed", "checkpoint_every")  # the budget, the run and resumability set these
-_TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - set(_SET_BY_COMPARISON)
-_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)}
+_TRAIN_KEYS = TRAIN_KEYS - set(_SET_BY_COMPARISON)
 
 
 def _train_table(table, where: str) -> dict:
@@ -271,15 +269,13 @@ def _method(raw: dict, shared: dict, where: str, budget: float | None = None, st
     """One method's table (`where` names it in errors) with the shared train fields under its own;
     its steps are the budget's, or `steps`."""
     _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, where)
-    model = ModelConfig(**_known(raw.get("model", {}), _MODEL_KEYS, f"{where} model"))
-    own = _train_table(raw.get("train", {}), where)
-    fields = {**shared, **own}
-    method = Method(str(raw["name"]), model, TrainConfig(**fields), _int(raw.get("experts", 1), f"{where}: experts"),
+    given = {**_known(raw.get("model", {}), MODEL_KEYS, f"{where} model"), **_train_table(raw.get("train", {}), where)}
+    try:
+        model, train_cfg = resolve(None, given, shared)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    method = Method(str(raw["name"]), model, train_cfg, _int(raw.get("experts", 1), f"{where}: experts"),
                     str(raw.get("loss", "independent")), _names(raw.get("series", ())))
-    strategy = make_strategy(method.train)  # a shared setting the strategy ignores must keep its default
-    for key in own:  # the method's own settings must all be read
-        if key not in COMMON | strategy.options:
-            raise ConfigError(f"{where}: {unused_option(strategy, key)}")
     if steps is None:
         steps = int(budget // method.flops_per_step())
         if steps < 1:

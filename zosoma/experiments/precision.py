@@ -44,6 +44,7 @@ from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Evaluated, Failed, Result, Stopped
 from zosoma.runs.single import evaluate_run, resume_run, start_run
 from zosoma.runs.soma import evaluate_soma, load_ensemble, resume_soma, start_soma
+from zosoma.strategies.settings import resolve
 
 PRESET = "tiny"
 TOP_K = 2
@@ -80,13 +81,11 @@ class Job:
     seed: int
 
     def train_config(self) -> TrainConfig:
-        _, base = PRESETS[PRESET]
-        return TrainConfig(**{**TrainConfig().__dict__, **base, "steps": self.steps, "eps": self.eps,
-                              "seed": self.seed, "forward_precision": self.fmt,
-                              "checkpoint_every": min(500, self.steps),
-                              # a run the format makes diverge is a result: train it to the end and
-                              # record the guard's verdict
-                              "on_divergence": "continue"})
+        return resolve(PRESET, {"steps": self.steps, "eps": self.eps, "seed": self.seed, "forward_precision": self.fmt,
+                                "checkpoint_every": min(500, self.steps),
+                                # a run the format makes diverge is a result: train it to the end
+                                # and record the guard's verdict
+                                "on_divergence": "continue"})[1]
 
 
 def jobs(study: Study) -> list[Job]:
