@@ -43,7 +43,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
         params = m.experts * m.model.n_params()
         click.echo(f"  {m.name:<24}{params:>10,}{m.train.perturbations:>6}{m.train.steps:>7}"
                    f"{m.flops_per_step() * m.train.steps:>11.3g}")
-    sweep, todo = tuning_jobs(cmp, out), all_jobs(cmp, out)
+    sweep, todo = tuning_jobs(cmp), all_jobs(cmp)
     if sweep:
         t = cmp.tuning
         which = "every method" if t.methods is None else ", ".join(t.methods)
@@ -56,7 +56,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
         return
 
     def report(job, result, error):
-        name = Path(job.run_dir).name
+        name = Path(job.name).name
         if error:
             click.echo(f"failed   {name}: {error}", err=True)
         elif "validation" in result:  # a tuning run
