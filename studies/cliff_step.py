@@ -33,6 +33,7 @@ from zosoma.runs.single import evaluate_run, resume_run, start_run
 from zosoma.runs.trainer import Trainer
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
+from zosoma.strategies.settings import resolve
 from zosoma.strategies.shaping import Chain
 
 SHAPINGS = {"plain SPSA": (), "clip": ("clip",), "normalize": ("normalize",), "clip+normalize": ("clip", "normalize")}
@@ -66,8 +67,7 @@ def main():
     p.add_argument("--dir", type=Path, default=Path("runs/cliff"))
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    _, base = PRESETS["tiny"]
-    cfg = TrainConfig(**{**base, "engine": a.engine, "seed": a.seed, "on_divergence": "continue"})
+    _, cfg = resolve("tiny", {"engine": a.engine, "seed": a.seed, "on_divergence": "continue"})
     base_run = a.dir / f"{a.engine}-seed{a.seed}-to{a.step - 1}"
     record = base_run.with_suffix(".scalars.npy")
     if not record.exists():

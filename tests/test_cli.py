@@ -61,6 +61,9 @@ def test_train_info_eval_export(tmp_path, text_files):
     assert result.exit_code == 0 and "step" in result.output
     result = run(["eval", str(run_dir / "checkpoint.h5"), "--data", str(text_files / "held")])
     assert result.exit_code == 0 and "h " in result.output
+    for flag, value in (("--top-k", "1"), ("--temperature", "0.5")):  # a single model has no router to set
+        line = one_line_error(run(["eval", str(run_dir), flag, value]), code=2)
+        assert line.endswith(f"{flag} is an option of SOMA runs; {run_dir} is a single model"), line
     out = tmp_path / "m.pt"
     result = run(["export", str(run_dir), "--format", "torch", "--out", str(out)])
     assert result.exit_code == 0 and out.exists()
@@ -166,6 +169,8 @@ def test_soma_commands(tmp_path, text_files):
     result = run(["eval", str(run_dir), "--data", str(text_files / "held"), "--top-k", "1"])
     assert result.exit_code == 0 and "expert1" in result.output
     assert "exceeds the 2 experts" in one_line_error(run(["eval", str(run_dir), "--top-k", "3"]))
+    line = one_line_error(run(["eval", str(run_dir), "--streams", "2"]), code=2)  # SOMA is scored by segments
+    assert line.endswith(f"--streams is an option of single models; {run_dir} is a SOMA run"), line
     result = run(["sample", str(run_dir), "--prompt", "alpha", "--bytes", "20", "--seed", "3"])
     assert result.exit_code == 0 and result.output.startswith("alpha")
     assert result.output == run(["sample", str(run_dir), "--prompt", "alpha", "--bytes", "20", "--seed", "3"]).output

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from helpers import one_line_error, run_cli, zosoma_cmd
-from zosoma.experiments import compare
-from zosoma.experiments.compare import Job, check_folder, curve_steps, find_config, jobs, load_comparison, run_job
+from zosoma.experiments.compare import Job, check_folder, curve_steps, find_config, jobs, load_comparison
+from zosoma.experiments.study import Run, run_job
 from zosoma.errors import ConfigError
 from zosoma.runs.folder import SETTINGS, RunFolder
 from zosoma.model.evaluate import EvalResult
@@ -72,7 +72,7 @@ def test_budget_sets_each_methods_steps(mini):
     assert soma.flops_per_step() == 2 * 2 * 2 * 2 * 8 * soma.model.flops_per_token()  # N * 2P * B * T
     assert [m.loss for m in mini.ablation] == ["independent", "summed"]
     assert all(m.train.steps == 3 for m in mini.ablation)
-    assert len(jobs(mini, "out")) == 2 * 2 + 2
+    assert len(jobs(mini)) == 2 * 2 + 2
 
 
 def test_shipped_configs_load():
@@ -168,8 +168,7 @@ def test_curve_steps():
 
 def test_single_model_scored_by_the_segment_protocol(mini, tmp_path):
     """A monolithic model is a one-expert ensemble: its score is the model's own segment nats."""
-    job = Job(str(tmp_path / "run"), mini.methods[1], 0, True)
-    run = compare._Run(job, mini)
+    run = Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec)
     data = run.heldout.docs[0][:3000]
     segs = cut_segments(data, mini.segment, mini.context)
     t = run.trainers[0]
@@ -192,12 +191,12 @@ class _StopAfter:
 @pytest.mark.parametrize("which", [0, 1])
 def test_a_run_resumed_midway_equals_an_uninterrupted_one(mini, tmp_path, which):
     method = mini.methods[which]
-    whole = run_job(Job(str(tmp_path / "whole"), method, 1, True), mini)
-    part = Job(str(tmp_path / "part"), method, 1, True)
+    whole = run_job(Job("whole", method, 1, mini), tmp_path / "whole")
+    part = Job("part", method, 1, mini)
     # the executor asks every run to stop, a third of the way in
-    assert run_job(part, mini, stopping=_StopAfter(method.train.steps // 3)) is None
+    assert run_job(part, tmp_path / "part", stopping=_StopAfter(method.train.steps // 3)) is None
     assert 0 < len(RunFolder(tmp_path / "part").read_curve()) < mini.curve_points + 1
-    resumed = run_job(part, mini)
+    resumed = run_job(part, tmp_path / "part")
     for key in ("heldout", "wikitext103", "steps", "flops", "n_params"):
         assert resumed[key] == whole[key]
     assert [p["heldout"] for p in resumed["curve"]] == [p["heldout"] for p in whole["curve"]]
@@ -209,27 +208,26 @@ def test_a_run_resumed_midway_equals_an_uninterrupted_one(mini, tmp_path, which)
 
 
 def test_a_finished_run_is_not_repeated(mini, tmp_path):
-    job = Job(str(tmp_path / "run"), mini.methods[1], 0, True)
-    first = run_job(job, mini)
+    job = Job("run", mini.methods[1], 0, mini)
+    first = run_job(job, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoint.h5"
     stamp = ckpt.stat().st_mtime_ns
-    assert run_job(job, mini) == json.loads((tmp_path / "run" / "result.json").read_text()) == first
+    assert run_job(job, tmp_path / "run") == json.loads((tmp_path / "run" / "result.json").read_text()) == first
     assert ckpt.stat().st_mtime_ns == stamp
 
 
 def test_a_changed_config_is_refused(mini, tmp_path):
-    job = Job(str(tmp_path / "run"), mini.methods[1], 0, True)
-    compare._Run(job, mini).advance(1, lambda: False)
+    Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec).advance(1, lambda: False)
     other = load_comparison_text(tmp_path, MINI.replace("lr = 0.05", "lr = 0.07"))
     with pytest.raises(ConfigError, match="another configuration"):
-        run_job(Job(str(tmp_path / "run"), other.methods[1], 0, True), other)
+        run_job(Job("run", other.methods[1], 0, other), tmp_path / "run")
 
 
 def test_a_soma_run_with_another_expert_count_is_refused(mini, tmp_path):
-    compare._Run(Job(str(tmp_path / "run"), mini.methods[0], 0, True), mini)
+    Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[0], 0, mini).spec)
     other = load_comparison_text(tmp_path, MINI.replace("experts = 2\nmodel", "experts = 3\nmodel", 1))
     with pytest.raises(ConfigError, match="another configuration"):
-        run_job(Job(str(tmp_path / "run"), other.methods[0], 0, True), other)
+        run_job(Job("run", other.methods[0], 0, other), tmp_path / "run")
 
 
 TINY = """
@@ -297,19 +295,19 @@ def test_an_unfinished_run_of_another_config_is_refused_before_any_run_trains(tm
     usable, and no other run starts training in it."""
     (tmp_path / "my.toml").write_text(TINY)
     cmp = load_comparison(tmp_path / "my.toml")
-    small, wide = jobs(cmp, "out")
-    assert run_job(small, cmp, stopping=_StopAfter(2)) is None  # stopped at step 2, checkpointed
+    small, wide = jobs(cmp)
+    assert run_job(small, tmp_path / "out" / "runs" / small.name, stopping=_StopAfter(2)) is None  # stopped at step 2, checkpointed
     (tmp_path / "my.toml").write_text(TINY.replace("lr = 0.05}", "lr = 0.03}", 1))
     for plan in (["--plan"], []):
         line = one_line_error(compare_cli(*plan), 1)
         assert "spsa-small-seed0 (SPSA small, seed 0) was made with another configuration (train.lr was 0.05" in line
-    assert not RunFolder(wide.run_dir).path.exists()
+    assert not (tmp_path / "out" / "runs" / wide.name).exists()
 
 
 def test_an_unfinished_soma_run_of_another_config_is_refused(mini, tmp_path):
     """A SOMA run's description and every expert's checkpoint are checked before anything trains."""
-    soma = jobs(mini, tmp_path / "out")[0]
-    compare._Run(soma, mini)  # created: every expert at step 0
+    soma = jobs(mini)[0]
+    Run(RunFolder(tmp_path / "out" / "runs" / soma.name), soma.spec)  # created: every expert at step 0
     assert check_folder(mini, tmp_path / "out") == 0
     for old, new, what in [("lr = 0.05}", "lr = 0.07}", "train.lr was 0.05, now 0.07"),
                            ("experts = 2\nmodel", "experts = 3\nmodel", "experts was 2, now 3"),
@@ -327,7 +325,7 @@ def load_comparison_text(tmp_path, text):
 
 
 def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
-    runs = [compare._Run(Job(str(tmp_path / m.loss), m, 0, False), mini) for m in mini.ablation]
+    runs = [Run(RunFolder(tmp_path / m.loss), Job(m.loss, m, 0, mini, False).spec) for m in mini.ablation]
     for a, b in zip(runs[0].trainers, runs[1].trainers):
         np.testing.assert_array_equal(a.state.theta, b.state.theta)
         np.testing.assert_array_equal(a.sampler.batch(0, a.expert, 2, 2), b.sampler.batch(0, b.expert, 2, 2))
@@ -365,9 +363,26 @@ model = {embed = 6, hidden = 11, layers = 1}
 train = {optimizer = "es", perturbations = 2, eps = 0.02, lr = 0.002}
 """)
     cmp = load_comparison(path)
-    result = run_job(Job(str(tmp_path / "run"), cmp.methods[0], 0, False), cmp)
+    result = run_job(Job("run", cmp.methods[0], 0, cmp, False), tmp_path / "run")
     assert result["kind"] == "es" and result["train"]["optimizer"] == "es"
     assert result["steps"] == cmp.methods[0].train.steps and 0 < result["heldout"]["overall"] < 6
+
+
+def test_a_toml_es_method_without_eps_and_lr_trains_with_es_defaults(tmp_path):
+    """The comparison resolves its methods as the command line does: a strategy's own defaults
+    (ES: eps 0.02, lr 0.005) under what the method and the shared table give."""
+    path = tmp_path / "es.toml"
+    path.write_text(MINI.split("[[method]]")[0] + """
+[[method]]
+name = "OpenAI-ES P=2"
+model = {embed = 6, hidden = 11, layers = 1}
+train = {optimizer = "es", perturbations = 2}
+""")
+    cmp = load_comparison(path)
+    assert (cmp.methods[0].train.eps, cmp.methods[0].train.lr) == (0.02, 0.005)
+    result = run_job(Job("run", cmp.methods[0], 0, cmp, False), tmp_path / "run")
+    assert (result["train"]["eps"], result["train"]["lr"]) == (0.02, 0.005)
+    assert RunFolder(tmp_path / "run").read_checkpoint().train.eps == 0.02
 
 
 def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_path):
@@ -377,11 +392,11 @@ def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_pa
 
     cmp = dataclasses.replace(mini, methods=mini.methods[1:], seeds=(0,), ablation=(), ablation_seeds=(),
                               tuning=Tuning(seed=0, lr_factors=(0.5, 2.0), sigma_factors=(1.0,)))
-    sweep = tuning_jobs(cmp, tmp_path / "out")
+    sweep = tuning_jobs(cmp)
     assert [j.method.train.lr for j in sweep] == [0.025, 0.1] and all(j.tuning for j in sweep)
     paths = run_comparison(cmp, tmp_path / "out")
-    results = {j.run_dir: RunFolder(j.run_dir).read_result() for j in sweep}
-    scores = [results[j.run_dir]["validation"] for j in sweep]
+    results = {j.name: RunFolder(tmp_path / "out" / "runs" / j.name).read_result() for j in sweep}
+    scores = [results[j.name]["validation"] for j in sweep]
     assert all("heldout" not in r for r in results.values())  # tuning never reads the held-out slices
     best = sweep[int(np.argmin(scores))].method.train.lr
     final = RunFolder(tmp_path / "out" / "runs" / "spsa-p-2-seed0").read_result()
@@ -396,7 +411,7 @@ def test_tuning_only_the_methods_named(mini, tmp_path):
 
     cmp = dataclasses.replace(mini, seeds=(0,), ablation=(), ablation_seeds=(),
                               tuning=Tuning(seed=0, lr_factors=(0.5, 2.0), methods=("SPSA P=2",)))
-    sweep = tuning_jobs(cmp, tmp_path / "out")
+    sweep = tuning_jobs(cmp)
     assert [(j.method.name, j.method.train.lr) for j in sweep] == [("SPSA P=2", 0.025), ("SPSA P=2", 0.1)]
     paths = run_comparison(cmp, tmp_path / "out")
     soma = RunFolder(tmp_path / "out" / "runs" / "soma-n-2-seed0").read_result()

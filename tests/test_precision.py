@@ -241,20 +241,23 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
     import dataclasses
 
     from zosoma.errors import ConfigError
-    from zosoma.experiments.precision import Study, jobs, run_job
+    from zosoma.experiments.precision import Study, jobs
+    from zosoma.experiments.study import run_job
     from zosoma.runs.folder import RunFolder
 
     job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
     assert job.name == "single-fp32-default-eps"
     RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "steps": 5})  # a shorter study's run
-    with pytest.raises(ConfigError, match="steps 5, not 10: give this study another --out"):
+    with pytest.raises(ConfigError, match=r"\(single model, fp32 forwards, eps 0.001\) was made with another "
+                                          r"configuration \(steps was 5, now 10\): give this precision study another --out"):
         run_job(job, tmp_path)
     RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "name": job.name})
     assert run_job(job, tmp_path)["steps"] == 10  # the same job: its record, not retrained
 
 
 def test_a_soma_run_stopped_between_its_experts_is_stopped_not_failed(tmp_path):
-    from zosoma.experiments.precision import Study, jobs, run_job
+    from zosoma.experiments.precision import Study, jobs
+    from zosoma.experiments.study import run_job
     from zosoma.runs.folder import RunFolder
 
     job = jobs(Study(steps=2, formats=("fp32",), multiples=(), soma_multiples=()))[0]
@@ -296,3 +299,15 @@ def test_the_report_of_a_study_under_way_names_its_unfinished_runs(tmp_path):
     assert "| single-fp32-default-eps | fp32 | 1 |" in md
     assert "**Not finished yet** (2 runs;" in md and "soma4-fp32-default-eps, single-fp32-eps4step" in md
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [job.name]  # nothing trained
+
+
+def test_a_comparisons_folder_is_refused_before_anything_trains(tmp_path):
+    """The study runner binds the output folder to its kind of study, as the comparison's does."""
+    from zosoma.errors import ConfigError
+    from zosoma.experiments.precision import Study, run_study
+    from zosoma.runs.folder import RunFolder
+
+    RunFolder(tmp_path).bind("comparison", {"segment": 256})
+    with pytest.raises(ConfigError, match='study was "comparison", now "precision study"'):
+        run_study(Study(steps=2, formats=("fp32",), multiples=(), soma_multiples=()), tmp_path)
+    assert not (tmp_path / "runs").exists()  # no run was started

@@ -372,7 +372,7 @@ def test_sigterm_saves_and_exits_like_ctrl_c(text, tmp_path, soma):
 
 
 def test_a_second_signal_aborts_with_its_code(text, tmp_path, monkeypatch):
-    from zosoma.cli.main import Interrupted, StopRequest
+    from zosoma.cli.stop import Interrupted, StopRequest
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         stop = StopRequest()
@@ -492,7 +492,7 @@ def test_a_start_that_fails_leaves_no_folder(text, tmp_path, monkeypatch):
 
 
 def test_default_run_folders_are_unique(tmp_path, monkeypatch):
-    from zosoma.cli.main import new_run_dir
+    from zosoma.cli.train import new_run_dir
     monkeypatch.chdir(tmp_path)
     made = [new_run_dir("tiny-") for _ in range(3)]  # within one second
     assert len(set(made)) == 3 and all(p.is_dir() for p in made)

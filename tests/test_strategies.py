@@ -50,6 +50,25 @@ def test_options_a_strategy_reads_are_accepted():
     make_strategy(TrainConfig(optimizer="es", weight_decay=0.01))
 
 
+def test_resolve_takes_the_preset_then_the_strategys_defaults_then_what_was_given():
+    from zosoma.strategies.settings import resolve
+
+    model, cfg = resolve("small", {"optimizer": "es", "hidden": 32})
+    assert (model.embed, model.hidden, model.layers) == (128, 32, 2) and cfg.seq_len == 128  # the preset's
+    assert (cfg.eps, cfg.lr) == (0.02, 0.005)  # ES's own, over the preset's lr
+    assert resolve(None, {"optimizer": "es", "lr": 0.01})[1].lr == 0.01  # given wins
+    assert resolve(None, {"optimizer": "es"}, shared={"eps": 0.03})[1].eps == 0.03  # so does a shared table
+    assert resolve(None, {"optimizer": "es"}, shared={"momentum": 0.9})[1].optimizer == "es"  # at its default
+    with pytest.raises(ConfigError, match="--momentum is not used by --optimizer es"):
+        resolve(None, {"optimizer": "es"}, shared={"momentum": 0.5})
+    with pytest.raises(ConfigError, match="--noise is not used by --optimizer es"):
+        resolve(None, {"optimizer": "es", "noise": "rademacher"})  # given, though the default: still unread
+    with pytest.raises(ConfigError, match="optimizer must be one of"):
+        resolve(None, {"optimizer": "lbfgs"})
+    with pytest.raises(ConfigError, match="unknown setting"):
+        resolve(None, {"hiddn": 3})
+
+
 def test_centered_ranks():
     r = centered_ranks([3.0, -1.0, 10.0, 0.5])
     assert r.tolist() == pytest.approx([1 / 6, -0.5, 0.5, -1 / 6], abs=1e-15)

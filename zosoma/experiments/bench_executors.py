@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from zosoma.config import PRESETS, TrainConfig
 from zosoma.corpus import BatchSampler
 from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline, LocalProcesses
@@ -34,6 +33,7 @@ from zosoma.runs.records import Failed, Step
 from zosoma.runs.single import data_record, load_data
 from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
 from zosoma.runs.trainer import new_state, train
+from zosoma.strategies.settings import resolve
 
 
 def _timed(records) -> dict:
@@ -64,9 +64,7 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
                     address: str | None = None, seed: int = 0) -> dict:
     """{"soma": rows, "population": rows, "ray_connect_s": seconds or None, "config": ...}; each row
     {"name", "wall_s", "start_s", "step_s", "same": final theta equal to the inline run's}."""
-    model, overrides = PRESETS[preset]
-    cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides, "steps": steps, "checkpoint_every": steps,
-                         "seed": seed})
+    model, cfg = resolve(preset, {"steps": steps, "checkpoint_every": steps, "seed": seed})
     out: dict = {"config": {"preset": preset, "experts": experts, "steps": steps, "P": cfg.perturbations,
                             "B": cfg.batch, "T": cfg.seq_len, "d": model.n_params()}, "ray_connect_s": None}
     ray_executor = None

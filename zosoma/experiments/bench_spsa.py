@@ -27,12 +27,13 @@ import time
 
 import numpy as np
 
-from zosoma.config import PRESETS, ModelConfig, TrainConfig
+from zosoma.config import ModelConfig
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.experiments.bench_forward import peak_gflops
 from zosoma.model import noise as noise_mod
 from zosoma.model import threads
 from zosoma.runs.trainer import Trainer, new_state
+from zosoma.strategies.settings import resolve
 
 PARTS = ("forward", "noise", "data", "update")
 _PAUSE_S = 0.3  # between paths: the previous path's BLAS/OpenMP threads stop spinning
@@ -42,8 +43,7 @@ _PAUSE_S = 0.3  # between paths: the previous path's BLAS/OpenMP threads stop sp
 
 def step_defaults(preset: str) -> dict:
     """P, B and T a preset trains with (zosoma.config.PRESETS over TrainConfig's defaults)."""
-    _, overrides = PRESETS[preset]
-    cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides})
+    _, cfg = resolve(preset)
     return {"perturbations": cfg.perturbations, "batch": cfg.batch, "seq_len": cfg.seq_len}
 
 
@@ -79,9 +79,8 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     P = perturbations or defaults["perturbations"]
     B = batch or defaults["batch"]
     T = seq_len or defaults["seq_len"]
-    model, overrides = PRESETS[preset]
-    cfg = TrainConfig(**{**TrainConfig().__dict__, **overrides, "perturbations": P, "batch": B, "seq_len": T,
-                         "steps": 2 * steps + 1, "noise": noise, "seed": seed, "checkpoint_every": 10**9})
+    model, cfg = resolve(preset, {"perturbations": P, "batch": B, "seq_len": T, "steps": 2 * steps + 1, "noise": noise,
+                                  "seed": seed, "checkpoint_every": 10**9})
     sampler = BatchSampler(load_corpus(None, "train"), T + 1)
     n_threads = threads.n_threads()
     per_step, in_forward = [], []

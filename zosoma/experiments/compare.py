@@ -47,7 +47,8 @@ Output folder:
     OUT/settings.json             what the results depend on besides each run's configuration:
                                   the evaluation protocol, chunking, routing, tuning (settings())
 
-Runs are independent units of work for an executor (zosoma.runs.executor: inline, or `--jobs`
+The runs are the jobs of a study (zosoma.experiments.study, which lays out, checks and runs
+them): independent units of work for an executor (zosoma.runs.executor: inline, or `--jobs`
 worker processes with one BLAS thread each on a machine with as many cores); a killed comparison
 resumes every unfinished run from its checkpoints. OUT is bound to the config that made it:
 before anything trains, every run folder's record (result.json, else its checkpoints) is checked
@@ -62,34 +63,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
-
-import numpy as np
+from typing import Callable
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from zosoma.config import RETIRED, ModelConfig, TrainConfig
-from zosoma.corpus import BatchSampler, Corpus, load_corpus, load_text
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import Corpus, load_corpus, load_text
 from zosoma.download import find_wikitext103
-from zosoma.engines import get_ops
-from zosoma.errors import ConfigError, DataError
+from zosoma.errors import ConfigError
+from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.runs.events import EventLog
-from zosoma.runs.executor import Inline
-from zosoma.runs.folder import CheckpointFallback, RunFolder, changes
-from zosoma.runs.records import Failed, Note, Result
-from zosoma.runs.single import data_record, load_data
-from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
-from zosoma.soma.cluster import load_clustering
-from zosoma.soma.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
-from zosoma.strategies import make_strategy
-from zosoma.strategies.base import COMMON, unused_option
+from zosoma.strategies.settings import MODEL_KEYS, TRAIN_KEYS, resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -223,8 +212,7 @@ def _known(table, keys: set, where: str) -> dict:
 
 
 _SET_BY_COMPARISON = ("steps", "seed", "checkpoint_every")  # the budget, the run and resumability set these
-_TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - set(_SET_BY_COMPARISON)
-_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)}
+_TRAIN_KEYS = TRAIN_KEYS - set(_SET_BY_COMPARISON)
 
 
 def _train_table(table, where: str) -> dict:
@@ -272,15 +260,13 @@ def _method(raw: dict, shared: dict, where: str, budget: float | None = None, st
     """One method's table (`where` names it in errors) with the shared train fields under its own;
     its steps are the budget's, or `steps`."""
     _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, where)
-    model = ModelConfig(**_known(raw.get("model", {}), _MODEL_KEYS, f"{where} model"))
-    own = _train_table(raw.get("train", {}), where)
-    fields = {**shared, **own}
-    method = Method(str(raw["name"]), model, TrainConfig(**fields), _int(raw.get("experts", 1), f"{where}: experts"),
+    given = {**_known(raw.get("model", {}), MODEL_KEYS, f"{where} model"), **_train_table(raw.get("train", {}), where)}
+    try:
+        model, train_cfg = resolve(None, given, shared)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    method = Method(str(raw["name"]), model, train_cfg, _int(raw.get("experts", 1), f"{where}: experts"),
                     str(raw.get("loss", "independent")), _names(raw.get("series", ())))
-    strategy = make_strategy(method.train)  # a shared setting the strategy ignores must keep its default
-    for key in own:  # the method's own settings must all be read
-        if key not in COMMON | strategy.options:
-            raise ConfigError(f"{where}: {unused_option(strategy, key)}")
     if steps is None:
         steps = int(budget // method.flops_per_step())
         if steps < 1:
@@ -301,20 +287,80 @@ def slug(name: str) -> str:
 
 @dataclass(frozen=True)
 class Job:
-    run_dir: str
+    """One run of the comparison: a method at a seed (a zosoma.experiments.study Job)."""
+    name: str  # its folder, OUT/runs/<name>
     method: Method
     seed: int
-    curve: bool  # the ablation and the tuning sweep need final figures only
-    device: str = "cpu"  # where forward passes run (training and evaluation); results do not move
+    cmp: Comparison  # the evaluation protocol it is scored by
+    curve: bool = True  # the ablation and the tuning sweep need final figures only
     tuning: bool = False  # a sweep run: scored on the validation split only
+    device: str = "cpu"  # where forward passes run (training and evaluation); results do not move
+    wikitext: str | None = None  # WikiText-103's wiki.test.raw (None: found where downloaded)
+    kind = "comparison"
+
+    @property
+    def label(self) -> str:
+        return f"{self.method.name}, seed {self.seed}"
+
+    @property
+    def spec(self) -> Spec:
+        m = self.method
+        return Spec(m.model, dataclasses.replace(m.train, seed=self.seed), m.experts, m.loss, self.cmp.chunk_size,
+                    self.cmp.top_k)
+
+    def expected(self) -> dict:
+        return {"method": self.method.name, "series": list(self.method.series), **self.spec.record()}
+
+    def score(self, run: Run, stopping: Callable[[], bool]) -> dict | None:
+        """Train the run to its budget, recording the held-out curve, and evaluate it: the result
+        record of zosoma.experiments.report's schema, or None when stopping() turned true first."""
+        cmp, folder = self.cmp, run.folder
+        protocol = dict(segment=cmp.segment, context=cmp.context)
+        curve = folder.read_curve()
+        events = EventLog(folder.path)  # the run's curve and final figures for TensorBoard
+        if self.curve:
+            subset = Corpus(run.heldout.names, tuple(d[:cmp.curve_bytes] for d in run.heldout.docs))
+            for target in curve_steps(run.cfg.steps, cmp.curve_points):
+                if run.step > target:
+                    continue  # passed before a restart; its point was recorded then
+                if not run.advance(target, stopping):
+                    return None
+                if run.diverged:
+                    break  # scored below where the guard stopped it
+                if target not in {p["step"] for p in curve}:
+                    point = {**run.totals(), "heldout": run.score(subset, **protocol)["overall"]}
+                    curve.append(point)
+                    folder.append_curve(point)
+                    events.evaluation(point["step"], point["heldout"], tag="eval/heldout_curve")
+        elif not run.advance(run.cfg.steps, stopping):
+            return None
+        m = self.method
+        result = {"method": m.name, "kind": m.kind, "seed": self.seed, "loss": m.loss, "experts": m.experts,
+                  "series": list(m.series), "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps,
+                  **run.totals(), **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
+                  "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(run.cfg)}
+        if self.tuning:  # tuning reads the validation split only
+            result["validation"] = run.score(load_corpus(None, "validation"), **protocol)["overall"]
+        else:
+            wiki = find_wikitext103(self.wikitext)
+            result["heldout"] = run.score(run.heldout, **protocol)
+            result["wikitext103"] = run.score_bytes(load_text(wiki), **protocol) if wiki else None
+            result["heldout_by_k"] = {str(k): run.score(run.heldout, top_k=k, **protocol)["overall"]
+                                      for k in cmp.eval_top_k if k <= m.experts}
+        settings = {k: result["train"][k] for k in ("perturbations", "lr", "eps", "optimizer", "shaping", "on_divergence")}
+        events.hparams({"method": m.name, "experts": m.experts, "seed": self.seed, "params": result["n_params"], **settings},
+                       {"hparams/validation": result.get("validation"), "hparams/wikitext103": result.get("wikitext103"),
+                        "hparams/heldout": (result.get("heldout") or {}).get("overall")})  # TensorBoard's HParams view
+        events.close()
+        return result
 
 
-def jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job]:
+def jobs(cmp: Comparison, device: str = "cpu", wikitext: str | None = None) -> list[Job]:
     """The comparison's main runs (its methods as configured or tuned) and the ablation's."""
-    runs = Path(out_dir) / "runs"
-    out = [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, True, device) for s in cmp.seeds for m in cmp.methods]
-    out += [Job(str(runs / f"{slug(m.name)}-seed{s}"), m, s, False, device) for s in cmp.ablation_seeds
-            for m in cmp.ablation]
+    out = [Job(f"{slug(m.name)}-seed{s}", m, s, cmp, True, device=device, wikitext=wikitext)
+           for s in cmp.seeds for m in cmp.methods]
+    out += [Job(f"{slug(m.name)}-seed{s}", m, s, cmp, False, device=device, wikitext=wikitext)
+            for s in cmp.ablation_seeds for m in cmp.ablation]
     return out
 
 
@@ -331,24 +377,24 @@ def variants(method: Method, tuning: Tuning) -> list[tuple[str, Method]]:
     return out
 
 
-def tuning_jobs(cmp: Comparison, out_dir: Path, device: str = "cpu") -> list[Job]:
-    """Every method at every tuned setting, the tuning seed, the full budget (runs/tune/...)."""
+def tuning_jobs(cmp: Comparison, device: str = "cpu") -> list[Job]:
+    """Every method at every tuned setting, the tuning seed, the full budget (OUT/runs/tune/...)."""
     if cmp.tuning is None:
         return []
-    tune = Path(out_dir) / "runs" / "tune"
-    return [Job(str(tune / f"{slug(m.name)}-{slug(label)}-seed{cmp.tuning.seed}"), v, cmp.tuning.seed, False,
-                device, tuning=True)
+    seed = cmp.tuning.seed
+    return [Job(f"tune/{slug(m.name)}-{slug(label)}-seed{seed}", v, seed, cmp, False, tuning=True, device=device)
             for m in cmp.methods if cmp.tuning.tunes(m) for label, v in variants(m, cmp.tuning)]
 
 
-def tuned(cmp: Comparison, results: dict[str, dict], out_dir: Path) -> tuple[Comparison, list[dict]]:
+def tuned(cmp: Comparison, results: dict[str, dict]) -> tuple[Comparison, list[dict]]:
     """The comparison with each tuned method at its best setting on validation (a diverged run
-    loses), and one row per sweep run for the tuning table."""
+    loses; `results`: the sweep's records by job name), and one row per sweep run for the tuning
+    table."""
     rows, methods = [], []
-    sweep = tuning_jobs(cmp, out_dir)
+    sweep = tuning_jobs(cmp)
     for m in cmp.methods:
         if cmp.tuning.tunes(m):
-            m = _best(m, cmp.tuning, [results[j.run_dir] for j in sweep if j.method.name == m.name], rows)
+            m = _best(m, cmp.tuning, [results[j.name] for j in sweep if j.method.name == m.name], rows)
         methods.append(m)
     return dataclasses.replace(cmp, methods=tuple(methods)), rows
 
@@ -368,141 +414,9 @@ def _best(method: Method, tuning: Tuning, results: list[dict], rows: list[dict])
     return best[1]
 
 
-# ------------------------------------------------------------------------------------------ runs
-
-class _Run:
-    """The trainers of one job's run folder (one, or one per expert) and how to score them."""
-
-    def __init__(self, job: Job, cmp: Comparison):
-        self.job, self.cmp, self.folder = job, cmp, RunFolder(job.run_dir)
-        self.ops = get_ops(job.device)
-        m = job.method
-        self.cfg = dataclasses.replace(m.train, seed=job.seed)
-        if m.experts > 1:
-            self._open_soma()
-        else:
-            self._open_single()
-
-    def _open_single(self):
-        m, cfg = self.job.method, self.cfg
-        train_corpus, self.heldout = load_data(None, None)
-        data = data_record(train_corpus)
-        if self.folder.has_checkpoint:
-            ckpt = self.folder.read_checkpoint(set_aside=True)
-            self._same_config(ckpt.model, ckpt.train)
-            if ckpt.extra.get("data", {}).get("fingerprint") != data["fingerprint"]:
-                raise DataError(f"{self.folder}: the training data changed since the run started")
-            state = from_checkpoint(ckpt)
-        else:
-            state = None
-        sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
-        trainer = Trainer(self.folder, m.model, cfg, sampler, state or new_state(m.model, cfg),
-                          extra={"data": data}, ops=self.ops)
-        if state is None:
-            trainer.checkpoint()  # step 0, as `zosoma train` leaves it
-        self.trainers, self.router = [trainer], Whole()
-
-    def _open_soma(self):
-        m, cfg = self.job.method, self.cfg
-        if not self.folder.is_soma:  # new, or a creation cut short: the job's own folder, redone
-            create_soma(self.folder.path, m.model, cfg, m.experts, m.loss, self.cmp.chunk_size, top_k=self.cmp.top_k,
-                        new_folder=False)
-        run = open_soma(self.folder.path)
-        self.heldout = run.heldout
-        _check_run(self.job, self.cmp, {k: run.soma[k] for k in ("experts", "loss", "chunk_size")})
-        if m.loss == "summed":
-            self.trainers = lockstep_trainers(run, self.ops)
-        else:
-            self.trainers = [run.trainer(i, self.ops) for i in range(m.experts)]
-        for t in self.trainers:
-            self._same_config(t.model, t.cfg)
-        self.router = Router(load_clustering(self.folder.router), self.cmp.top_k)
-
-    def _same_config(self, model, cfg):
-        _check_run(self.job, self.cmp, {"model": dataclasses.asdict(model), "train": dataclasses.asdict(cfg)})
-
-    @property
-    def step(self) -> int:
-        return min(t.state.step for t in self.trainers)
-
-    def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
-        """Train every expert to step `target` (checkpointed there); False when asked to stop
-        (every expert is checkpointed where it was). A run the divergence guard stopped trains no
-        further: it is scored where it stopped, and its result says so."""
-        if self.diverged:
-            return not stopping()
-        if self.job.method.loss == "summed":
-            _drain(train_lockstep(self.trainers, lambda: self.trainers[0].state.step >= target or stopping()))
-        else:
-            for t in self.trainers:
-                _drain(train(t, lambda t=t: t.state.step >= target or stopping() or self.diverged))
-        return not stopping()
-
-    @property
-    def diverged(self) -> bool:
-        return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
-
-    def training(self) -> dict:
-        """Skipped steps summed over experts, the guards' verdicts (a run they stopped), every
-        restart and dropped expert (--on-divergence restart), the mean final training loss."""
-        s = [t.summary() for t in self.trainers]
-        finals = [x["final_train_loss"] for x in s if x["final_train_loss"] is not None]
-        verdicts = [dict(x["divergence"], expert=i) for i, x in enumerate(s) if x["divergence"]]
-        return {"skipped_steps": sum(x["skipped_steps"] for x in s), "divergence": verdicts or None,
-                "restarts": [dict(r, expert=i) for i, x in enumerate(s) for r in x["restarts"]],
-                "dropped": [dict(x["dropped"], expert=i) for i, x in enumerate(s) if x["dropped"]],
-                "final_train_loss": float(np.mean(finals)) if finals else None}
-
-    def totals(self) -> dict:
-        s = [t.state for t in self.trainers]
-        return {"step": self.step, "flops": float(sum(x.tokens for x in s)) * self.job.method.model.flops_per_token(),
-                "wall_s": sum(x.wall_s for x in s)}
-
-    def ensemble(self, top_k: int | None = None) -> Ensemble:
-        """The run's model; a SOMA run's router top-k (default the comparison's) over the experts
-        it did not drop (fewer when fewer are left)."""
-        router = self.router
-        if isinstance(router, Router):
-            dropped = [i for i, t in enumerate(self.trainers) if t.state.dropped]
-            k = min(top_k or router.top_k, len(self.trainers) - len(dropped))
-            router = Router(router.clustering, k, router.temperature, dropped)
-        return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
-
-    def score(self, corpus: Corpus, top_k: int | None = None) -> dict:
-        """Nats/byte of the (routed) model on each name of corpus, and "overall"."""
-        by = evaluate_routed_corpus(self.ensemble(top_k), corpus, self.ops, segment=self.cmp.segment,
-                                    context=self.cmp.context)
-        return {name: r["routed"].nats_per_byte for name, r in by.items()}
-
-    def score_bytes(self, data: np.ndarray) -> float:
-        return evaluate_routed(self.ensemble(), data, segment=self.cmp.segment, context=self.cmp.context,
-                               ops=self.ops)["routed"].nats_per_byte
-
-
-def _drain(records: Iterator) -> None:
-    for _ in records:
-        pass
-
-
 def curve_steps(steps: int, points: int) -> list[int]:
     """0 and `points` evenly spaced steps ending at `steps` (fewer when steps < points)."""
     return sorted({0} | {math.ceil(steps * k / points) for k in range(1, points + 1)})
-
-
-def run_job(job: Job, cmp: Comparison, wikitext: str | None = None,
-            stopping: Callable[[], bool] = lambda: False) -> dict | None:
-    """Train one run to its budget, recording the held-out curve, and evaluate it; a finished run
-    (result.json) of the same job is read back instead, and one of another configuration refused.
-    Returns the result record of zosoma.experiments.report's schema, or None when stopping()
-    turned true first (the run is checkpointed where it was)."""
-    folder = RunFolder(job.run_dir)
-    if folder.read_result() is None:
-        with folder.lock(wait=True):  # one writer per run folder (a killed comparison's worker may linger)
-            if folder.read_result() is None:
-                return _train_and_score(job, cmp, wikitext, stopping, folder)
-    result = folder.read_result()
-    _check_run(job, cmp, _from_result(result))
-    return result
 
 
 # ------------------------------------------------------------------- a folder bound to its config
@@ -516,56 +430,23 @@ def settings(cmp: Comparison) -> dict:
             "eval_top_k": list(cmp.eval_top_k), "tuning": dataclasses.asdict(cmp.tuning) if cmp.tuning else None}
 
 
-def _expected(job: Job, cmp: Comparison) -> dict:
-    """The configuration a job's folder must hold (the keys _check_run compares)."""
-    m, cfg = job.method, dataclasses.replace(job.method.train, seed=job.seed)
-    return {"method": m.name, "experts": m.experts, "loss": m.loss, "series": list(m.series),
-            "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(cfg), "chunk_size": cmp.chunk_size}
+def study_folder(cmp: Comparison, out_dir) -> StudyFolder:
+    """OUT, bound to the comparison's settings."""
+    return StudyFolder(out_dir, Job.kind, settings(cmp))
 
 
-def _from_result(result: dict) -> dict:
-    """What a finished run's record says it was (a field an older zosoma did not write takes its
-    default, as a checkpoint's config does)."""
-    def config(cls, fields):
-        retired = RETIRED.get(cls.__name__, ())
-        return {**dataclasses.asdict(cls()), **{k: v for k, v in fields.items() if k not in retired}}
-    return {"method": result.get("method"), "experts": result.get("experts"), "loss": result.get("loss"),
-            "series": result.get("series", []), "model": config(ModelConfig, result.get("model", {})),
-            "train": config(TrainConfig, result.get("train", {}))}
-
-
-def _check_run(job: Job, cmp: Comparison, found: dict) -> None:
-    """Refuse a run folder whose recorded configuration (the fields in `found`) is not the job's."""
-    expected = _expected(job, cmp)
-    diffs = changes(found, {k: expected[k] for k in found})
-    if diffs:
-        raise ConfigError(f"{job.run_dir} ({job.method.name}, seed {job.seed}) was made with another configuration "
-                          f"({'; '.join(diffs)}): give this comparison another --out")
-
-
-def _check_folder_of(job: Job, cmp: Comparison) -> dict | None:
-    """Refuse a job's folder that holds another configuration, reading only: its finished record,
-    else its SOMA description and every expert's checkpoint, else its checkpoint. Returns the
-    finished record, or None (nothing yet, an unfinished run, or a SOMA run whose creation was cut
-    short: it is redone)."""
-    folder = RunFolder(job.run_dir)
-    result = folder.read_result()
-    if result is not None:
-        _check_run(job, cmp, _from_result(result))
-        return result
-    if folder.is_soma:
-        soma = folder.read_soma()
-        _check_run(job, cmp, {k: soma[k] for k in ("experts", "loss", "chunk_size")})
-        held = [folder.expert(i) for i in range(soma["experts"])]
-    elif folder.has_checkpoint:
-        _check_run(job, cmp, {"experts": 1})
-        held = [folder]
-    else:
-        held = []
-    for f in held:
-        ckpt = f.read_checkpoint()
-        _check_run(job, cmp, {"model": dataclasses.asdict(ckpt.model), "train": dataclasses.asdict(ckpt.train)})
-    return None
+def known_jobs(cmp: Comparison, folder: StudyFolder, device: str = "cpu", wikitext: str | None = None) -> list[Job]:
+    """The jobs known before anything trains: the tuning sweep's, and the main runs of the
+    methods not tuned, or of every method (each at its winning setting) once the sweep has
+    finished in `folder`."""
+    sweep = tuning_jobs(cmp, device)
+    if cmp.tuning is not None:
+        done = {name: r for name, r in folder.finished(sweep).items() if r is not None}
+        if len(done) == len(sweep):
+            cmp, _ = tuned(cmp, done)
+        else:
+            cmp = dataclasses.replace(cmp, methods=tuple(m for m in cmp.methods if not cmp.tuning.tunes(m)))
+    return sweep + jobs(cmp, device, wikitext)
 
 
 def check_folder(cmp: Comparison, out_dir: Path) -> int:
@@ -573,85 +454,8 @@ def check_folder(cmp: Comparison, out_dir: Path) -> int:
     or another configuration of any of its runs, left; writes nothing. Returns how many of the
     comparison's runs are finished. With [tuning], the main runs of the tuned methods are known
     only once the sweep has finished; run_comparison checks them then."""
-    RunFolder(out_dir).bind("comparison", settings(cmp), write=False)
-    sweep = tuning_jobs(cmp, out_dir)
-    done = _check_jobs(cmp, sweep)
-    main = cmp
-    if cmp.tuning is not None:
-        if len(done) == len(sweep):
-            main, _ = tuned(cmp, done, out_dir)
-        else:
-            main = dataclasses.replace(cmp, methods=tuple(m for m in cmp.methods if not cmp.tuning.tunes(m)))
-    return len(done) + len(_check_jobs(main, jobs(main, out_dir)))
-
-
-def _check_jobs(cmp: Comparison, todo: list[Job]) -> dict[str, dict]:
-    """Check every job's folder against the job; the finished ones' records by run folder."""
-    done = {job.run_dir: _check_folder_of(job, cmp) for job in todo}
-    return {run_dir: result for run_dir, result in done.items() if result is not None}
-
-
-def _train_and_score(job: Job, cmp: Comparison, wikitext, stopping, folder: RunFolder) -> dict | None:
-    run = _Run(job, cmp)
-    curve = folder.read_curve()
-    events = EventLog(folder.path)  # the run's curve and final figures for TensorBoard
-    if job.curve:
-        subset = Corpus(run.heldout.names, tuple(d[:cmp.curve_bytes] for d in run.heldout.docs))
-        for target in curve_steps(run.cfg.steps, cmp.curve_points):
-            if run.step > target:
-                continue  # passed before a restart; its point was recorded then
-            if not run.advance(target, stopping):
-                return None
-            if run.diverged:
-                break  # scored below where the guard stopped it
-            if target not in {p["step"] for p in curve}:
-                point = {**run.totals(), "heldout": run.score(subset)["overall"]}
-                curve.append(point)
-                folder.append_curve(point)
-                events.evaluation(point["step"], point["heldout"], tag="eval/heldout_curve")
-    elif not run.advance(run.cfg.steps, stopping):
-        return None
-    m = job.method
-    result = {"method": m.name, "kind": m.kind, "seed": job.seed, "loss": m.loss, "experts": m.experts,
-              "series": list(m.series), "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps,
-              **run.totals(), **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
-              "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(run.cfg)}
-    if job.tuning:  # tuning reads the validation split only
-        result["validation"] = run.score(load_corpus(None, "validation"))["overall"]
-    else:
-        wiki = find_wikitext103(wikitext)
-        result["heldout"] = run.score(run.heldout)
-        result["wikitext103"] = run.score_bytes(load_text(wiki)) if wiki else None
-        result["heldout_by_k"] = {str(k): run.score(run.heldout, k)["overall"]
-                                  for k in cmp.eval_top_k if k <= m.experts}
-    folder.write_result(result)
-    events.hparams({"method": m.name, "experts": m.experts, "seed": job.seed, "params": result["n_params"],
-                 **{k: result["train"][k] for k in ("perturbations", "lr", "eps", "optimizer", "shaping",
-                                                    "on_divergence")}},
-                {"hparams/validation": result.get("validation"), "hparams/heldout": (result.get("heldout") or {}).get("overall"),
-                 "hparams/wikitext103": result.get("wikitext103")})  # TensorBoard's HParams view
-    events.close()
-    return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
-
-
-@dataclass(frozen=True)
-class JobUnit:
-    """One comparison run as an idempotent unit of work (zosoma.runs.executor)."""
-    job: Job
-    cmp: Comparison
-    wikitext: str | None = None
-
-    @property
-    def run_dir(self) -> str:
-        return self.job.run_dir
-
-    def __call__(self, stopping: Callable[[], bool]) -> Iterator:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CheckpointFallback)
-            result = run_job(self.job, self.cmp, self.wikitext, stopping)
-        yield from (Note(str(w.message)) for w in caught)
-        if result is not None:
-            yield Result(self.job.run_dir, result)
+    folder = study_folder(cmp, out_dir)
+    return len(folder.check(known_jobs(cmp, folder)))
 
 
 # ----------------------------------------------------------------------------------------- driver
@@ -672,47 +476,30 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
     from zosoma.experiments.report import write_report
 
     out_dir = Path(out_dir)
-    results: dict[str, dict] = {}
-    errors: list[str] = []
+    folder = study_folder(cmp, out_dir)
     rows = None
-    with RunFolder(out_dir).lock():  # one comparison at a time in an output folder
-        check_folder(cmp, out_dir)  # nothing trains in a folder another configuration left
-        RunFolder(out_dir).bind("comparison", settings(cmp))
+    with folder.open(known_jobs(cmp, folder, device, wikitext)):  # nothing trains in a folder another config left
         if cmp.tuning is not None:
-            sweep = tuning_jobs(cmp, out_dir, device)
-            _run_jobs(executor, cmp, sweep, wikitext, should_stop, on_result, results, errors)
+            sweep = tuning_jobs(cmp, device)
+            results, errors = folder.run(sweep, executor, should_stop, on_result)
             if should_stop():
                 raise Stopped(f"stopped during tuning: {len(results)} of {len(sweep)} sweep runs finished; the "
                               "same command resumes the rest")
             if errors:
                 raise ConfigError(f"{len(errors)} tuning run(s) failed; the first: {errors[0]}")
-            cmp, rows = tuned(cmp, results, out_dir)
-        todo = jobs(cmp, out_dir, device)
-        if cmp.tuning is not None:
-            _check_jobs(cmp, todo)  # the tuned methods' main runs, known only now
-        _run_jobs(executor, cmp, todo, wikitext, should_stop, on_result, results, errors)
+            cmp, rows = tuned(cmp, results)
+            folder.check(jobs(cmp))  # the tuned methods' main runs, known only now
+        todo = jobs(cmp, device, wikitext)
+        results, errors = folder.run(todo, executor, should_stop, on_result)
     if should_stop():
-        raise Stopped(f"stopped: {sum(j.run_dir in results for j in todo)} of {len(todo)} runs finished; the "
+        raise Stopped(f"stopped: {sum(j.name in results for j in todo)} of {len(todo)} runs finished; the "
                       "same command resumes the rest")
-    main = [results[j.run_dir] for j in todo if j.curve and j.run_dir in results]
-    pairs = ablation_pairs([results[j.run_dir] for j in todo if not j.curve and j.run_dir in results])
+    main = [results[j.name] for j in todo if j.curve and j.name in results]
+    pairs = ablation_pairs([results[j.name] for j in todo if not j.curve and j.name in results])
     paths = write_report(main, pairs, out_dir, cmp.title, tuning=rows) if main else {}
     if errors:
         raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
     return paths
-
-
-def _run_jobs(executor, cmp, todo, wikitext, should_stop, on_result, results, errors) -> None:
-    for record in (executor or Inline()).run([JobUnit(job, cmp, wikitext) for job in todo], should_stop):
-        if isinstance(record, Note):
-            warnings.warn(record.message, CheckpointFallback, stacklevel=2)
-        elif isinstance(record, Result):
-            results[record.unit] = record.value
-            on_result(next(j for j in todo if j.run_dir == record.unit), record.value, None)
-        elif isinstance(record, Failed):
-            job = todo[record.unit]
-            errors.append(f"{job.run_dir}: {record.error}")
-            on_result(job, None, errors[-1])
 
 
 def ablation_pairs(results: list[dict]) -> list[dict]:

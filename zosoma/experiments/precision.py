@@ -12,11 +12,12 @@ Each finished run is scored on the held-out slices twice: in its format (what th
 measure; SOMA routed top-2) and with the same weights in fp32 (what the format cost training
 itself).
 
-Output folder:
+Output folder (laid out, checked and run by zosoma.experiments.study):
 
     OUT/runs/<name>/          a run folder (single model or SOMA) plus result.json, its record;
                               a finished run is never repeated, an unfinished one resumes;
                               a run of other settings (another study's) is refused
+    OUT/settings.json         that OUT is a precision study's (a comparison's folder is refused)
     OUT/results.md            the tables; results.csv one row per run; precision.png
 """
 
@@ -28,22 +29,18 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from zosoma.atomic import atomic_path, atomic_write
-from zosoma.config import PRECISIONS, PRESETS, TrainConfig
-from zosoma.corpus import load_corpus
+from zosoma.config import PRECISIONS, TrainConfig
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
+from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.model.params import Layout, init_params
 from zosoma.model.precision import format_step
-from zosoma.runs.executor import Inline
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Evaluated, Failed, Result, Stopped
-from zosoma.runs.single import evaluate_run, resume_run, start_run
-from zosoma.runs.soma import evaluate_soma, load_ensemble, resume_soma, start_soma
+from zosoma.strategies.settings import resolve
 
 PRESET = "tiny"
 TOP_K = 2
@@ -70,7 +67,8 @@ class Study:
 
 @dataclass(frozen=True)
 class Job:
-    name: str  # also the run folder's name
+    """One run of the study (a zosoma.experiments.study Job): a model kind, a format and an eps."""
+    name: str  # its folder, OUT/runs/<name>
     fmt: str
     experts: int  # 1: the single model
     eps: float
@@ -78,116 +76,67 @@ class Job:
     step_size: float  # step(F)
     steps: int
     seed: int
+    kind = "precision study"
+    device = "cpu"  # the formats are emulated on the CPU
+
+    @property
+    def label(self) -> str:
+        who = f"SOMA N={self.experts}" if self.experts > 1 else "single model"
+        return f"{who}, {self.fmt} forwards, eps {self.eps:.3g}"
 
     def train_config(self) -> TrainConfig:
-        _, base = PRESETS[PRESET]
-        return TrainConfig(**{**TrainConfig().__dict__, **base, "steps": self.steps, "eps": self.eps,
-                              "seed": self.seed, "forward_precision": self.fmt,
-                              "checkpoint_every": min(500, self.steps),
-                              # a run the format makes diverge is a result: train it to the end and
-                              # record the guard's verdict
-                              "on_divergence": "continue"})
+        return self.spec.train
+
+    @property
+    def spec(self) -> Spec:
+        model, cfg = resolve(PRESET, {"steps": self.steps, "eps": self.eps, "seed": self.seed,
+                                      "forward_precision": self.fmt, "checkpoint_every": min(500, self.steps),
+                                      # a run the format makes diverge is a result: train it to the end
+                                      # and record the guard's verdict
+                                      "on_divergence": "continue"})
+        return Spec(model, cfg, self.experts, top_k=TOP_K)
+
+    def expected(self) -> dict:
+        return {**{k: getattr(self, k) for k in ("fmt", "experts", "eps", "steps", "seed")}, **self.spec.record()}
+
+    def score(self, run: Run, stopping: Callable[[], bool]) -> dict | None:
+        """Train the run to the end and score it on the held-out slices in its format (what the
+        device would measure) and with the same weights in fp32 (what the format cost training)."""
+        if not run.advance(self.steps, stopping):
+            return None
+        in_format = run.score(run.heldout, ops=run.trainers[0].ops)
+        fp32 = in_format["overall"] if self.fmt == "fp32" else run.score(run.heldout, ops=get_ops("cpu"))["overall"]
+        metrics = [m for t in run.trainers for m in t.state.metrics]
+        last = [m["loss"] for t in run.trainers for m in t.state.metrics[-100:] if np.isfinite(m["loss"])]
+        summaries = [t.summary() for t in run.trainers]
+        return {"name": self.name, **dataclasses.asdict(self), "eps_over_step": self.eps / self.step_size,
+                "heldout": in_format, "heldout_fp32_eval": fp32,
+                "train_loss_last100": float(np.mean(last)) if last else None,
+                "skipped_steps": int(sum(bool(m.get("skipped")) for m in metrics)),
+                "divergence": guard_verdict({"training": summaries} if self.experts > 1 else summaries[0]),
+                "wall_s": float(sum(t.state.wall_s for t in run.trainers))}
 
 
 def jobs(study: Study) -> list[Job]:
     """Every run of the study, SOMA first (the longest)."""
-    model, _ = PRESETS[PRESET]
+    model, default = resolve(PRESET)
     theta0 = init_params(model, study.seed)
-    default = TrainConfig().eps
     out = []
     for experts, multiples in ((study.experts, study.soma_multiples), (1, study.multiples)):
         for fmt in study.formats:
             step = format_step(theta0, Layout(model), fmt)
             who = f"soma{experts}" if experts > 1 else "single"
             for m in (None,) + tuple(multiples):
-                eps = default if m is None else m * step
+                eps = default.eps if m is None else m * step
                 tag = "default-eps" if m is None else f"eps{m:g}step"
                 out.append(Job(f"{who}-{fmt}-{tag}", fmt, experts, float(eps), m, step, study.steps, study.seed))
     return out
 
 
-@dataclass(frozen=True)
-class JobUnit:
-    """One study run as an idempotent unit of work (zosoma.runs.executor)."""
-    job: Job
-    out: str
-
-    def __call__(self, stopping: Callable[[], bool]) -> Iterator:
-        result = run_job(self.job, Path(self.out) / "runs" / self.job.name, stopping)
-        if result is not None:
-            yield Result(self.job.name, result)
-
-
-_JOB_KEYS = ("fmt", "experts", "eps", "steps", "seed")
-
-
-def _check_same_job(job: Job, run_dir: Path, found: dict) -> None:
-    """A run folder left by another study (say a shorter one in the same --out) is an error, not
-    a result to reuse. `found`: the folder's values of some of the job's fields."""
-    for key in found:
-        if found[key] != getattr(job, key):
-            raise ConfigError(f"{run_dir} holds a run with {key} {found[key]}, not {getattr(job, key)}: "
-                              f"give this study another --out")
-
-
-def run_job(job: Job, run_dir: Path, stopping: Callable[[], bool] = lambda: False) -> dict | None:
-    """Train (or resume) one run and score it; its record, or None when stopped first."""
-    folder = RunFolder(run_dir)
-    done = folder.read_result()
-    if done is not None:
-        _check_same_job(job, run_dir, {k: done.get(k) for k in _JOB_KEYS})
-        return done
-    first = folder.expert(0) if job.experts > 1 else folder
-    if first.has_checkpoint:
-        train = first.read_checkpoint().train
-        _check_same_job(job, run_dir, {"fmt": train.forward_precision, "eps": train.eps, "steps": train.steps,
-                                       "seed": train.seed})
-    model, _ = PRESETS[PRESET]
-    if job.experts == 1:
-        records = (resume_run(run_dir, stopping) if folder.has_checkpoint
-                   else start_run(run_dir, model, job.train_config(), should_stop=stopping))
-    else:
-        records = (resume_soma(run_dir, Inline(), stopping) if folder.is_soma
-                   else start_soma(run_dir, model, job.train_config(), job.experts, executor=Inline(),
-                                   top_k=TOP_K, should_stop=stopping))
-    evaluated = None
-    for r in records:
-        if isinstance(r, Stopped):
-            return None
-        if isinstance(r, Failed):
-            raise ConfigError(f"{run_dir}: expert {r.unit} failed: {r.error}")
-        if isinstance(r, Evaluated):
-            evaluated = r.results
-    if evaluated is None:
-        if stopping():  # a SOMA run stopped between its experts: nothing says Stopped, nothing is lost
-            return None
-        raise ConfigError(f"{run_dir}: training ended without an evaluation")
-    heldout = load_corpus(None, split="heldout")
-    if job.experts == 1:
-        in_format = evaluated["heldout"]
-        ckpts = [folder.read_checkpoint()]
-        fp32 = in_format["overall"] if job.fmt == "fp32" else evaluate_run(
-            ckpts[0].theta, Layout(ckpts[0].model), heldout, ops=get_ops("cpu"))["heldout"]["overall"]
-    else:
-        in_format = {name: v["routed"] for name, v in evaluated["heldout"].items()}
-        ckpts = [folder.expert(i).read_checkpoint() for i in range(job.experts)]
-        fp32 = in_format["overall"] if job.fmt == "fp32" else evaluate_soma(
-            load_ensemble(run_dir, TOP_K), heldout, ops=get_ops("cpu"))["heldout"]["overall"]["routed"]
-    metrics = [m for c in ckpts for m in c.metrics]
-    last = [m["loss"] for c in ckpts for m in c.metrics[-100:] if np.isfinite(m["loss"])]
-    result = {"name": job.name, **dataclasses.asdict(job), "eps_over_step": job.eps / job.step_size,
-              "heldout": in_format, "heldout_fp32_eval": fp32,
-              "train_loss_last100": float(np.mean(last)) if last else None,
-              "skipped_steps": int(sum(bool(m.get("skipped")) for m in metrics)),
-              "divergence": guard_verdict(evaluated),
-              "wall_s": float(sum(c.extra.get("wall_s", 0.0) for c in ckpts))}
-    folder.write_result(result)
-    return result
-
-
 def guard_verdict(evaluated: dict) -> dict | None:
-    """The divergence guard's verdict on a run, from its evaluation: a single model's own; for a
-    SOMA run, which experts' guards fired and the first verdict (each expert has its own guard)."""
+    """The divergence guard's verdict on a run, from its training summary: a single model's own;
+    for a SOMA run ({"training": each expert's}), which experts' guards fired and the first
+    verdict (each expert has its own guard)."""
     if "training" not in evaluated:
         return evaluated.get("divergence")
     fired = [(t["divergence"]["step"], i, t["divergence"]["verdict"])
@@ -199,21 +148,19 @@ def guard_verdict(evaluated: dict) -> dict | None:
     return {"step": step, "verdict": f"experts {who} of {len(evaluated['training'])}; expert {first}: {verdict}"}
 
 
+def folder(out) -> StudyFolder:
+    """The study's output folder: bound to being a precision study's, and each run folder to its
+    job's configuration (a run of another study, say a shorter one, is refused)."""
+    return StudyFolder(out, Job.kind, {})
+
+
 def run_study(study: Study, out: Path, executor=None, should_stop: Callable[[], bool] = lambda: False,
               on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
     """Run every job not finished yet through `executor` (default inline), then write the report.
     Returns the report's paths ({} when no run has finished)."""
-    out = Path(out)
-    todo = jobs(study)
-    by_name = {j.name: j for j in todo}
-    errors = []
-    with RunFolder(out).lock():  # one study at a time in an output folder
-        for record in (executor or Inline()).run([JobUnit(j, str(out)) for j in todo], should_stop):
-            if isinstance(record, Result):
-                on_result(by_name[record.unit], record.value, None)
-            elif isinstance(record, Failed):
-                errors.append(f"{todo[record.unit].name}: {record.error}")
-                on_result(todo[record.unit], None, errors[-1])
+    todo, runs = jobs(study), folder(out)
+    with runs.open(todo):  # one study at a time in an output folder
+        _, errors = runs.run(todo, executor, should_stop, on_result)
         paths = write_study_report(study, out)
     if errors:
         raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
@@ -223,13 +170,7 @@ def run_study(study: Study, out: Path, executor=None, should_stop: Callable[[], 
 def write_study_report(study: Study, out: Path) -> dict:
     """The report of every run of `study` finished so far in `out`, naming those not finished;
     its paths, or {} when none has finished. Trains nothing."""
-    out = Path(out)
-    found = {}
-    for job in jobs(study):
-        run_dir = out / "runs" / job.name
-        found[job.name] = RunFolder(run_dir).read_result()
-        if found[job.name] is not None:
-            _check_same_job(job, run_dir, {k: found[job.name].get(k) for k in _JOB_KEYS})
+    found = folder(out).finished(jobs(study))
     finished = [r for r in found.values() if r is not None]
     return write_report(finished, out, [name for name, r in found.items() if r is None]) if finished else {}
 

@@ -19,10 +19,11 @@ A SOMA run:
     RUN/expert{i}/           one single-model folder per expert
     RUN/results.json         the routed evaluation
 
-A comparison (zosoma.experiments.compare): OUT/runs/<method>-seed<s>/ is a single or SOMA run
-folder plus curve.jsonl (the held-out curve) and result.json (the finished run's record);
-OUT/settings.json records the settings the whole folder was made with (RunFolder.bind), those
-that change results without being part of any run's configuration.
+A study (zosoma.experiments.study: the comparison, the precision study): OUT/runs/<name>/ is a
+single or SOMA run folder plus result.json (the finished run's record) and, for a comparison,
+curve.jsonl (the held-out curve); OUT/settings.json records the settings the whole folder was
+made with (RunFolder.bind), those that change results without being part of any run's
+configuration.
 
 A run driven on a cluster (zosoma.runs.ray_executor) holds RUN/.token, a random token the driver
 writes and every worker reads back, so a worker that does not see the driver's folder says so.
@@ -60,6 +61,7 @@ from zosoma.errors import CheckpointError, ConfigError, WriteError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from zosoma.runs.guard import rollback_index
 from zosoma.runs.placement import Placement
+from zosoma.runs.records import Note
 
 CHECKPOINT = "checkpoint.h5"
 PREVIOUS = "checkpoint.prev.h5"
@@ -82,6 +84,23 @@ DAMAGED = "checkpoint.damaged-{time}.h5"
 
 class CheckpointFallback(UserWarning):
     """A damaged newest checkpoint was passed over for an older one (one line: which, why)."""
+
+
+@contextlib.contextmanager
+def noting_fallbacks():
+    """Within the block, warnings are recorded instead of shown (every CheckpointFallback, a
+    damaged checkpoint passed over); the function it gives returns those recorded since its last
+    call as Note records, for a unit of work to yield: its records reach the command line from
+    any worker process, where its warnings would not."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointFallback)
+        said = 0
+
+        def notes() -> list[Note]:
+            nonlocal said
+            new, said = caught[said:], len(caught)
+            return [Note(str(w.message)) for w in new]
+        yield notes
 
 
 class RunInUse(ConfigError):

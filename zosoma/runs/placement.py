@@ -31,14 +31,8 @@ class Placement:
     def __post_init__(self):
         if self.executor is not None and self.executor not in EXECUTORS:
             raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if self.executor != "ray":
-            default = Placement.__dataclass_fields__
-            for name in RAY_ONLY:
-                if getattr(self, name) != default[name].default:
-                    raise ConfigError(f"--{name.replace('_', '-')} is for --executor ray")
-        elif self.workers is not None:
-            raise ConfigError("--workers counts local processes; on Ray, --cpus-per-unit and the cluster's "
-                              "CPUs decide how many units run at once")
+        default = Placement.__dataclass_fields__
+        check_options(self.executor, [n for n in RAY_ONLY if getattr(self, n) != default[n].default], self.workers)
 
     def replaced(self, given: dict) -> "Placement":
         """This placement with the options in `given` replaced; the Ray options fall away when
@@ -56,6 +50,17 @@ class Placement:
                         if v != getattr(default, k))
 
 
+def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
+    """The Ray options set (`ray_options`, by field name) need the Ray executor; a count of local
+    processes (`workers`, given as `workers_option`) does not go with it."""
+    if executor != "ray":
+        if ray_options:
+            raise ConfigError(f"--{ray_options[0].replace('_', '-')} is for --executor ray")
+    elif workers is not None:
+        raise ConfigError(f"{workers_option} counts local processes; on Ray, --cpus-per-unit and the cluster's "
+                          "CPUs decide how many units run at once")
+
+
 def executor(placement: Placement, units: int, workers: int | None = None):
     """The executor of `units` independent units: inline; `workers` local processes (default
     placement.workers, else the machine's cores; inline for one); or Ray tasks."""
@@ -65,6 +70,12 @@ def executor(placement: Placement, units: int, workers: int | None = None):
         return RayExecutor(placement.address, placement.cpus_per_unit, placement.gpus_per_unit)
     n = max(1, min(units, workers or placement.workers or os.cpu_count() or 1))
     return Inline() if placement.executor == "inline" or n == 1 else LocalProcesses(n)
+
+
+def study_executor(placement: Placement, units: int, jobs: int | None = None):
+    """The executor of a study's `units` runs: `jobs` of them at once, by default as many as the
+    machine has cores, or one at a time on a GPU (the runs would share its memory)."""
+    return executor(placement, units, jobs or (1 if placement.device != "cpu" else os.cpu_count()))
 
 
 def place(placement: Placement, experts: int, loss: str = "independent"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,11 +19,11 @@ from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError, DataError
-from zosoma.formats.checkpoint import load_checkpoint
+from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
-from zosoma.runs.folder import CheckpointFallback, RunFolder
+from zosoma.runs.folder import RunFolder, noting_fallbacks
 from zosoma.runs.placement import Placement
 from zosoma.runs.population import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Stopped
@@ -78,6 +78,52 @@ def load_data(train_paths: list[str] | None, heldout_paths: list[str] | None):
     return train_corpus, heldout
 
 
+def recorded_data(data: dict, run_dir) -> tuple[Corpus, Corpus | None]:
+    """The training and held-out corpora a run's data record (data_record) names; a DataError when
+    the training bytes changed since the run started."""
+    train_corpus, heldout = load_data(data.get("train") or None, data.get("heldout") or None)
+    if fingerprint(train_corpus) != data.get("fingerprint"):
+        raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
+    return train_corpus, heldout
+
+
+@dataclass(frozen=True)
+class SingleRun:
+    """A single model's run folder opened to train on: its newest checkpoint (a damaged newer one
+    set aside, with a CheckpointFallback warning), the data it records and the corpora that data
+    names, checked unchanged."""
+    folder: RunFolder
+    ckpt: Checkpoint
+    data: dict
+    train_corpus: Corpus
+    heldout: Corpus | None
+
+    def trainer(self, cfg: TrainConfig | None = None, ops: Ops | None = None,
+                sharding: Sharding | None = None) -> Trainer:
+        """The run's Trainer from its checkpoint, with `cfg` (default: the checkpoint's)."""
+        cfg = cfg or self.ckpt.train
+        return make_trainer(self.folder, self.ckpt.model, cfg, BatchSampler(self.train_corpus, cfg.seq_len + 1),
+                            from_checkpoint(self.ckpt), {"data": self.data}, ops, sharding)
+
+
+def open_run(run_dir) -> SingleRun:
+    """The single-model run in run_dir, opened (SingleRun); where the run is opened for training,
+    whoever drives it: `zosoma train --resume` and a study's runs."""
+    folder = RunFolder(run_dir)
+    ckpt = folder.read_checkpoint(set_aside=True)
+    data = dict(ckpt.extra.get("data", {}))
+    return SingleRun(folder, ckpt, data, *recorded_data(data, run_dir))
+
+
+def new_trainer(folder: RunFolder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, data: dict,
+                ops: Ops | None = None, sharding: Sharding | None = None) -> Trainer:
+    """A new single-model run's Trainer at step 0, checkpointed there: a run killed before its
+    first checkpoint can still resume. `data`: its data record (data_record)."""
+    trainer = make_trainer(folder, model, cfg, sampler, new_state(model, cfg), {"data": data}, ops, sharding)
+    trainer.checkpoint()
+    return trainer
+
+
 def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, heldout_paths=None,
               wikitext=None, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
               sharding: Sharding | None = None, placement: Placement | None = None) -> Iterator:
@@ -94,8 +140,7 @@ def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, h
     data = data_record(train_corpus, train_paths, heldout_paths, found if wikitext else None)
     with folder.lock():
         folder.require_empty()  # under the lock: another start may have won the race
-        trainer = make_trainer(folder, model, cfg, sampler, new_state(model, cfg), {"data": data}, ops, sharding)
-        trainer.checkpoint()  # step 0: a run killed before its first checkpoint can still resume
+        trainer = new_trainer(folder, model, cfg, sampler, data, ops, sharding)
         if placement is not None:
             folder.write_placement(placement)
         yield Started(str(run_dir), model, cfg, describe(train_corpus), device=trainer.ops.name)
@@ -112,30 +157,24 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
     if folder.soma_run is not None:
         raise ConfigError(f"{run_dir} is an expert of the SOMA run {folder.soma_run}: resume the whole run with "
                           f"--resume {folder.soma_run}")
-    with folder.lock(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CheckpointFallback)
-        ckpt = folder.read_checkpoint(set_aside=True)
-        yield from (Note(str(w.message)) for w in caught)
-        data = dict(ckpt.extra.get("data", {}))
-        train_corpus, heldout = load_data(data.get("train") or None, data.get("heldout") or None)
-        if fingerprint(train_corpus) != data.get("fingerprint"):
-            raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
+    with folder.lock(), noting_fallbacks() as fallbacks:
+        run = open_run(run_dir)
+        yield from fallbacks()
+        data, ckpt = run.data, run.ckpt
         if wikitext:
             data["wikitext"] = str(check_wikitext103(wikitext))
         else:
             check_wikitext103(data.get("wikitext"))
         cfg, notes = extended(ckpt.train, ckpt.step, steps, run_dir)
-        sampler = BatchSampler(train_corpus, cfg.seq_len + 1)
-        trainer = make_trainer(folder, ckpt.model, cfg, sampler, from_checkpoint(ckpt), {"data": data}, ops,
-                               sharding)
+        trainer = run.trainer(cfg, ops, sharding)
         if notes or wikitext:
             trainer.checkpoint()  # the new length and data are the run's from now on
         if placement is not None:
             folder.write_placement(placement)
         yield from notes
-        yield Started(str(run_dir), ckpt.model, cfg, describe(train_corpus), steps=(ckpt.step,),
+        yield Started(str(run_dir), ckpt.model, cfg, describe(run.train_corpus), steps=(ckpt.step,),
                       device=trainer.ops.name)
-        yield from _train_and_evaluate(trainer, heldout, data.get("wikitext"), should_stop)
+        yield from _train_and_evaluate(trainer, run.heldout, data.get("wikitext"), should_stop)
 
 
 def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):

@@ -30,15 +30,15 @@ from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import CheckpointError, ConfigError, DataError
+from zosoma.errors import CheckpointError, ConfigError
 from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
-from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder
+from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks
 from zosoma.runs.population import summed_trainers
-from zosoma.runs.records import Clusters, Dropped, Evaluated, Finished, Note, Started, Stopped
+from zosoma.runs.records import Clusters, Dropped, Evaluated, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
-from zosoma.runs.single import data_record, extended, fingerprint, load_data
+from zosoma.runs.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -113,7 +113,7 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
                 top_k: int = 2, new_folder: bool = True) -> tuple[list[dict], int]:
     """Cluster the corpus and write a new SOMA run folder, every expert at step 0 (nothing is
     trained). Returns the clusters' report and the number of chunks. The folder must be new or
-    empty, unless new_folder=False (a comparison redoing its own interrupted creation: the
+    empty, unless new_folder=False (a study redoing its own interrupted creation: the
     clustering and step-0 checkpoints are seeded, so the same files are written again)."""
     folder = RunFolder(run_dir)
     if folder.is_soma:
@@ -155,10 +155,7 @@ def open_soma(run_dir) -> SomaRun:
     """A SOMA run folder opened once: refuses training data that changed since the run started."""
     folder = RunFolder(run_dir)
     soma = folder.read_soma()
-    data = soma["data"]
-    train_corpus, heldout = load_data(data["train"] or None, data["heldout"] or None)
-    if fingerprint(train_corpus) != data["fingerprint"]:
-        raise DataError(f"the training data of {run_dir} changed since the run started; cannot resume exactly")
+    train_corpus, heldout = recorded_data(soma["data"], run_dir)
     chunks = chunk(train_corpus, soma["chunk_size"])
     corpora = expert_corpora(chunks, np.asarray(soma["assignments"]), soma["experts"])
     return SomaRun(folder, soma, train_corpus, tuple(corpora), heldout)
@@ -219,10 +216,9 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=Non
     finished = set()
     if run.soma["loss"] == "summed":
         ops = get_ops(device)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CheckpointFallback)
+        with noting_fallbacks() as fallbacks:
             trainers = lockstep_trainers(run, ops)
-        yield from (Note(str(w.message)) for w in caught)
+        yield from fallbacks()
         if workers is not None:  # one worker per expert, exchanging scalars (zosoma.runs.population)
             trainers = summed_trainers(trainers, workers, device)
         records = train_lockstep(trainers, should_stop)
@@ -249,10 +245,9 @@ class ExpertUnit:
     def __call__(self, stopping: Callable[[], bool]) -> Iterator:
         folder = RunFolder(self.run_dir).expert(self.expert)
         # wait: a worker of a killed run may still be finishing its step in this folder
-        with folder.lock(wait=True), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", CheckpointFallback)
+        with folder.lock(wait=True), noting_fallbacks() as fallbacks:
             ckpt = folder.read_checkpoint(set_aside=True)
-            yield from (Note(str(w.message)) for w in caught)
+            yield from fallbacks()
             cfg = run_length(self.soma, ckpt.train)
             trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
                               from_checkpoint(ckpt), expert=self.expert,

@@ -1,9 +1,10 @@
 """How a step is estimated: zero-order strategies with explicit, checkpointable state.
 
 Owns each strategy (SPSA with its update rules, EGGROLL, OpenAI-ES, the summed-loss ablation
-wrapper) and the registry that maps `--optimizer` names to them. A strategy says which
-population to evaluate (ask) and turns the population's losses into an update (tell); the array
-work goes through the Ops it is handed. May import the foundation and zosoma.model.
+wrapper), the registry that maps `--optimizer` names to them, and the one path from options to a
+run's configuration (settings.resolve: preset, then the strategy's defaults, then what was
+given). A strategy says which population to evaluate (ask) and turns the population's losses into
+an update (tell); the array work goes through the Ops it is handed. May import the foundation and zosoma.model.
 """
 
 from __future__ import annotations

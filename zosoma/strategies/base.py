@@ -11,8 +11,8 @@ only. Per step and expert:
 The P scalars are all that a step needs to agree on an update: any engine or machine regenerates
 the directions from the counters. Optimizer state is a dict of arrays (checkpointed as is, kept on
 the engine between steps). Each strategy declares the TrainConfig fields it reads beyond the common
-ones; `check_options` makes any other non-default field a one-line error instead of a silently
-ignored setting.
+ones; `check_options` makes any other field that is given or not at its default a one-line error
+instead of a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -66,13 +66,19 @@ class Strategy:
         raise NotImplementedError
 
 
-def check_options(strategy: Strategy, cfg: TrainConfig) -> None:
-    """A ConfigError naming the first TrainConfig field that differs from its default (with the
-    strategy's own defaults applied) although `strategy` does not read it."""
+def check_options(strategy: Strategy, cfg: TrainConfig, given=()) -> None:
+    """A ConfigError naming the first TrainConfig field that `strategy` does not read although it
+    was given (`given`: the names someone set, zosoma.strategies.settings.resolve) or differs from
+    its default (with the strategy's own defaults applied)."""
     default = dataclasses.replace(TrainConfig(), **strategy.defaults)
     for f in dataclasses.fields(TrainConfig):
-        if f.name not in COMMON | strategy.options and getattr(cfg, f.name) != getattr(default, f.name):
-            raise ConfigError(unused_option(strategy, f.name))
+        if f.name not in COMMON | strategy.options and (f.name in given or
+                                                         getattr(cfg, f.name) != getattr(default, f.name)):
+            raise UnusedOption(unused_option(strategy, f.name))
+
+
+class UnusedOption(ConfigError):
+    """A setting given that the strategy does not read (the command line: a usage error)."""
 
 
 def unused_option(strategy: Strategy, field: str) -> str:

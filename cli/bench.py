@@ -1,0 +1,126 @@
+"""zosoma bench: the benchmarks that print throughput figures."""
+
+from __future__ import annotations
+
+import click
+
+from zosoma.cli.options import device_ops, device_option, positive
+from zosoma.config import ENGINES, PRECISIONS
+
+
+@click.group()
+def bench():
+    """Benchmarks that print throughput figures (not tests)."""
+
+
+def shape_options(embed: int, hidden: int, layers: int, batch: int, seq_len: int):
+    """--embed, --hidden, --layers, --batch and --seq-len, with these defaults."""
+    def decorate(f):
+        for name, default in reversed([("embed", embed), ("hidden", hidden), ("layers", layers), ("batch", batch),
+                                       ("seq-len", seq_len)]):
+            f = click.option(f"--{name}", type=int, default=default, show_default=True, callback=positive)(f)
+        return f
+    return decorate
+
+
+@bench.command("forward")
+@shape_options(embed=512, hidden=512, layers=2, batch=64, seq_len=256)
+@click.option("--repeats", type=int, default=5, show_default=True, callback=positive)
+@click.option("--no-numpy", is_flag=True, help="Skip the slow NumPy reference.")
+@click.option("--engine", type=click.Choice(ENGINES), default="native", show_default=True, help="onnxruntime: also time ONNX Runtime's forward (zosoma's training graph) beside Numba's.")
+@click.option("--forward-precision", "precisions", multiple=True, type=click.Choice([p for p in PRECISIONS if p != "fp32"]), help="Also time the forward emulated in this format (repeat the option for several).")
+@device_option
+def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, precisions, device):
+    """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
+    configuration, and the fraction of the matmul peak measured in the same run. With --device
+    cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
+    from zosoma.experiments.bench_forward import bench_forward, format_records
+    from zosoma.engines import get_ops
+    others = (get_ops("cpu", engine),) if engine != "native" else ()
+    others += tuple(get_ops("cpu", precision=p) for p in dict.fromkeys(precisions))
+    records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
+                            repeats=repeats, include_numpy=not no_numpy, ops=device_ops(device), others=others)
+    click.echo(format_records(records))
+
+
+@bench.command("spsa")
+@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="paper", show_default=True)
+@click.option("--perturbations", "-P", type=int, callback=positive, help="Default: the preset's (tiny, small 32; paper 64).")
+@click.option("--batch", type=int, callback=positive, help="Default: the preset's (8).")
+@click.option("--seq-len", type=int, callback=positive, help="Default: the preset's (tiny 32; small, paper 128).")
+@click.option("--steps", type=int, default=2, show_default=True, callback=positive, help="Timed steps (after one warm-up step).")
+@click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
+@click.option("--peers/--no-peers", default=True, show_default=True, help="Time the PyTorch peers (when torch is installed).")
+@click.option("--forward-precision", "precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True, help="Time the step with its forwards emulated in this format (CPU), beside the fp32 step in the same run.")
+@device_option
+def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, precision, device):
+    """SPSA step throughput split into data, forward passes, noise and the update, beside the same
+    step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
+    matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak."""
+    from zosoma.engines import get_ops
+    from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
+    shape = dict(preset=preset, perturbations=perturbations, batch=batch, seq_len=seq_len, steps=steps, noise=noise)
+    if precision == "fp32":
+        click.echo(format_spsa(bench_spsa(**shape, ops=device_ops(device), peers=peers)))
+        return
+    emulated_ops = get_ops(device, precision=precision)  # before any timing: a GPU device is a one-line error
+    fp32 = bench_spsa(**shape, ops=device_ops(device), peers=False)
+    emulated = bench_spsa(**shape, ops=emulated_ops, peers=peers)
+    click.echo(format_spsa(emulated))
+    click.echo(f"{precision} step {emulated['step_s']:.4f} s, the fp32 step {fp32['step_s']:.4f} s in the same run: "
+               f"{emulated['step_s'] / fp32['step_s']:.2f}x")
+
+
+@bench.command("route")
+@click.option("--small", "n_small", type=int, default=256, show_default=True, callback=positive, help="Experts in the many-small configuration.")
+@click.option("--large", "n_large", type=int, default=8, show_default=True, callback=positive, help="Experts in the few-large configuration.")
+@click.option("--top-k", type=int, default=4, show_default=True, callback=positive)
+@click.option("--total-params", type=int, default=2_000_000, show_default=True, callback=positive, help="Total parameters of each ensemble.")
+@click.option("--segments", type=int, default=1024, show_default=True, callback=positive, help="Held-out segments routed per run.")
+@click.option("--repeats", type=int, default=3, show_default=True, callback=positive)
+@device_option
+def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, device):
+    """Tokens/s of top-k routed inference (routing included) for N=8 vs N=256 experts of similar
+    total size, random weights (the paper: 257k vs 2.36M tokens/s, 9.19x). With --device cuda the
+    experts also run on the GPU, beside the CPU in the same run."""
+    from zosoma.experiments.bench_route import bench_route, format_route
+    devices = tuple(dict.fromkeys(("cpu", device_ops(device).name)))  # the CPU, and the GPU when asked for
+    click.echo(format_route(bench_route(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
+                                        n_segments=segments, repeats=repeats, devices=devices)))
+
+
+@bench.command("eggroll")
+@shape_options(embed=52, hidden=100, layers=1, batch=8, seq_len=32)
+@click.option("--pairs", type=int, default=64, show_default=True, callback=positive, help="Antithetic pairs: 2x members.")
+@click.option("--rank", type=int, default=1, show_default=True, callback=positive)
+@click.option("--repeats", type=int, default=3, show_default=True, callback=positive)
+@device_option
+def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeats, device):
+    """Forward seconds per population member: EGGROLL's shared-GEMM low-rank population vs
+    full-rank SPSA's dense perturbed copies, same model and batch (defaults: the CPU comparison's
+    monolithic model)."""
+    from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
+    click.echo(format_eggroll([bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
+                                             pairs=pairs, rank=rank, repeats=repeats, ops=device_ops(device))]))
+
+@bench.command("comm")
+@click.option("--workers", "-W", type=int, default=8, show_default=True, callback=positive, help="W: workers sharing one model (at most P).")
+def bench_comm_cmd(workers):
+    """Bytes exchanged per training step for each preset: SOMA's experts (none while training),
+    one model's population sharded over W workers (its P scalars) and data-parallel backprop's
+    gradient all-reduce (about 2 x 4d per worker), side by side."""
+    from zosoma.experiments.bench_comm import bench_comm, format_comm
+    click.echo(format_comm(bench_comm(workers)))
+
+
+@bench.command("executors")
+@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True)
+@click.option("--experts", type=int, default=2, show_default=True, callback=positive, help="SOMA's N.")
+@click.option("--steps", type=int, default=200, show_default=True, callback=positive)
+@click.option("--no-ray", is_flag=True, help="Leave Ray out.")
+@click.option("--address", help="A Ray cluster to join (default: start Ray on this machine).")
+def bench_executors_cmd(preset, experts, steps, no_ray, address):
+    """Training time by where it runs: SOMA's experts inline, in local processes and as Ray tasks;
+    one model's population here and over W = 1 and 2 workers (local processes, Ray actors)."""
+    from zosoma.experiments.bench_executors import bench_executors, format_executors
+    click.echo(format_executors(bench_executors(preset, experts, steps, not no_ray, address)))

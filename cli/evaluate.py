@@ -1,0 +1,53 @@
+"""zosoma eval: nats/byte of a checkpoint, a run folder or a SOMA run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from zosoma.cli import render
+from zosoma.cli.options import device_ops, device_option, positive, previous_option, refuse_given
+
+
+@click.command("eval")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--data", multiple=True, type=click.Path(), help="Files or folders to evaluate (default: the shipped held-out slices).")
+@click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
+@click.option("--streams", type=int, callback=positive, help="Single model: score each whole file statefully in this many side-by-side parts (1 = one pass) instead of the segment protocol every table uses.")
+@click.option("--top-k", type=int, default=2, show_default=True, callback=positive, help="SOMA run: experts mixed per segment.")
+@click.option("--temperature", type=float, default=0.1, show_default=True, help="SOMA run: routing temperature T in softmax(-d^2 / T).")
+@click.option("--segment", type=int, default=256, show_default=True, callback=positive, help="Bytes predicted per segment (and per routing decision).")
+@click.option("--context", type=int, default=512, show_default=True, callback=positive, help="Bytes before each segment used for warm-up (and routing).")
+@previous_option
+@device_option
+@click.pass_context
+def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment, context, previous, device):
+    """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
+    folder (routed ensemble, each expert alone, and oracle routing)."""
+    from zosoma.corpus import load_corpus
+    from zosoma.runs.folder import RunFolder
+
+    soma = RunFolder(checkpoint).is_soma
+    if soma:
+        refuse_given(ctx, ("streams",), f"single models; {checkpoint} is a SOMA run")
+    else:
+        refuse_given(ctx, ("top_k", "temperature"), f"SOMA runs; {checkpoint} is a single model")
+    ops = device_ops(device)
+    corpus = load_corpus(list(data) if data else None, split="heldout")
+    if soma:
+        from zosoma.runs.soma import evaluate_soma, load_ensemble
+        ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
+        r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
+        click.echo(render.results(r))
+        return
+    from zosoma.formats.checkpoint import load_checkpoint
+    from zosoma.model.params import Layout
+    from zosoma.runs.single import evaluate_run
+
+    path = Path(checkpoint)
+    ckpt = RunFolder(path).read_checkpoint(fallback=previous) if path.is_dir() else load_checkpoint(path)
+    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=segment, context=context,
+                     streams=streams)
+    click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
+    click.echo(render.results(r))

@@ -1,0 +1,98 @@
+"""What several commands share, declared once: the numeric checks, --device, --previous, the
+executor options, and asking the context which options were given."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import click
+
+from zosoma.engines import DEVICES
+
+
+def positive(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(ctx, param, value):
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise click.BadParameter(f"must be a positive number, got {value}")
+    return value
+
+
+def nonneg_float(ctx, param, value):
+    if value is not None and not (value >= 0 and math.isfinite(value)):
+        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+def nonneg(ctx, param, value):
+    if value is not None and value < 0:
+        raise click.BadParameter(f"must not be negative, got {value}")
+    return value
+
+
+def device_option(f):
+    return click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+                        help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
+
+
+def previous_option(f):
+    return click.option("--previous", is_flag=True, help="If a run's newest checkpoint is damaged, use the newest intact one (said in a warning line) instead of stopping.")(f)
+
+
+def executor_options(f):
+    """--executor and the Ray options, shared by train and compare."""
+    for option in reversed([
+        click.option("--executor", "executor_kind", type=click.Choice(["inline", "local", "ray"]), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
+        click.option("--address", help="--executor ray: the cluster to join (HOST:PORT of its head, or auto for the one `ray start` made here; a head with token authentication needs its token here, in RAY_AUTH_TOKEN or ~/.ray/auth_token); default: start Ray on this machine."),
+        click.option("--cpus-per-unit", type=float, default=1.0, show_default=True, callback=positive_float, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
+        click.option("--gpus-per-unit", type=float, default=0.0, show_default=True, callback=nonneg_float, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),
+    ]):
+        f = option(f)
+    return f
+
+
+def given(ctx, name: str) -> bool:
+    """Whether option `name` was given on the command line (not left at its default)."""
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+
+
+def refuse_given(ctx, names, what: str) -> None:
+    """A usage error for the first of `names` given on the command line, an option of `what`
+    only: a flag that would be silently ignored is refused in one line."""
+    for name in names:
+        if given(ctx, name):
+            raise click.UsageError(f"--{name.replace('_', '-')} is an option of {what}")
+
+
+def check_executor_options(ctx, kind: str | None, workers_option: str, workers) -> None:
+    """The Ray options given here need --executor ray; a local process count does not go with it
+    (zosoma.runs.placement.check_options)."""
+    from zosoma.runs.placement import RAY_ONLY, check_options
+
+    with usage_errors():
+        check_options(kind, [name for name in RAY_ONLY if given(ctx, name)], workers, workers_option)
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """The library's verdict on the options themselves (ConfigError) as a usage error: exit code 2."""
+    from zosoma.errors import ConfigError
+
+    try:
+        yield
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def device_ops(device: str):
+    """The engine for --device (zosoma.engines.get_ops); says which one --device auto chose."""
+    from zosoma.engines import auto_note, get_ops
+    ops = get_ops(device)
+    if device == "auto":
+        click.echo(auto_note(ops), err=True)
+    return ops

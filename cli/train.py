@@ -1,0 +1,159 @@
+"""zosoma train: a single model or a SOMA run, new or resumed, trained and evaluated."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from zosoma.cli import render
+from zosoma.cli.options import (check_executor_options, device_ops, device_option, executor_options, given, nonneg,
+                                nonneg_float, positive, positive_float, refuse_given)
+from zosoma.cli.stop import StopRequest
+from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig
+from zosoma.strategies import STRATEGIES
+from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
+
+_TC = TrainConfig()  # defaults shown in --help
+
+
+def new_run_dir(prefix: str) -> Path:
+    """runs/<prefix><time>, made now and so unique: two runs started in the same second get
+    runs/...-<time> and runs/...-<time>-2."""
+    stem = Path("runs") / f"{prefix}{datetime.now():%Y%m%d-%H%M%S}"
+    Path("runs").mkdir(exist_ok=True)
+    for n in range(1, 1000):
+        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise click.ClickException(f"cannot find a free run folder name beside {stem}")
+
+
+@click.command()
+@click.option("--data", "data", multiple=True, type=click.Path(), help="Training text: a directory of .txt/.gz files, a file, or repeat the option. Default: the shipped 8-domain corpus.")
+@click.option("--heldout", multiple=True, type=click.Path(), help="Held-out text for the final evaluation (default: the shipped held-out slices when --data is not given).")
+@click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder) for the final evaluation; found automatically when downloaded.")
+@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True, help="Model size and training defaults; explicit options override it.")
+@click.option("--experts", type=int, default=1, show_default=True, callback=positive, help="N: SOMA experts, one per data cluster (1 = a single monolithic model).")
+@click.option("--loss", type=click.Choice(["independent", "summed"]), default="independent", show_default=True, help="Experts' SPSA scalars: their own losses (SOMA) or the summed loss (ablation).")
+@click.option("--workers", type=int, callback=positive, help="Expert worker processes (default: the machine's cores).")
+@executor_options
+@click.option("--population-workers", type=int, callback=positive, help="W: spread one model's P perturbation pairs over W workers (local processes, or Ray actors with --executor ray); per step only the losses and the P update scalars travel.")
+@click.option("--chunk-size", type=int, default=2048, show_default=True, callback=positive, help="Bytes per document chunk for clustering.")
+@click.option("--top-k", type=int, default=2, show_default=True, callback=positive, help="Experts mixed per segment in the final routed evaluation.")
+@click.option("--embed", type=int, callback=positive, help="E: embedding width.")
+@click.option("--hidden", type=int, callback=positive, help="H: LSTM hidden width.")
+@click.option("--layers", type=int, callback=positive, help="L: LSTM layers.")
+@click.option("--steps", type=int, callback=positive, help=f"Optimizer steps.  [default: {_TC.steps}]")
+@click.option("--batch", type=int, callback=positive, help=f"B: sequences per minibatch.  [default: {_TC.batch}]")
+@click.option("--seq-len", type=int, callback=positive, help=f"T: predicted bytes per sequence.  [default: {_TC.seq_len}]")
+@click.option("--perturbations", "-P", type=int, callback=positive, help=f"P: SPSA directions per step.  [default: {_TC.perturbations}]")
+@click.option("--eps", type=float, callback=positive_float, help=f"Perturbation scale (SPSA eps, EGGROLL sigma).  [default: {_TC.eps}]")
+@click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help=f"Perturbation distribution.  [default: {_TC.noise}]")
+@click.option("--optimizer", type=click.Choice(list(STRATEGIES)), help=f"Strategy: SPSA with update rule sgd, momentum or adam; eggroll (low-rank ES); es (OpenAI-ES).  [default: {_TC.optimizer}]")
+@click.option("--rank", type=int, callback=positive, help=f"EGGROLL's perturbation rank r.  [default: {_TC.rank}]")
+@click.option("--lr", type=float, callback=positive_float, help=f"Peak learning rate.  [default: {_TC.lr}]")
+@click.option("--schedule", type=click.Choice(["constant", "cosine"]), help=f"Learning-rate schedule after warm-up.  [default: {_TC.schedule}]")
+@click.option("--warmup", type=int, callback=nonneg, help=f"Linear warm-up steps.  [default: {_TC.warmup}]")
+@click.option("--momentum", type=float, help=f"Momentum / Adam beta1.  [default: {_TC.momentum}]")
+@click.option("--beta2", type=float, help=f"Adam beta2.  [default: {_TC.beta2}]")
+@click.option("--weight-decay", type=float, callback=nonneg_float, help=f"Decoupled weight decay.  [default: {_TC.weight_decay}]")
+@click.option("--seed", type=int, callback=nonneg, help=f"Seed for initialisation, clustering, batches and noise.  [default: {_TC.seed}]")
+@click.option("--checkpoint-every", type=int, callback=positive, help=f"Steps between checkpoints.  [default: {_TC.checkpoint_every}]")
+@click.option("--on-divergence", type=click.Choice(ON_DIVERGENCE), help=f"When the loss runs away (non-finite, or far above its best for a long window): stop with a checkpoint; go on; or restart that model from a checkpoint before it began, at a lower rate on fresh batches, and after --max-restarts drop it (SOMA routes around it). The verdicts are in the results either way.  [default: {_TC.on_divergence}]")
+@click.option("--restart-lr-factor", type=float, callback=positive_float, help=f"--on-divergence restart: the rate's factor at each restart.  [default: {_TC.restart_lr_factor}]")
+@click.option("--max-restarts", type=int, callback=nonneg, help=f"--on-divergence restart: restarts before a model is dropped.  [default: {_TC.max_restarts}]")
+@click.option("--shaping", type=click.Choice(list(SHAPING_NAMES)), multiple=True, help="SPSA: shape each step's P scalars before the update, in the order given (repeat the option): clip bounds each at --clip-at running medians of |g|; normalize rescales every step to the mean spread of the first --normalize-window steps.  [default: none]")
+@click.option("--clip-at", type=float, callback=positive_float, help=f"--shaping clip: the bound in running medians of |g|.  [default: {_TC.clip_at}]")
+@click.option("--normalize-window", type=int, callback=positive, help=f"--shaping normalize: steps whose mean spread is the reference.  [default: {_TC.normalize_window}]")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
+@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
+@click.option("--engine", type=click.Choice(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")
+@click.option("--forward-precision", type=click.Choice(PRECISIONS), help=f"Number format of every forward, emulated on the CPU; master weights and the update stay fp32.  [default: {_TC.forward_precision}]")
+@device_option
+@click.pass_context
+def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor_kind, address, cpus_per_unit,
+          gpus_per_unit, population_workers, chunk_size, top_k, resume, run_dir, device, **options):
+    """Train byte-level LSTMs with SPSA (forward passes only), then evaluate.
+
+    With --experts N > 1 (SOMA): cluster the corpus into N clusters, train one expert per cluster
+    in parallel worker processes, and evaluate the top-k routed ensemble. Writes checkpoints,
+    metrics.jsonl and results.json under the run folder. Ctrl-C finishes the current step, saves
+    checkpoints and exits; `--resume RUN_DIR` continues as if never stopped.
+
+    Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
+    small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
+    """
+    from zosoma.engines import get_ops, run_ops
+    from zosoma.runs.folder import RunFolder
+    from zosoma.runs.placement import Placement, place
+    from zosoma.runs.single import resume_run, start_run
+    from zosoma.runs.soma import resume_soma, start_soma
+    from zosoma.strategies.base import UnusedOption
+    from zosoma.strategies.settings import resolve
+
+    if top_k > experts and experts > 1:
+        raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
+    check_executor_options(ctx, executor_kind, "--workers", workers)
+    given_placement = {name: value for name, value in (
+        ("executor", executor_kind), ("workers", workers), ("population_workers", population_workers),
+        ("address", address), ("cpus_per_unit", cpus_per_unit), ("gpus_per_unit", gpus_per_unit),
+        ("device", device)) if given(ctx, "executor_kind" if name == "executor" else name)}
+    if "device" in given_placement:
+        given_placement["device"] = device_ops(device).name  # auto, resolved
+    stop, made = StopRequest(), None
+    if resume:
+        folder = RunFolder(resume)
+        clashing = [k for k, v in options.items() if v not in (None, ()) and k != "steps"]
+        clashing += [n for n in ("data", "heldout", "run_dir", "experts", "loss", "preset", "chunk_size", "top_k")
+                     if given(ctx, n)]
+        if clashing:
+            raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
+                                   + ", ".join("--" + n.replace("_", "-") for n in clashing)
+                                   + " (--steps extends the run, --wikitext replaces its WikiText-103 file)")
+        recorded = folder.read_placement()
+        placement = recorded.replaced(given_placement)
+        if recorded != type(recorded)():  # say where it goes on: the options are not on this command line
+            click.echo(f"placement: {placement.describe() or 'the defaults'} (where the run was, with the "
+                       "options given here)", err=True)
+        resume_args = dict(should_stop=stop, placement=placement, steps=options["steps"], wikitext=wikitext)
+        if folder.is_soma:
+            soma = folder.read_soma()
+            executor, summed, _ = place(placement, soma["experts"], soma["loss"])
+            records = resume_soma(folder.path, executor, device=placement.device, workers=summed, **resume_args)
+        else:
+            _, _, sharding = place(placement, 1)
+            records = resume_run(folder.path, ops=get_ops(placement.device), sharding=sharding, **resume_args)
+    else:
+        placement = Placement(**given_placement)
+        try:
+            model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())})
+        except UnusedOption as e:
+            raise click.UsageError(str(e)) from None
+        run_ops(get_ops(placement.device), cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+        if experts == 1:
+            refuse_given(ctx, ("loss", "top_k", "chunk_size", "workers"), "SOMA (--experts 2 or more)")
+        train_paths, heldout_paths = list(data) or None, list(heldout) or None
+        if population_workers:
+            from zosoma.runs.population import check_shardable
+            check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
+        executor, summed, sharding = place(placement, experts, loss)
+        made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")
+        run_dir = Path(run_dir or made)
+        if experts > 1:
+            records = start_soma(run_dir, model, cfg, experts, loss, executor, chunk_size, train_paths,
+                                 heldout_paths, wikitext, top_k, should_stop=stop, device=placement.device,
+                                 workers=summed, placement=placement)
+        else:
+            records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
+                                ops=get_ops(placement.device), sharding=sharding, placement=placement)
+    try:
+        render.training(records, stop)
+    except BaseException:
+        if not resume and made is not None:
+            RunFolder(made).remove_if_empty()  # the folder this command named and made, nothing written in it
+        raise

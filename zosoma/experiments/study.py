@@ -1,0 +1,324 @@
+"""One runner for every study (the comparison and its N-curve, the precision study): a list of
+jobs, each one run trained in a folder of its own and scored once.
+
+A study supplies its jobs and their scoring; a job (the Job protocol) says
+
+    name          its run folder, OUT/runs/<name>/
+    label, kind   how messages name it and its study ("SPSA P=64, seed 1"; "comparison")
+    spec          what its run is (Spec: model, training configuration, experts, loss, ...)
+    device        where its forwards run
+    expected()    the configuration its folder must hold: spec.record() and the study's own keys
+    score(run, stopping)   train the opened Run (run.advance) and score it: its record, or None
+                  when stopping() turned true first
+
+and the runner does the rest, the same for every study:
+
+    OUT/settings.json        the study's settings (RunFolder.bind): a folder that other settings,
+                             or another kind of study, left is refused in one line naming what changed
+    OUT/runs/<name>/         a single-model or SOMA run folder (zosoma.runs.single, zosoma.runs.soma)
+                             plus result.json, the finished job's record: read back, never repeated;
+                             a folder that holds another configuration (its record, else its
+                             checkpoints) is refused before anything trains (check_job)
+
+Each job is an idempotent unit of work (Unit, naming its folder as unit.run_dir) for an executor
+(zosoma.runs.executor: inline, local processes, Ray): it takes its folder's lock, resumes from the
+run's checkpoints, and writes atomically, so a killed study resumes every unfinished run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+from zosoma.config import RETIRED, ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.engines import get_ops
+from zosoma.engines.ops import Ops
+from zosoma.errors import ConfigError
+from zosoma.runs.executor import Inline
+from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
+from zosoma.runs.records import Failed, Note, Result
+from zosoma.runs.single import data_record, load_data, new_trainer, open_run
+from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
+from zosoma.runs.trainer import train
+from zosoma.soma.cluster import load_clustering
+from zosoma.soma.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a job's run is: the configuration its folder holds."""
+    model: ModelConfig
+    train: TrainConfig  # the run's seed included
+    experts: int = 1
+    loss: str = "independent"
+    chunk_size: int = 2048  # SOMA's chunks for clustering
+    top_k: int = 2  # SOMA's router (an evaluation setting: the study's, not checked per run)
+
+    def record(self) -> dict:
+        """What the folder of a run of this spec records, by the keys check_job compares."""
+        return {"experts": self.experts, "loss": self.loss, "model": dataclasses.asdict(self.model),
+                "train": dataclasses.asdict(self.train), "chunk_size": self.chunk_size}
+
+
+class Job(Protocol):
+    name: str
+    spec: Spec
+    device: str
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    def expected(self) -> dict: ...
+
+    def score(self, run: "Run", stopping: Callable[[], bool]) -> dict | None: ...
+
+
+# ------------------------------------------------------------------ a folder bound to its job
+
+def _from_result(result: dict, keys) -> dict:
+    """What a finished job's record says it was, by the keys given that it holds (a model or
+    training field an older zosoma did not write takes its default, as a checkpoint's does)."""
+    def config(cls, fields):
+        retired = RETIRED.get(cls.__name__, ())
+        return {**dataclasses.asdict(cls()), **{k: v for k, v in fields.items() if k not in retired}}
+    classes = {"model": ModelConfig, "train": TrainConfig}
+    return {k: config(classes[k], result[k]) if k in classes else result[k] for k in keys if k in result}
+
+
+def _check(job: Job, folder: RunFolder, found: dict) -> None:
+    """Refuse a run folder whose recorded configuration (the fields in `found`) is not the job's."""
+    expected = job.expected()
+    diffs = changes(found, {k: expected[k] for k in found})
+    if diffs:
+        raise ConfigError(f"{folder} ({job.label}) was made with another configuration ({'; '.join(diffs)}): give "
+                          f"this {job.kind} another --out")
+
+
+def finished(job: Job, folder: RunFolder) -> dict | None:
+    """The job's finished record in its folder, refused when it is another configuration's; None
+    when there is none."""
+    result = folder.read_result()
+    if result is not None:
+        _check(job, folder, _from_result(result, job.expected()))
+    return result
+
+
+def check_job(job: Job, folder: RunFolder) -> dict | None:
+    """Refuse a job's folder that holds another configuration, reading only: its finished record,
+    else its SOMA description and every expert's checkpoint, else its checkpoint. Returns the
+    finished record, or None (nothing yet, an unfinished run, or a SOMA run whose creation was cut
+    short: it is redone)."""
+    result = finished(job, folder)
+    if result is not None:
+        return result
+    if folder.is_soma:
+        soma = folder.read_soma()
+        _check(job, folder, {k: soma[k] for k in ("experts", "loss", "chunk_size")})
+        held = [folder.expert(i) for i in range(soma["experts"])]
+    elif folder.has_checkpoint:
+        _check(job, folder, {"experts": 1})
+        held = [folder]
+    else:
+        held = []
+    for f in held:
+        ckpt = f.read_checkpoint()
+        _check(job, folder, {"model": dataclasses.asdict(ckpt.model), "train": dataclasses.asdict(ckpt.train)})
+    return None
+
+
+def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> dict | None:
+    """Train one job's run in run_dir (resumed from its checkpoints) and score it; a finished run
+    (result.json) of the same job is read back instead, and one of another configuration refused.
+    Returns the job's record, or None when stopping() turned true first (the run is checkpointed
+    where it was)."""
+    folder = RunFolder(run_dir)
+    if folder.read_result() is None:
+        with folder.lock(wait=True):  # one writer per run folder (a killed study's worker may linger)
+            if folder.read_result() is None:
+                check_job(job, folder)
+                result = job.score(Run(folder, job.spec, job.device), stopping)
+                if result is None:
+                    return None
+                folder.write_result(result)
+                return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
+    return check_job(job, folder)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One job as an idempotent unit of work (zosoma.runs.executor) in its folder run_dir."""
+    job: Job
+    run_dir: str
+
+    def __call__(self, stopping: Callable[[], bool]) -> Iterator:
+        with noting_fallbacks() as fallbacks:
+            result = run_job(self.job, self.run_dir, stopping)
+        yield from fallbacks()
+        if result is not None:
+            yield Result(self.job.name, result)
+
+
+# ---------------------------------------------------------------------------------- the study
+
+class StudyFolder:
+    """A study's output folder: OUT/settings.json, the study's settings (its `kind` and what its
+    results depend on besides each run's configuration), and OUT/runs/<job name>/."""
+
+    def __init__(self, out, kind: str, settings: dict):
+        self.out, self.kind, self.settings = Path(out), kind, settings
+
+    def run_dir(self, job: Job) -> Path:
+        return self.out / "runs" / job.name
+
+    def check(self, jobs: list[Job]) -> dict[str, dict]:
+        """Refuse (ConfigError, one line naming what changed) a folder that other settings, or
+        another configuration of any of these jobs' runs, left; writes nothing. Returns the
+        finished jobs' records by job name."""
+        RunFolder(self.out).bind(self.kind, self.settings, write=False)
+        done = {job.name: check_job(job, RunFolder(self.run_dir(job))) for job in jobs}
+        return {name: result for name, result in done.items() if result is not None}
+
+    @contextlib.contextmanager
+    def open(self, jobs: list[Job]):
+        """Own the folder for the block (one study at a time in it), with every job's folder
+        checked and the settings recorded before anything trains."""
+        with RunFolder(self.out).lock():
+            self.check(jobs)
+            RunFolder(self.out).bind(self.kind, self.settings)
+            yield self
+
+    def run(self, jobs: list[Job], executor=None, should_stop: Callable[[], bool] = lambda: False,
+            on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None
+            ) -> tuple[dict[str, dict], list[str]]:
+        """Run every job through `executor` (zosoma.runs.executor; default inline): the finished
+        ones are read back. on_result(job, result, error) is called as each job ends. Returns the
+        records by job name and one line per failed job (the others still run to the end)."""
+        results, errors = {}, []
+        units = [Unit(job, str(self.run_dir(job))) for job in jobs]
+        for record in (executor or Inline()).run(units, should_stop):
+            if isinstance(record, Note):
+                warnings.warn(record.message, CheckpointFallback, stacklevel=2)
+            elif isinstance(record, Result):
+                results[record.unit] = record.value
+                on_result(next(j for j in jobs if j.name == record.unit), record.value, None)
+            elif isinstance(record, Failed):
+                errors.append(f"{units[record.unit].run_dir}: {record.error}")
+                on_result(jobs[record.unit], None, errors[-1])
+        return results, errors
+
+    def finished(self, jobs: list[Job]) -> dict[str, dict | None]:
+        """Each job's record, checked against the job, or None where it has not finished (its
+        folder is not read further); trains nothing, for a report of a study under way."""
+        return {job.name: finished(job, RunFolder(self.run_dir(job))) for job in jobs}
+
+
+# ------------------------------------------------------------------------------------ the run
+
+class Run:
+    """The trainers of one job's run folder (one model, or one per SOMA expert), opened from its
+    checkpoints or created at step 0 from the Spec, and how to score them."""
+
+    def __init__(self, folder: RunFolder, spec: Spec, device: str = "cpu"):
+        self.folder, self.spec, self.cfg = folder, spec, spec.train
+        self.ops = get_ops(device)
+        if spec.experts > 1:
+            self._open_soma()
+        else:
+            self._open_single()
+
+    def _open_single(self):
+        if self.folder.has_checkpoint:
+            run = open_run(self.folder.path)
+            trainer, self.heldout = run.trainer(ops=self.ops), run.heldout
+        else:
+            train_corpus, self.heldout = load_data(None, None)
+            sampler = BatchSampler(train_corpus, self.cfg.seq_len + 1)
+            trainer = new_trainer(self.folder, self.spec.model, self.cfg, sampler, data_record(train_corpus),
+                                  self.ops)  # step 0, as `zosoma train` leaves it
+        self.trainers, self.router = [trainer], Whole()
+
+    def _open_soma(self):
+        s = self.spec
+        if not self.folder.is_soma:  # new, or a creation cut short: the job's own folder, redone
+            create_soma(self.folder.path, s.model, s.train, s.experts, s.loss, s.chunk_size, top_k=s.top_k,
+                        new_folder=False)
+        run = open_soma(self.folder.path)
+        self.heldout = run.heldout
+        if s.loss == "summed":
+            self.trainers = lockstep_trainers(run, self.ops)
+        else:
+            self.trainers = [run.trainer(i, self.ops) for i in range(s.experts)]
+        self.router = Router(load_clustering(self.folder.router), s.top_k)
+
+    @property
+    def step(self) -> int:
+        return min(t.state.step for t in self.trainers)
+
+    def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
+        """Train every expert to step `target` (checkpointed there); False when asked to stop
+        (every expert is checkpointed where it was). A run the divergence guard stopped trains no
+        further: it is scored where it stopped, and its record says so."""
+        if self.diverged:
+            return not stopping()
+        if self.spec.loss == "summed":
+            _drain(train_lockstep(self.trainers, lambda: self.trainers[0].state.step >= target or stopping()))
+        else:
+            for t in self.trainers:
+                _drain(train(t, lambda t=t: t.state.step >= target or stopping() or self.diverged))
+        return not stopping()
+
+    @property
+    def diverged(self) -> bool:
+        return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
+
+    def training(self) -> dict:
+        """Skipped steps summed over experts, the guards' verdicts (a run they stopped), every
+        restart and dropped expert (--on-divergence restart), the mean final training loss."""
+        s = [t.summary() for t in self.trainers]
+        finals = [x["final_train_loss"] for x in s if x["final_train_loss"] is not None]
+        verdicts = [dict(x["divergence"], expert=i) for i, x in enumerate(s) if x["divergence"]]
+        return {"skipped_steps": sum(x["skipped_steps"] for x in s), "divergence": verdicts or None,
+                "restarts": [dict(r, expert=i) for i, x in enumerate(s) for r in x["restarts"]],
+                "dropped": [dict(x["dropped"], expert=i) for i, x in enumerate(s) if x["dropped"]],
+                "final_train_loss": float(np.mean(finals)) if finals else None}
+
+    def totals(self) -> dict:
+        s = [t.state for t in self.trainers]
+        return {"step": self.step, "flops": float(sum(x.tokens for x in s)) * self.spec.model.flops_per_token(),
+                "wall_s": sum(x.wall_s for x in s)}
+
+    def ensemble(self, top_k: int | None = None) -> Ensemble:
+        """The run's model; a SOMA run's router top-k (default the spec's) over the experts it
+        did not drop (fewer when fewer are left)."""
+        router = self.router
+        if isinstance(router, Router):
+            dropped = [i for i, t in enumerate(self.trainers) if t.state.dropped]
+            k = min(top_k or router.top_k, len(self.trainers) - len(dropped))
+            router = Router(router.clustering, k, router.temperature, dropped)
+        return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
+
+    def score(self, corpus: Corpus, segment: int = 256, context: int = 512, top_k: int | None = None,
+              ops: Ops | None = None) -> dict:
+        """Nats/byte of the (routed) model on each name of corpus, and "overall", by the segment
+        protocol (zosoma.soma.routing), with `ops` (default: the device's fp32 engine)."""
+        by = evaluate_routed_corpus(self.ensemble(top_k), corpus, ops or self.ops, segment=segment, context=context)
+        return {name: r["routed"].nats_per_byte for name, r in by.items()}
+
+    def score_bytes(self, data: np.ndarray, segment: int = 256, context: int = 512) -> float:
+        return evaluate_routed(self.ensemble(), data, segment=segment, context=context,
+                               ops=self.ops)["routed"].nats_per_byte
+
+
+def _drain(records: Iterator) -> None:
+    for _ in records:
+        pass
