@@ -1,80 +1,132 @@
 """TensorBoard event files in every run folder: what researchers watch a run with.
 
-Written with tensorboardX (NumPy and protobuf; W&B and MLflow import the files) beside
-metrics.jsonl, which stays the record of a run: `tensorboard --logdir runs/` lists every run
-folder, and a SOMA run as its experts (RUN/expert{i}) plus the routed ensemble (RUN). Tags:
+Event files in TensorBoard's format (TFRecord framing of Event protobufs, built with
+tensorboardX's protobufs and checksum; W&B and MLflow import them) beside metrics.jsonl, which stays
+the record of a run: `tensorboard --logdir runs/` lists every run folder, and a SOMA run as its
+experts (RUN/expert{i}) plus the routed ensemble (RUN). Tags:
 
     train/loss, train/lr, train/tokens_per_s, train/spread      every step (spread: rms of the P
     train/normalize_scale, train/clip_count                      scalars before shaping)
     time/data_s, time/noise_s, time/forward_s, time/update_s     the step's time split
     guard/smoothed, guard/best, guard/above                      the divergence guard's state
-    eval/heldout, eval/wikitext103                               each evaluation (the curve of a
-                                                                 comparison, the final one)
+    eval/heldout, eval/wikitext103                               each evaluation (the final one;
+    eval/heldout_curve, hparams/*                                a comparison's curve and HParams)
 
-A resumed run, or one rolled back by a restart, marks the step it continues from so TensorBoard
-drops the events after it that the checkpoint does not cover (tensorboardX's purge_step).
+Records are buffered and appended whole at every checkpoint (and every 64 KiB or 10 s): no
+thread, nothing at exit. A resumed run, or one rolled back by a restart, marks the step it continues from so
+TensorBoard drops the events after it that the checkpoint does not cover (a SessionLog START,
+as tensorboardX's purge_step). The events are a view: a write that fails (a full disk) is said in
+one warning and the run goes on without them.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+import struct
+import time
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
+
+from zosoma.atomic import reason
 
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "spread": "train/spread",
              "normalize_scale": "train/normalize_scale", "clip_count": "train/clip_count",
              "data_s": "time/data_s", "noise_s": "time/noise_s", "forward_s": "time/forward_s",
              "update_s": "time/update_s", "exchange_s": "time/exchange_s"}
+FLUSH_BYTES, FLUSH_S = 1 << 16, 10.0  # buffered events are appended past either
+
+
+class EventsUnavailable(UserWarning):
+    """A run's TensorBoard events could not be written; training goes on (one line: why)."""
 
 
 class EventLog:
-    """The event file of one run folder, opened at the first write; `since` is the step a resumed
-    run continues from (events past it in older files are purged)."""
+    """The event file this process writes in one run folder, made at the first write; `since` is
+    the step a resumed run continues from (events past it in older files are purged)."""
 
     def __init__(self, path, since: int = 0):
-        self.path, self.since, self._writer = Path(path), since, None
-
-    def _open(self):
-        if self._writer is None:
-            from tensorboardX import SummaryWriter
-            self._writer = SummaryWriter(str(self.path), purge_step=self.since + 1 if self.since else None,
-                                         flush_secs=10, max_queue=1000)
-            self.since = 0  # purged once: a later file of this session continues it
-        return self._writer
+        self.path, self.since = Path(path), since
+        self._file: Path | None = None
+        self._buffer: list[bytes] = []
+        self._size, self._failed, self._flushed = 0, False, time.monotonic()
 
     def step(self, record: dict, guard=None) -> None:
         """One step's metrics.jsonl record (and the guard after it) as scalars at record["step"]."""
-        w, step = self._open(), record["step"]
-        for key, tag in STEP_TAGS.items():
-            value = record.get(key)
-            if value is not None:
-                w.add_scalar(tag, float(value), step)
+        values = {tag: record[key] for key, tag in STEP_TAGS.items() if record.get(key) is not None}
         if guard is not None and guard.smoothed is not None:
-            w.add_scalar("guard/smoothed", guard.smoothed, step)
-            w.add_scalar("guard/best", guard.best, step)
-            w.add_scalar("guard/above", guard.above, step)
+            values.update({"guard/smoothed": guard.smoothed, "guard/best": guard.best, "guard/above": guard.above})
+        self._scalars(record["step"], values)
 
     def evaluation(self, step: int, heldout: float | None, wikitext: float | None = None,
                    tag: str = "eval/heldout") -> None:
-        w = self._open()
-        for name, value in ((tag, heldout), ("eval/wikitext103", wikitext)):
-            if value is not None:
-                w.add_scalar(name, float(value), step)
-        w.flush()  # few and precious: on disk now
+        self._scalars(step, {k: v for k, v in ((tag, heldout), ("eval/wikitext103", wikitext)) if v is not None})
+        self.flush()  # few and precious: on disk now
 
     def rolled_back(self, step: int) -> None:
         """A restart took the run back to `step`: events after it belong to the abandoned course."""
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        self._open().file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+        self._event(step=step + 1, session_log=_proto().SessionLog(status=_proto().SessionLog.START))
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """The run's settings and final figures, for TensorBoard's HParams view (a comparison)."""
+        from tensorboardX.summary import hparams as hparams_summaries
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-        self._open().add_hparams(clean, {k: float(v) for k, v in metrics.items() if v is not None}, name=".")
+        for summary in hparams_summaries(clean, metrics):
+            self._event(summary=summary)
+        self._scalars(0, metrics)
+        self.flush()
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
+        """Append what is buffered to the file, whole."""
+        if not self._buffer or self._failed:
+            return
+        data = b"".join(self._buffer)
+        self._buffer, self._size, self._flushed = [], 0, time.monotonic()
+        try:
+            if self._file is None:
+                self._file = self.path / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+                data = _record(_proto().Event(wall_time=time.time(), file_version="brain.Event:2")) + data
+            with open(self._file, "ab") as f:
+                f.write(data)
+        except OSError as err:
+            self._failed = True
+            warnings.warn(f"TensorBoard events of {self.path} are no longer written ({reason(err)}); metrics.jsonl "
+                          "still is", EventsUnavailable, stacklevel=2)
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+    close = flush
+
+    def _scalars(self, step: int, values: dict) -> None:
+        if values:
+            p = _proto()
+            self._event(step=step, summary=p.Summary(value=[p.Summary.Value(tag=t, simple_value=float(v))
+                                                            for t, v in values.items()]))
+
+    def _event(self, **fields) -> None:
+        if self._failed:
+            return
+        if self.since:  # the first event of a resumed run: drop what the checkpoint does not cover
+            since, self.since = self.since, 0
+            self._event(step=since + 1, session_log=_proto().SessionLog(status=_proto().SessionLog.START))
+        record = _record(_proto().Event(wall_time=time.time(), **fields))
+        self._buffer.append(record)
+        self._size += len(record)
+        if self._size >= FLUSH_BYTES or time.monotonic() - self._flushed > FLUSH_S:
+            self.flush()
+
+
+@functools.cache
+def _proto():
+    """tensorboardX's Event and Summary protobufs (loaded when first needed)."""
+    from tensorboardX.proto import event_pb2, summary_pb2
+    return SimpleNamespace(Event=event_pb2.Event, SessionLog=event_pb2.SessionLog, Summary=summary_pb2.Summary)
+
+
+def _record(event) -> bytes:
+    """One TFRecord: length, its masked CRC-32C, the serialised event, its masked CRC-32C."""
+    from tensorboardX.record_writer import masked_crc32c
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
