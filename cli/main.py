@@ -89,10 +89,11 @@ def previous_option(f):
 
 def _ops(device: str):
     """The engine for --device (zosoma.engines.get_ops); says which one --device auto chose."""
-    from zosoma.engines import auto_note, get_ops
+    from zosoma.engines import device_note, get_ops
     ops = get_ops(device)
-    if device == "auto":
-        click.echo(auto_note(ops), err=True)
+    note = device_note(device, ops)
+    if note:
+        click.echo(note, err=True)
     return ops
 
 
@@ -261,7 +262,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
                 raise click.UsageError(f"--{ignored[0].replace('_', '-')} is an option of SOMA (--experts 2 or more)")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
         if population_workers:
-            from zosoma.runs.population import check_shardable
+            from zosoma.runs.population_workers import check_shardable
             check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
         executor, summed, sharding = place(placement, experts, loss)
         made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")
@@ -333,7 +334,7 @@ def _render_training(records, stop: StopRequest):
             for note in r.notes:
                 bar.write(f"warning: {note}", file=sys.stderr)
         elif isinstance(r, Clusters):
-            from zosoma.soma.cluster import format_report
+            from zosoma.mixture.cluster import format_report
             click.echo(f"clustered {r.n_chunks:,} chunks of {r.chunk_size} bytes:")
             click.echo(format_report(r.report))
         elif isinstance(r, Started):
@@ -480,7 +481,7 @@ def export(checkpoint, fmt, out, force, unrolled, seq_len, previous):
     (RUN/expertI), or a whole SOMA run (a folder: one graph per expert, router.npz, manifest.json;
     see PORTING.md)."""
     from zosoma.formats.checkpoint import load_checkpoint
-    from zosoma.formats.export import export_torch
+    from zosoma.formats.torch_state import export_torch
     from zosoma.model.params import Layout
     from zosoma.runs.folder import RunFolder, checkpoint_path
 
@@ -491,7 +492,7 @@ def export(checkpoint, fmt, out, force, unrolled, seq_len, previous):
     if seq_len and not unrolled:
         raise click.UsageError("--seq-len sets the steps of an --unrolled graph (the LSTM operator takes any length)")
     if fmt == "onnx":
-        from zosoma.porting.export import export_run
+        from zosoma.porting.export_run import export_run
         for line in export_run(checkpoint, out, "unrolled" if unrolled else "lstm", (seq_len or 64) if unrolled else None,
                                force=force, fallback=previous):
             click.echo(line)
@@ -557,7 +558,7 @@ def data_download(name, dest, url, with_train):
 def cluster(data, experts, chunk_size, unbalanced, seed, out):
     """Cluster the corpus as `train --experts N` does and print each cluster's size and mix of
     sources (domains for the shipped corpus) and the purity against them."""
-    from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
+    from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
     from zosoma.corpus import chunk, load_corpus
 
     if out and Path(out).exists():
@@ -589,7 +590,7 @@ def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, p
     from zosoma.runs.folder import RunFolder
     from zosoma.runs.soma import load_ensemble
     from zosoma.runs.single import load_model
-    from zosoma.soma.sample import sample as generate
+    from zosoma.mixture.sample import sample as generate
 
     ops = _ops(device)
     if RunFolder(run).is_soma:
@@ -766,7 +767,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     out = Path(out or Path("results") / path.stem)
     finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
     if not plan:
-        device = _ops(device).name
+        ops = _ops(device)
+        device = ops.name
     click.echo(f"{cmp.title}\nbudget {cmp.flops:.3g} forward FLOPs per run; seeds {list(cmp.seeds)}; output {out}")
     click.echo(f"  {'method':<24}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
     for m in cmp.methods + cmp.ablation:
@@ -803,7 +805,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
         from zosoma.runs.placement import Placement, executor as units_executor
 
         placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit)
-        executor = units_executor(placement, len(todo), jobs or (1 if device != "cpu" else os.cpu_count()))
+        executor = units_executor(placement, len(todo), jobs or (1 if ops.on_device else os.cpu_count()))
         paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=stop,
                                on_result=report)
     except Stopped as e:

@@ -12,7 +12,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
@@ -21,15 +20,18 @@ from helpers import (error_line, on_a_full_disk, on_a_read_only_disk, one_line_e
 from zosoma.cli.main import cli
 from zosoma.config import ModelConfig
 from zosoma.engines.ops import Ops
-from zosoma.model import forward
+from zosoma.engines.cpu import forward
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.porting import check_port
 from zosoma.porting.kit import write_kit
-from zosoma.soma.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
-from zosoma.soma.routing import Router
+from zosoma.mixture.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
+from zosoma.mixture.routing import Router
 from zosoma.strategies.spsa import central_differences
+
+pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
+ort = pytest.importorskip("onnxruntime", reason="a port is simulated in ONNX Runtime (the onnx extra)")
 
 
 @pytest.fixture(scope="module")

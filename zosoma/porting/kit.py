@@ -42,8 +42,8 @@ from zosoma.model import reference
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
 from zosoma.porting.output_folder import MANIFEST, output_folder
-from zosoma.soma.cluster import ClusterConfig, fit_clusters
-from zosoma.soma.routing import Router
+from zosoma.mixture.cluster import ClusterConfig, fit_clusters
+from zosoma.mixture.routing import Router
 
 KIT_FORMAT, KIT_VERSION = "zosoma-porting-kit", 1
 CHECKER = Path(__file__).with_name("check_port.py")
@@ -192,7 +192,7 @@ def spsa_stage(theta, layout: Layout, rng) -> tuple[dict, dict, dict]:
 
 
 def _fnv_counts(text: bytes, cfg: ClusterConfig) -> np.ndarray:
-    """(F,) hashed n-gram counts of one text, from the specification (zosoma.soma.cluster)."""
+    """(F,) hashed n-gram counts of one text, from the specification (zosoma.mixture.cluster)."""
     bits = cfg.n_features.bit_length() - 1
     counts = np.zeros(cfg.n_features, np.int64)
     for t in range(len(text)):

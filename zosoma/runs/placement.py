@@ -71,7 +71,7 @@ def place(placement: Placement, experts: int, loss: str = "independent"):
     """Where a training run's work goes: (the executor of independent experts, the workers of
     the summed ablation's experts, the sharding of one model's population), each None when
     unused."""
-    from zosoma.runs.population import InProcess, Processes, Sharding
+    from zosoma.runs.population_workers import InProcess, Processes, Sharding
 
     population = placement.population_workers
     if population is not None and experts > 1:

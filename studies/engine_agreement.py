@@ -1,6 +1,6 @@
 """Training through ONNX Runtime beside the Numba engine: the default run, seed by seed.
 
-    python tests/engine_agreement.py [--seeds 0 1 2] [--dir runs/engines] [--out FILE]
+    python studies/engine_agreement.py [--seeds 0 1 2] [--dir runs/engines] [--out FILE]
 
 Runs `zosoma train --engine native|onnxruntime --seed S` for each seed (a run folder that already
 holds results.json is reused; one its divergence guard stopped is resumed past the guard, the
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from zosoma.corpus import load_text
-from zosoma.engines.onnxrt import OnnxRuntimeOps
+from zosoma.engines.onnxruntime.onnxrt_ops import OnnxRuntimeOps
 from zosoma.engines.ops import Ops
 from zosoma.model import reference
 from zosoma.model.params import Layout
