@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared_data import use_shared_wikitext
 from zosoma.corpus import load_text
 from zosoma.engines.onnxruntime.onnxrt_ops import OnnxRuntimeOps
 from zosoma.engines.ops import Ops
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("runs/engines"))
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args()
+    use_shared_wikitext()
 
     lines = ["# The default `zosoma train` run (tiny preset) on the Numba and the ONNX Runtime engine, same seed.",
              "seed  engine        held-out  WikiText-103  wall s  last-100 train loss",
