@@ -19,7 +19,7 @@ from zosoma.cli.options import nonneg, positive
 def cluster(data, experts, chunk_size, unbalanced, seed, out):
     """Cluster the corpus as `train --experts N` does and print each cluster's size and mix of
     sources (domains for the shipped corpus) and the purity against them."""
-    from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
+    from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
     from zosoma.corpus import chunk, load_corpus
 
     if out and Path(out).exists():

@@ -24,7 +24,7 @@ def export(checkpoint, fmt, out, force, unrolled, seq_len, previous):
     (RUN/expertI), or a whole SOMA run (a folder: one graph per expert, router.npz, manifest.json;
     see PORTING.md)."""
     from zosoma.formats.checkpoint import load_checkpoint
-    from zosoma.formats.export import export_torch
+    from zosoma.formats.torch_state import export_torch
     from zosoma.model.params import Layout
     from zosoma.runs.folder import RunFolder, checkpoint_path
 
@@ -35,7 +35,7 @@ def export(checkpoint, fmt, out, force, unrolled, seq_len, previous):
     if seq_len and not unrolled:
         raise click.UsageError("--seq-len sets the steps of an --unrolled graph (the LSTM operator takes any length)")
     if fmt == "onnx":
-        from zosoma.porting.export import export_run
+        from zosoma.porting.export_run import export_run
         for line in export_run(checkpoint, out, "unrolled" if unrolled else "lstm", (seq_len or 64) if unrolled else None,
                                force=force, fallback=previous):
             click.echo(line)

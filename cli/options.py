@@ -91,8 +91,9 @@ def usage_errors():
 
 def device_ops(device: str):
     """The engine for --device (zosoma.engines.get_ops); says which one --device auto chose."""
-    from zosoma.engines import auto_note, get_ops
+    from zosoma.engines import device_note, get_ops
     ops = get_ops(device)
-    if device == "auto":
-        click.echo(auto_note(ops), err=True)
+    note = device_note(device, ops)
+    if note:
+        click.echo(note, err=True)
     return ops

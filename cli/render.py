@@ -29,7 +29,7 @@ def training(records, stop: StopRequest) -> None:
             for note in r.notes:
                 bar.write(f"warning: {note}", file=sys.stderr)
         elif isinstance(r, Clusters):
-            from zosoma.soma.cluster import format_report
+            from zosoma.mixture.cluster import format_report
             click.echo(f"clustered {r.n_chunks:,} chunks of {r.chunk_size} bytes:")
             click.echo(format_report(r.report))
         elif isinstance(r, Started):

@@ -27,7 +27,7 @@ def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, p
     from zosoma.runs.folder import RunFolder
     from zosoma.runs.soma import load_ensemble
     from zosoma.runs.single import load_model
-    from zosoma.soma.sample import sample as generate
+    from zosoma.mixture.sample import sample as generate
 
     ops = device_ops(device)
     if RunFolder(run).is_soma:

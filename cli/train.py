@@ -88,7 +88,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
-    from zosoma.engines import get_ops, run_ops
+    from zosoma.engines import get_ops
     from zosoma.runs.folder import RunFolder
     from zosoma.runs.placement import Placement, place
     from zosoma.runs.single import resume_run, start_run
@@ -134,12 +134,12 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
             model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())})
         except UnusedOption as e:
             raise click.UsageError(str(e)) from None
-        run_ops(get_ops(placement.device), cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+        get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if experts == 1:
             refuse_given(ctx, ("loss", "top_k", "chunk_size", "workers"), "SOMA (--experts 2 or more)")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
         if population_workers:
-            from zosoma.runs.population import check_shardable
+            from zosoma.runs.population_workers import check_shardable
             check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
         executor, summed, sharding = place(placement, experts, loss)
         made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")

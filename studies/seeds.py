@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from shared_data import use_shared_wikitext
+
 ZOSOMA = [str(Path(sys.executable).parent / "zosoma")]
 
 
@@ -119,6 +121,7 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--variant", action="append", required=True, help='"NAME=train options"')
     a = p.parse_args(argv)
+    use_shared_wikitext()
     variants = [(v.partition("=")[0], shlex.split(v.partition("=")[2])) for v in a.variant]
     seed_list = seeds(a.seeds)
     a.out.mkdir(parents=True, exist_ok=True)

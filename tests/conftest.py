@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
+
+# The developers keep WikiText-103 in shared/ beside the checkout (so does CI): the final
+# evaluations of the tests (and of the zosoma processes they start) score it, unless one is named.
+SHARED_WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "wikitext-103"
+if "ZOSOMA_WIKITEXT103" not in os.environ and (SHARED_WIKITEXT / "wiki.test.raw").is_file():
+    os.environ["ZOSOMA_WIKITEXT103"] = str(SHARED_WIKITEXT)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +45,9 @@ def two_domains(tmp_path_factory):
 
 @pytest.fixture
 def scratch_cwd(tmp_path, monkeypatch):
-    """Work from a scratch folder: ../shared/wikitext-103 beside the checkout is not found, so
-    final evaluations score the small held-out text only, and relative run folders land in
-    tmp_path (subprocesses and workers inherit the working folder)."""
+    """Work from a scratch folder without the developers' WikiText-103, so final evaluations score
+    the small held-out text only, and relative run folders land in tmp_path (subprocesses and
+    workers inherit the working folder and the environment)."""
+    if os.environ.get("ZOSOMA_WIKITEXT103") == str(SHARED_WIKITEXT):
+        monkeypatch.delenv("ZOSOMA_WIKITEXT103")
     monkeypatch.chdir(tmp_path)

@@ -14,15 +14,18 @@ import onnxruntime as ort
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines.ops import Ops
-from zosoma.model import forward, lowrank, precision, precision_kernels
+from zosoma.engines.cpu import forward, lowrank
+from zosoma.engines.emulated import precision_kernels, precision_reference
+from zosoma.model import noise as noise_spec, number_formats
+from zosoma.model.reference import sigmoid
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
-from zosoma.model.precision import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
+from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
 from zosoma.runs.trainer import apply_update, stream
-from zosoma.soma.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
-from zosoma.soma.routing import Router
+from zosoma.mixture.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
+from zosoma.mixture.routing import Router
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
@@ -171,7 +174,7 @@ def port_eggroll(kit, layout):
     ops = Ops()
     plus, minus = ops.perturbed_losses(f["theta"], layout, f["batch"], pop)
     coefficients, _ = strategy.coefficients(plus, minus)
-    return {"perturbation": lowrank.materialise(layout, pop.scale, pop.rank, pop.seed, pop.expert, pop.step, 0,
+    return {"perturbation": noise_spec.materialise(layout, pop.scale, pop.rank, pop.seed, pop.expert, pop.step, 0,
                                                 np.float32),
             "plus": plus, "minus": minus, "coefficients": coefficients,
             "theta_new": strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))[0]}
@@ -292,7 +295,7 @@ def _shifted(kit_values, first):
 
 
 def port_float_format(kit, layout, fmt):
-    """bf16/fp16 op by op with zosoma.model.precision's rounding, float32 products as its forward
+    """bf16/fp16 op by op with zosoma.model.number_formats's rounding, float32 products as its forward
     computes them, each operation from the kit's values of what it consumes."""
     f = load(kit, fmt)
     H, L = layout.config.hidden, layout.config.layers
@@ -306,8 +309,8 @@ def port_float_format(kit, layout, fmt):
         z = (x @ w[f"lstm{layer}.w_ih"]).astype(np.float64) + (h_prev @ w[f"lstm{layer}.w_hh"]).astype(np.float64)
         out[f"gates{layer}"] = R(z + w[f"lstm{layer}.bias"])
         g = f[f"gates{layer}"].astype(np.float64)  # the kit's
-        a = np.concatenate([R(precision._sigmoid(g[..., :2 * H])), R(np.tanh(g[..., 2 * H:3 * H])),
-                            R(precision._sigmoid(g[..., 3 * H:]))], axis=-1)
+        a = np.concatenate([R(sigmoid(g[..., :2 * H])), R(np.tanh(g[..., 2 * H:3 * H])),
+                            R(sigmoid(g[..., 3 * H:]))], axis=-1)
         out[f"activations{layer}"] = a
         k = f[f"activations{layer}"].astype(np.float64)
         out[f"cells{layer}"] = R(k[..., H:2 * H] * c_prev + k[..., :H] * k[..., 2 * H:3 * H])
@@ -315,14 +318,14 @@ def port_float_format(kit, layout, fmt):
                                   * R(np.tanh(f[f"cells{layer}"].astype(np.float64))))
         x = f[f"hidden{layer}"].astype(np.float32)
     out["logits"] = R((x @ w["out.w"]).astype(np.float64) + w["out.b"])
-    out["nll"] = precision.nll(f["logits"], f["targets"])
+    out["nll"] = precision_reference.nll(f["logits"], f["targets"])
     out["loss"] = precision_kernels.population_loss(f["theta"][None], layout, f["batch"], fmt)[0]
     out["edge_rounded"] = R(f["edge_values"])
     out["edge_wide_rounded"] = R(f["edge_wide"])
     e = f["edge_gates"].astype(np.float64)
     with np.errstate(over="ignore"):
-        out["edge_activations"] = np.stack([R(precision._sigmoid(e[:, 0])), R(precision._sigmoid(e[:, 1])),
-                                            R(np.tanh(e[:, 2])), R(precision._sigmoid(e[:, 3]))], axis=1)
+        out["edge_activations"] = np.stack([R(sigmoid(e[:, 0])), R(sigmoid(e[:, 1])),
+                                            R(np.tanh(e[:, 2])), R(sigmoid(e[:, 3]))], axis=1)
     k = f["edge_activations"].astype(np.float64)
     out["edge_cells"] = R(k[:, 1] * f["edge_c"] + k[:, 0] * k[:, 2])
     out["edge_hidden"] = R(k[:, 3].astype(np.float32) * R(np.tanh(f["edge_cells"].astype(np.float64))))
@@ -339,10 +342,10 @@ def int8_h(o, qc):
 
 
 def port_int8(kit, layout):
-    """int8 op by op with zosoma.model.precision's quantisation, tables and integer cell."""
+    """int8 op by op with zosoma.model.number_formats's quantisation, tables and integer cell."""
     f = load(kit, "int8")
     H, L = layout.config.hidden, layout.config.layers
-    w = precision.prepare(f["theta"], layout, "int8")
+    w = number_formats.prepare(f["theta"], layout, "int8")
     scales = []
     quantized = []
     for e in layout.entries:
@@ -375,10 +378,10 @@ def port_int8(kit, layout):
         out[f"hidden{layer}"] = int8_h(a[..., 3 * H:], f[f"cells{layer}"])
         x, s_x = f[f"hidden{layer}"].astype(np.float64), 1.0 / Q_H
     out["logits"] = ((x @ w["q_out_w"] + w["q_out_b"]) * (w["s_out_w"] / Q_H)).astype(np.float32)
-    out["nll"] = precision.nll(f["logits"], f["targets"])
+    out["nll"] = precision_reference.nll(f["logits"], f["targets"])
     out["loss"] = precision_kernels.population_loss(f["theta"][None], layout, f["batch"], "int8")[0]
-    s = precision.int8_scale(f["edge_tensor"])
-    out.update(edge_scale=s, edge_q=precision.quantize_int8(f["edge_tensor"], f["edge_scale"]),
+    s = number_formats.int8_scale(f["edge_tensor"])
+    out.update(edge_scale=s, edge_q=number_formats.quantize_int8(f["edge_tensor"], f["edge_scale"]),
                edge_qz=np.clip(np.rint(f["edge_z"] * Q_GATE), -32768, 32767))
     e = f["edge_gates"]
     out["edge_activations"] = np.stack([table_lookup(e[:, k], TANH_TABLE if k == 2 else SIGMOID_TABLE)

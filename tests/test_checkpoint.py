@@ -270,7 +270,7 @@ def test_summary_of_damaged_file(saved):
 def test_exported_torch_model_matches_reference(saved, tmp_path):
     torch = pytest.importorskip("torch")
     from torch_reference import TorchByteLSTM
-    from zosoma.formats.export import export_torch
+    from zosoma.formats.torch_state import export_torch
 
     path, _ = saved
     ck = make_checkpoint()

@@ -207,7 +207,7 @@ def test_data_show_and_download(tmp_path):
 
 def test_sample_a_single_model_and_greedy(tmp_path, text_files):
     from zosoma.runs.single import load_model
-    from zosoma.soma.sample import sample
+    from zosoma.mixture.sample import sample
     from zosoma.engines.ops import Ops
     run_dir = tmp_path / "one"
     assert run(["train", "--data", str(text_files / "a.txt"), "--run-dir", str(run_dir), "--steps", "3", *TINY]).exit_code == 0

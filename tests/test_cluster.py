@@ -1,4 +1,4 @@
-"""Clustering (zosoma.soma.cluster): each stage against a plain reference on small inputs, then the whole
+"""Clustering (zosoma.mixture.cluster): each stage against a plain reference on small inputs, then the whole
 c-BTM pipeline on the shipped corpus (domain recovery, balance, determinism, held-out routing).
 
 The small tests also pass with NUMBA_DISABLE_JIT=1; the shipped-corpus tests need the JIT (10 MB
@@ -12,12 +12,10 @@ import h5py
 import numba
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
-from zosoma.soma import cluster as cl
-from zosoma.soma.cluster import (
+from zosoma.mixture import cluster as cl
+from zosoma.mixture.cluster import (
     ClusterConfig,
     Clustering,
     balanced_assignment,
@@ -32,6 +30,10 @@ from zosoma.corpus import Corpus, chunk, load_corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError, WriteError
 
 from helpers import assert_close
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 JIT = not numba.config.DISABLE_JIT
 needs_jit = pytest.mark.skipif(not JIT, reason="the shipped corpus is too big without the JIT")

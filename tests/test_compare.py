@@ -15,8 +15,8 @@ from zosoma.experiments.study import Run, run_job
 from zosoma.errors import ConfigError
 from zosoma.runs.folder import SETTINGS, RunFolder
 from zosoma.model.evaluate import EvalResult
-from zosoma.model.forward import nll_stream
-from zosoma.soma.routing import cut_segments
+from zosoma.engines.cpu.forward import nll_stream
+from zosoma.mixture.routing import cut_segments
 
 MINI = """
 title = "mini"
@@ -334,6 +334,7 @@ def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
 
 def test_compare_command_end_to_end(tmp_path):
     """Writes the table, CSV and plots; a second invocation repeats nothing."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
     (tmp_path / "mini.toml").write_text(MINI.replace("seeds = [0, 1]", "seeds = [0]"))
     wiki = tmp_path / "wiki.test.raw"
     wiki.write_bytes(b" = Valkyria Chronicles III = \n Senj\xc5\x8d no Valkyria 3 is a tactical role playing game .\n" * 60)

@@ -7,15 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import CheckpointError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from zosoma.model.params import init_params
-from zosoma.soma.cluster import ClusterConfig, fit_clusters, load_clustering, save_clustering
+from zosoma.mixture.cluster import ClusterConfig, fit_clusters, load_clustering, save_clustering
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 MODEL = ModelConfig(embed=4, hidden=6, layers=1)
 

@@ -1,6 +1,7 @@
 """WikiText-103 download (offline, through file:// URLs of zips built here) and lookup."""
 
 import hashlib
+import os
 import zipfile
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def test_checksum_constants_match_reference(reference):
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    """No env var, an empty home and cache, and a working directory with no ../shared."""
+    """No env var, an empty home and cache, and a working directory of its own."""
     monkeypatch.delenv("ZOSOMA_WIKITEXT103", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -144,9 +145,8 @@ def put(folder):
 
 def test_find_order(isolated, monkeypatch):
     assert find_wikitext103() is None
-    sibling = put(isolated / "work" / "shared" / "wikitext-103")
-    assert find_wikitext103() == Path.cwd().parent / "shared" / "wikitext-103" / "wiki.test.raw"
-    assert find_wikitext103().samefile(sibling)
+    put(isolated / "work" / "shared" / "wikitext-103")  # a development folder is not the library's business
+    assert find_wikitext103() is None
     cached = put(isolated / "home" / ".cache" / "zosoma" / "wikitext-103")
     assert wikitext103_cache_dir() == cached.parent
     assert find_wikitext103() == cached
@@ -170,3 +170,13 @@ def test_xdg_cache_home(isolated, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(isolated / "xdg"))
     found = put(isolated / "xdg" / "zosoma" / "wikitext-103")
     assert find_wikitext103() == found
+
+
+def test_scratch_cwd_hides_the_developers_wikitext(monkeypatch, request):
+    """conftest names ../shared/wikitext-103 in $ZOSOMA_WIKITEXT103 when it is there; a test that
+    works from a scratch folder does not see it (its final evaluations stay small)."""
+    import conftest
+
+    monkeypatch.setenv("ZOSOMA_WIKITEXT103", str(conftest.SHARED_WIKITEXT))
+    request.getfixturevalue("scratch_cwd")
+    assert "ZOSOMA_WIKITEXT103" not in os.environ

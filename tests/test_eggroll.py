@@ -1,6 +1,7 @@
-"""EGGROLL (zosoma.model.lowrank): the low-rank shared-GEMM population forward (float64 NumPy path and
-float32 compiled path) and the update against explicitly materialised dense perturbations run
-through the NumPy reference (float64); the EGGROLL-vs-SPSA bench's records."""
+"""EGGROLL (zosoma.engines.cpu.lowrank, the factors of zosoma.model.noise): the low-rank shared-GEMM
+population forward (float64 NumPy path and float32 compiled path) and the update, as training
+takes it (Eggroll.coefficients, then Ops.lowrank_update), against explicitly materialised dense
+perturbations run through the NumPy reference (float64); the EGGROLL-vs-SPSA bench's records."""
 
 import math
 
@@ -8,12 +9,14 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma.model import lowrank as eggroll
-from zosoma.strategies.eggroll import eggroll_update, zscore
-from zosoma.model import reference
+from zosoma.config import VOCAB, ModelConfig, TrainConfig
+from zosoma.engines.cpu import lowrank as eggroll
+from zosoma.engines.ops import Ops
 from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
-from zosoma.config import VOCAB, ModelConfig
+from zosoma.model import reference
+from zosoma.model.noise import materialise, noise, noise_length, pair_factors
 from zosoma.model.params import Layout, init_params
+from zosoma.strategies.eggroll import Eggroll, zscore
 
 
 def _model(embed=8, hidden=16, layers=2, seed=0, scale=2.0, dtype=np.float64):
@@ -25,12 +28,21 @@ def _bytes(seed, shape):
     return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.uint8)
 
 
+def training_update(theta, layout, losses, lr, sigma, r, seed, expert, step):
+    """One EGGROLL update as training takes it from the members' losses (2P,), member 2i being
+    theta + E_i and 2i+1 theta - E_i: Eggroll.coefficients (z-scored fitness), then Eggroll.update
+    (Ops.lowrank_update)."""
+    egg = Eggroll(TrainConfig(optimizer="eggroll", perturbations=len(losses) // 2, eps=sigma, rank=r, seed=seed))
+    coeffs, _ = egg.coefficients(np.asarray(losses[0::2]), np.asarray(losses[1::2]))
+    return egg.update(Ops(), layout, theta, {}, coeffs, egg.ask(expert, step), lr)[0]
+
+
 def _dense_losses(theta, layout, batch, sigma, r, seed, expert, step, pairs):
     """reference.loss of each materialised member theta +/- E_i, in float64."""
     theta = theta.astype(np.float64)
     out = []
     for i in range(pairs):
-        e = eggroll.materialise(layout, sigma, r, seed, expert, step, i)
+        e = materialise(layout, sigma, r, seed, expert, step, i)
         out += [reference.loss(theta + e, layout, batch), reference.loss(theta - e, layout, batch)]
     return np.array(out)
 
@@ -68,10 +80,10 @@ def test_member_groups_give_the_same_losses(rows, monkeypatch):
 def test_materialised_perturbation_is_low_rank_and_scaled():
     _, layout = _model()
     r, sigma = 2, 0.5
-    e = eggroll.materialise(layout, sigma, r, 3, 0, 1, 4)
+    e = materialise(layout, sigma, r, 3, 0, 1, 4)
     for name in ("embed", "lstm1.w_hh", "out.w"):
         assert np.linalg.matrix_rank(layout.view(e, name)) == r
-    f = eggroll.pair_factors(layout, r, 3, 0, 1, 4, np.float64)
+    f = pair_factors(layout, r, 3, 0, 1, 4, np.float64)
     assert_close(layout.view(e, "lstm0.bias"), sigma * f["lstm0.bias"], name="bias noise")
     a, b = f["out.w"]
     assert_close(layout.view(e, "out.w"), sigma / math.sqrt(r) * a @ b.T, name="out.w noise")
@@ -80,24 +92,23 @@ def test_materialised_perturbation_is_low_rank_and_scaled():
 def test_noise_regenerates_and_members_differ():
     _, layout = _model()
     r = 2
-    n = eggroll.noise_length(layout, r)
+    n = noise_length(layout, r)
     assert n == sum((e.shape[0] + e.shape[1]) * r if len(e.shape) == 2 else e.size
                     for e in layout.entries)
-    f1 = eggroll.pair_factors(layout, r, 11, 1, 4, 2)
-    f2 = eggroll.pair_factors(layout, r, 11, 1, 4, 2)
+    f1 = pair_factors(layout, r, 11, 1, 4, 2)
+    f2 = pair_factors(layout, r, 11, 1, 4, 2)
     for name in f1:
         xs = f1[name] if isinstance(f1[name], tuple) else (f1[name],)
         ys = f2[name] if isinstance(f2[name], tuple) else (f2[name],)
         for x, y in zip(xs, ys, strict=True):
             np.testing.assert_array_equal(x, y)
-    e = [eggroll.materialise(layout, 1.0, r, 11, 1, 4, m) for m in range(3)]
-    np.testing.assert_array_equal(e[0], eggroll.materialise(layout, 1.0, r, 11, 1, 4, 0))
+    e = [materialise(layout, 1.0, r, 11, 1, 4, m) for m in range(3)]
+    np.testing.assert_array_equal(e[0], materialise(layout, 1.0, r, 11, 1, 4, 0))
     assert not np.allclose(e[0], e[1]) and not np.allclose(e[1], e[2])
     # every other counter changes the noise too
     for args in ((12, 1, 4), (11, 2, 4), (11, 1, 5)):
-        assert not np.allclose(e[0], eggroll.materialise(layout, 1.0, r, *args, 0))
+        assert not np.allclose(e[0], materialise(layout, 1.0, r, *args, 0))
     # the documented slicing: embed's A is the stream's first V*r values
-    from zosoma.model.noise import noise
     z = noise(n, 11, 1, 4, 2, kind="gaussian")
     np.testing.assert_array_equal(f1["embed"][0].ravel(), z[:VOCAB * r])
     np.testing.assert_array_equal(f1["out.b"], z[-VOCAB:])
@@ -107,37 +118,29 @@ def test_update_matches_dense_formula():
     theta, layout = _model()
     r, sigma, lr, seed, expert, step, pairs = 2, 0.1, 0.05, 5, 1, 9, 4
     losses = np.random.default_rng(0).normal(3.0, 0.2, 2 * pairs)
-    new = eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step)
+    new = training_update(theta, layout, losses, lr, sigma, r, seed, expert, step)
     fz = (-losses - (-losses).mean()) / (-losses).std()
     want = theta.copy()
     for j in range(2 * pairs):
-        e = eggroll.materialise(layout, sigma, r, seed, expert, step, j // 2)
+        e = materialise(layout, sigma, r, seed, expert, step, j // 2)
         want += lr / math.sqrt(2 * pairs) * fz[j] * (e if j % 2 == 0 else -e)
     assert new.dtype == theta.dtype
     assert_close(new - theta, want - theta, atol=1e-12, rtol=1e-9, name="update")
-    # a custom shaping function is injected
-    ones = eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step,
-                                  shaping=lambda f: np.where(np.arange(f.size) % 2 == 0, 1.0, 0.0))
-    e0 = sum(eggroll.materialise(layout, sigma, r, seed, expert, step, i) for i in range(pairs))
-    assert_close(ones - theta, lr / math.sqrt(2 * pairs) * e0, atol=1e-12, rtol=1e-9,
-                 name="custom shaping")
 
 
 def test_step_applies_given_coefficients():
-    # eggroll_step: theta + lr N^-1/2 sum_i coef_i E_i (N = 2P); eggroll_update is zscore + step
+    # eggroll_step: theta + lr N^-1/2 sum_i coef_i E_i (N = 2P); the coefficients are zscore's pair differences
     theta, layout = _model()
     r, sigma, lr, seed, expert, step = 1, 0.2, 0.3, 4, 0, 2
     coef = np.array([0.5, -1.0, 2.0])
     new = eggroll.eggroll_step(theta, layout, coef, lr, sigma, r, seed, expert, step)
-    want = sum(coef[i] * eggroll.materialise(layout, sigma, r, seed, expert, step, i)
+    want = sum(coef[i] * materialise(layout, sigma, r, seed, expert, step, i)
                for i in range(3))
     assert_close(new - theta, lr / math.sqrt(6) * want, atol=1e-12, rtol=1e-9, name="step")
     losses = np.random.default_rng(1).normal(3.0, 0.2, 6)
     fz = zscore(-losses)
-    np.testing.assert_array_equal(
-        eggroll_update(theta, layout, losses, lr, sigma, r, seed, expert, step),
-        eggroll.eggroll_step(theta, layout, fz[0::2] - fz[1::2], lr, sigma, r, seed, expert,
-                             step))
+    coeffs, _ = Eggroll(TrainConfig(optimizer="eggroll", perturbations=3)).coefficients(losses[0::2], losses[1::2])
+    np.testing.assert_array_equal(coeffs, fz[0::2] - fz[1::2])
     new32 = eggroll.eggroll_step(theta.astype(np.float32), layout, coef, lr, sigma, r, seed,
                                  expert, step)
     assert new32.dtype == np.float32
@@ -146,7 +149,7 @@ def test_step_applies_given_coefficients():
 def test_equal_losses_give_zero_update():
     theta, layout = _model(dtype=np.float32)
     assert np.all(zscore(np.full(6, 0.1 * 3)) == 0)
-    new = eggroll_update(theta, layout, np.full(8, 2.7), 0.1, 0.1, 1, 0, 0, 0)
+    new = training_update(theta, layout, np.full(8, 2.7), 0.1, 0.1, 1, 0, 0, 0)
     assert np.all(np.isfinite(new))
     np.testing.assert_array_equal(new, theta)
     with pytest.raises(ValueError):
@@ -161,7 +164,7 @@ def test_short_optimisation_lowers_loss():
     sigma, lr, r, pairs = 0.1, 0.1, 2, 16
     for step in range(40):
         losses = eggroll.eggroll_population_loss(theta, layout, batch, sigma, r, 3, 0, step, pairs)
-        theta = eggroll_update(theta, layout, losses, lr, sigma, r, 3, 0, step)
+        theta = training_update(theta, layout, losses, lr, sigma, r, 3, 0, step)
     after = reference.loss(theta.astype(np.float64), layout, batch)
     assert after < before - 0.3, (before, after)
 
@@ -195,8 +198,6 @@ def test_bad_arguments():
                                         0, 0, 0, 2)
     with pytest.raises(ValueError):
         eggroll.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 0, 0, 0, 0, 2)
-    with pytest.raises(ValueError):
-        eggroll_update(theta, layout, np.ones(3), 0.1, 0.1, 1, 0, 0, 0)
     with pytest.raises(ValueError):
         eggroll.eggroll_step(theta, layout, np.ones((2, 2)), 0.1, 0.1, 1, 0, 0, 0)
     with pytest.raises(ValueError):

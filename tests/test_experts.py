@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from zosoma.model import forward
+from zosoma.engines.cpu import forward
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline, LocalProcesses
 from zosoma.runs.folder import SOMA, RunFolder
-from zosoma.runs.records import Clusters, Evaluated, Step, Stopped
-from zosoma.runs.soma import resume_soma, start_soma
+from zosoma.runs.records import Clusters, Evaluated, Step
+from zosoma.runs.soma import start_soma
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
@@ -103,28 +103,6 @@ def test_summed_and_independent_share_perturbations_and_batches(tmp_path, two_do
         a = expert_checkpoint(tmp_path / "independent", i).theta
         b = expert_checkpoint(tmp_path / "summed", i).theta
         assert not np.array_equal(a, b)
-
-
-@pytest.mark.parametrize("loss", ["independent", "summed"])
-def test_stopped_soma_run_resumes_exactly(tmp_path, two_domains, loss):
-    soma_run(tmp_path / "full", two_domains, loss=loss)
-    steps = {"n": 0}
-
-    def stop_after_three():
-        steps["n"] += 1
-        return steps["n"] > 3
-
-    kw = dict(n_experts=2, chunk_size=256, train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")],
-              executor=Inline(), loss=loss)
-    records = records_of(start_soma(tmp_path / "part", MODEL, CFG, should_stop=stop_after_three, **kw))
-    assert any(isinstance(r, Stopped) for r in records)
-    assert min(expert_checkpoint(tmp_path / "part", i).step for i in range(2)) < CFG.steps
-    records_of(resume_soma(tmp_path / "part", Inline()))
-    for i in range(2):
-        a = expert_checkpoint(tmp_path / "full", i)
-        b = expert_checkpoint(tmp_path / "part", i)
-        assert a.step == b.step == CFG.steps
-        assert np.array_equal(a.theta, b.theta)
 
 
 def test_worker_processes_match_in_process_training(tmp_path, two_domains):

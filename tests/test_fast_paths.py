@@ -8,7 +8,8 @@ import pytest
 
 from helpers import assert_close, random_bytes, scaled_model
 from zosoma.engines.ops import Ops, perturbed
-from zosoma.model import forward, noise, reference, threads
+from zosoma.engines.cpu import forward, noise_kernels, threads
+from zosoma.model import noise, reference
 from zosoma.model.population import Population
 
 LOSS_RTOL = 1e-5  # float32 forward vs the float64 reference (tests/test_forward.py)
@@ -53,7 +54,7 @@ def test_antithetic_pair_is_add_noise_with_both_signs():
     for kind in ("rademacher", "gaussian"):
         plus, minus, delta = (np.empty_like(theta) for _ in range(3))
         k0, k1 = noise.stream_key(2**40 + 1)
-        noise.antithetic_pair(plus, minus, theta, np.float32(1e-3), noise.kind_code(kind), k0, k1, 5, 6, 7, delta)
+        noise_kernels.antithetic_pair(plus, minus, theta, np.float32(1e-3), noise.kind_code(kind), k0, k1, 5, 6, 7, delta)
         for got, scale in ((plus, 1e-3), (minus, -1e-3)):
             want = noise.add_noise(np.empty_like(theta), theta, scale, 2**40 + 1, 7, 6, 5, kind)
             assert np.array_equal(got, want), kind

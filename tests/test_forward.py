@@ -1,4 +1,4 @@
-"""The Numba forward (zosoma.model.forward) against the NumPy reference, run in float64 as ground truth.
+"""The Numba forward (zosoma.engines.cpu.forward) against the NumPy reference, run in float64 as ground truth.
 
 Shapes stay tiny so the file also passes quickly with NUMBA_DISABLE_JIT=1. Parameters are scaled up
 from the default initialisation so gates saturate and predictions are far from uniform (with the
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close, random_bytes, scaled_model
-from zosoma.model import forward
+from zosoma.engines.cpu import forward
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.model.params import Layout, init_params

@@ -1,13 +1,14 @@
-"""The CUDA kernels (zosoma/kernels/*.cu) and the CUDA backend (zosoma/engines/cuda.py), with or without a GPU.
+"""The CUDA kernels (zosoma/engines/cuda/kernels/*.cu) and the CUDA engine (cuda_ops.py beside them),
+with or without a GPU.
 
 Three layers of checks:
 1. Every .cu file compiles for the GPU with `nvcc --ptx` (skipped where nvcc is absent).
 2. Emulation: each .cu file is compiled as C++ with g++ and kernels/emulate.h, which runs a launch's
-   blocks and threads one after another on the CPU. zosoma.engines.cuda then runs unchanged on an
-   "emulated" runtime (NumPy arrays, NumPy matmul for the GEMMs, the kernels through ctypes), so the
-   kernels' arithmetic *and* gpu.py's launches (argument order, strides, chunking) are checked
+   blocks and threads one after another on the CPU. zosoma.engines.cuda.cuda_ops then runs unchanged
+   on an "emulated" runtime (NumPy arrays, NumPy matmul for the GEMMs, the kernels through ctypes), so the
+   kernels' arithmetic *and* cuda_ops.py's launches (argument order, strides, chunking) are checked
    against the CPU code on any machine with a C++ compiler.
-3. The same gpu.py tests on the real CUDA runtime (CuPy + a GPU), where there is one.
+3. The same cuda_ops.py tests on the real CUDA runtime (CuPy + a GPU), where there is one.
 
 The `rt` fixture runs each backend test on both runtimes (on the emulated one only without a GPU). The emulated runtime caps the grid at a
 few blocks, so the kernels' grid-stride loops are exercised too.
@@ -25,21 +26,21 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma.engines import backend
-from zosoma.model import lowrank as eggroll
-from zosoma.model import forward
-from zosoma.engines import cuda as gpu
+from zosoma.engines.cuda import backend
+from zosoma.engines.cpu import lowrank as eggroll
+from zosoma.engines.cpu import forward
+from zosoma.engines.cuda import cuda_ops as gpu
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import ConfigError
-from zosoma.model.noise import KINDS, add_noise, noise
+from zosoma.model.noise import KINDS, add_noise, noise, noise_length, population_factors
 from zosoma.arrays import get_array_module, to_numpy
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops, perturbed
 from zosoma.model.population import Population
 from zosoma.model.params import Layout, init_params
-from zosoma.soma.routing import Ensemble, Router, cut_segments, evaluate_routed, run_selected
-from zosoma.soma.sample import sample
+from zosoma.mixture.routing import Ensemble, Router, cut_segments, evaluate_routed, run_selected
+from zosoma.mixture.sample import sample
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATE_H = gpu.KERNEL_DIR / "emulate.h"
@@ -95,7 +96,7 @@ _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_
 
 
 class EmulatedRuntime:
-    """gpu.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
+    """cuda_ops.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
     as the driver API does (grid, block, an array of pointers to the arguments)."""
 
     xp = np
@@ -335,7 +336,7 @@ def test_launch_checks_arguments(rt):
         gpu._launch("philox_blocks", 1, rt.xp.zeros(6, np.float32), out, 1)
 
 
-# --- gpu.py end to end ----------------------------------------------------------------------------
+# --- cuda_ops.py end to end -----------------------------------------------------------------------
 
 def _model(embed, hidden, layers, seed=0, scale=3.0):
     """Parameters scaled up so gates saturate and predictions are far from uniform."""
@@ -462,11 +463,11 @@ def test_eggroll_population_loss_matches_cpu(rt, monkeypatch, embed, hidden, lay
 def test_eggroll_factors_are_the_cpu_slices(rt):
     theta, layout = _model(5, 6, 2)
     r, pairs = 2, 3
-    n = eggroll.noise_length(layout, r)
+    n = noise_length(layout, r)
     z = _poisoned(rt, (pairs, n))
     gpu._perturb(z, rt.xp.zeros(n, np.float32), 1.0, 0, 11, 1, 4, 0, pairs, False, KINDS["gaussian"])
     low = gpu._LowRank(gpu.to_device(theta), layout, z, 0.5, r)
-    want = eggroll.population_factors(layout, r, 11, 1, 4, pairs, np.float64)
+    want = population_factors(layout, r, 11, 1, 4, pairs, np.float64)
     for e in layout.entries:
         if len(e.shape) == 2:
             a, b = want[e.name]
@@ -490,7 +491,7 @@ def test_eggroll_factors_are_the_cpu_slices(rt):
 def routed_setup():
     """A 4-expert ensemble of two sizes (experts of one size run together on the device) routed
     over three synthetic byte domains, and text that switches between them."""
-    from zosoma.soma.cluster import ClusterConfig, fit_clusters
+    from zosoma.mixture.cluster import ClusterConfig, fit_clusters
     from zosoma.corpus import Corpus
 
     rng = np.random.default_rng(0)
@@ -527,7 +528,7 @@ def test_routed_inference_on_the_device_matches_the_cpu(rt, routed_setup):
 
 
 def test_bench_forward_on_the_device(rt, monkeypatch):
-    """bench forward --device cuda: the gpu.py forward timed beside torch and the GEMM peak."""
+    """bench forward --device cuda: the cuda_ops.py forward timed beside torch and the GEMM peak."""
     from zosoma.experiments import bench_forward as bench
 
     if rt.xp is np:  # emulated: NumPy stands in for CuPy, and a small peak GEMM for the GPU's
@@ -596,6 +597,24 @@ def test_get_ops_is_where_the_device_is_chosen(fresh_probe):
         gpu.CupyRuntime()
 
 
+def test_each_engine_says_what_it_is(rt, fresh_probe):
+    """Code outside zosoma.engines asks an engine what it is (on_device, precision), never its name;
+    the note --device auto prints comes from the engine too."""
+    from zosoma.engines import device_note, run_ops
+
+    cpu, bf16, device = get_ops("cpu"), get_ops("cpu", precision="bf16"), gpu.CudaOps()
+    assert (cpu.on_device, cpu.precision) == (False, "fp32")
+    assert (bf16.on_device, bf16.precision, bf16.name) == (False, "bf16", "cpu-bf16")
+    assert (device.on_device, device.precision) == (True, "fp32")
+    assert run_ops(bf16, "onnxruntime").name == "onnxruntime"  # a CPU engine gives way to the run's own
+    with pytest.raises(ConfigError, match="runs on the CPU, not on cuda"):
+        run_ops(device, "native", "int8")
+    assert device_note("cpu", cpu) is None and device_note("cuda", device) is None
+    assert device_note("auto", device) == "--device auto: running on cuda"
+    if not backend.cuda_device_count():
+        assert device_note("auto", get_ops("auto")).startswith("--device auto: running on cpu (")
+
+
 def test_missing_cupy_is_reported_with_the_install_hint(fresh_probe, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail as if not installed
     assert backend.cupy_or_none() is None and backend.cuda_device_count() == 0
@@ -641,7 +660,7 @@ def test_only_the_backend_imports_cupy():
 
 def test_gpu_check_dry_run():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_check.py"), "--dry-run"],
+    result = subprocess.run([sys.executable, str(ROOT / "studies" / "gpu_check.py"), "--dry-run"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     if backend.cuda_device_count() == 0:

@@ -1,8 +1,12 @@
-"""The package's seams hold: imports point down the layout, one place picks the device, one module
-knows a run folder's files."""
+"""The package's seams hold: imports point down the layout, one place picks the device and no other
+asks which one it got, no two modules share a name, every folder is installed, one module knows a
+run folder's files."""
 
 import ast
+import configparser
+import fnmatch
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,21 +21,37 @@ ALLOWED = {
     "formats": {"foundation", "model", "formats"},
     "engines": {"foundation", "model", "formats", "engines"},
     "strategies": {"foundation", "model", "strategies"},
-    "soma": {"foundation", "model", "formats", "engines", "soma"},
-    "runs": {"foundation", "model", "formats", "engines", "strategies", "soma", "runs"},
-    "experiments": {"foundation", "model", "formats", "engines", "strategies", "soma", "runs", "experiments"},
-    "porting": {"foundation", "model", "formats", "engines", "strategies", "soma", "runs", "porting"},
+    "mixture": {"foundation", "model", "formats", "engines", "mixture"},
+    "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs"},
+    "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "experiments"},
+    "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "porting"},
 }
+DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an address "auto")
 
 
 def part(module: str) -> str:
-    """zosoma.model.forward -> "model"; zosoma.config -> "foundation"."""
+    """zosoma.model.reference -> "model"; zosoma.config -> "foundation"."""
     name = module.split(".")[1] if module.count(".") else ""
     return "foundation" if name in FOUNDATION or name == "" else name
 
 
+def engine_folder(module: str) -> str | None:
+    """zosoma.engines.cuda.cuda_ops -> "cuda"; zosoma.engines.ops (shared by every engine) -> None."""
+    parts = module.split(".")
+    inside = len(parts) > 2 and parts[1] == "engines" and (PACKAGE / "engines" / parts[2]).is_dir()
+    return parts[2] if inside else None
+
+
+def module_name(path: Path) -> str:
+    return "zosoma." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
 def sources():
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def cli_sources():
+    return sorted((ROOT / "cli").rglob("*.py"))
 
 
 def zosoma_imports(path: Path):
@@ -40,29 +60,126 @@ def zosoma_imports(path: Path):
             if node.module == "zosoma":
                 yield from (f"zosoma.{a.name}" for a in node.names if a.name != "__version__")
             else:
-                yield node.module
+                yield from (f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("zosoma"))
 
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_point_down_the_layout(path):
-    here = part("zosoma." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+    here = part(module_name(path))
     bad = [m for m in zosoma_imports(path) if part(m) not in ALLOWED[here]]
     assert not bad, f"{path.relative_to(ROOT)} ({here}) imports {bad}"
+    # an engine's folder holds the engine: it uses engines' shared modules, the CPU engine's kernels
+    # (every engine is an Ops) and its own files, never another engine's
+    folder = engine_folder(module_name(path))
+    others = [m for m in zosoma_imports(path) if folder and engine_folder(m) not in (None, "cpu", folder)]
+    assert not others, f"{path.relative_to(ROOT)} (engines/{folder}) imports {others}"
 
 
 def test_the_device_is_chosen_in_one_place():
-    """Only zosoma.engines.get_ops makes the CUDA engine; nothing else compares device names."""
+    """Only zosoma.engines.get_ops makes the CUDA engine."""
     makers = [str(p.relative_to(ROOT)) for p in sources() if "CudaOps()" in p.read_text()]
     assert makers == ["zosoma/engines/__init__.py"]
-    for p in sources() + [ROOT / "cli" / "main.py"]:
-        assert not re.search(r"""==\s*["']cuda["']""", p.read_text()), p
+
+
+def _strings(node):
+    """The string constants a comparison operand stands for ("cpu", or ("cpu", "auto"))."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        for e in node.elts:
+            yield from _strings(e)
+
+
+def _device_name(value: str) -> bool:
+    return value in DEVICE_NAMES or value.startswith("cpu-")  # "cpu-bf16": an engine's label
+
+
+def _engine_name(node) -> bool:
+    """ops.name, self.ops.name, trainer.ops.name: the label of an engine."""
+    return isinstance(node, ast.Attribute) and node.attr == "name" and "ops" in ast.unparse(node.value).lower()
+
+
+def _auto_device(operands) -> bool:
+    """A device compared with "auto" (--device auto)."""
+    return any(v == "auto" for o in operands for v in _strings(o)) and any("device" in ast.unparse(o) for o in operands)
+
+
+def device_branches(source: str) -> list[str]:
+    """Every place that asks which device or engine it has by name: comparisons (==, !=, in, is)
+    with a device name or with an engine's .name, startswith/endswith on one, dicts keyed by one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_device_name(v) for o in operands for v in _strings(o)) or any(map(_engine_name, operands)) \
+                    or _auto_device(operands):
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("startswith", "endswith") \
+                and (any(_device_name(v) for a in node.args for v in _strings(a)) or _engine_name(node.func.value)):
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Dict) and any(_device_name(v) for k in node.keys if k for v in _strings(k)):
+            found.append(ast.unparse(node)[:60])
+        elif isinstance(node, ast.MatchValue) and any(_device_name(v) for v in _strings(node.value)):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_device_branches_outside_the_engines():
+    """Code outside zosoma/engines/ never asks which device or engine it got by name: it asks the
+    engine (ops.on_device, ops.precision); only get_ops turns names into engines."""
+    engines = PACKAGE / "engines"
+    offenders = {str(p.relative_to(ROOT)): found for p in sources() + cli_sources()
+                 if engines not in p.parents and (found := device_branches(p.read_text()))}
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("spelling", [
+    'device == "cuda"', 'device != "cpu"', '"cpu" == device', 'device in ("cpu", "auto")', 'device == "auto"',
+    'ops.name != "cpu"', 'trainer.ops.name == other', 'self.ops.name in names', 'ops.name.startswith("cpu")',
+    'device.startswith("cuda")', 'x = {"cpu": 1, "cuda": 8}[device]', 'name == "cpu-bf16"',
+    'match device:\n    case "cuda":\n        pass'])
+def test_the_device_branch_check_sees_every_spelling(spelling):
+    assert device_branches(spelling)
+
+
+def test_the_device_branch_check_passes_plain_code():
+    assert not device_branches('ops = get_ops("cpu")\nif ops.on_device:\n    pass\n'
+                               'method.name in methods\nr.get("device", "cpu")\nfmt == "fp32"\n'
+                               'address not in ("auto", "local")')
+
+
+def test_no_two_modules_share_a_name():
+    """A file name says what the module is: no two modules, and no module and folder, share one."""
+    names = [p.stem for p in sources() if p.name != "__init__.py"]
+    names += [p.parent.name for p in sources() if p.name == "__init__.py" and p.parent != PACKAGE]
+    assert not [name for name, n in Counter(names).items() if n > 1]
+
+
+def test_every_folder_and_data_file_is_installed():
+    """setup.cfg lists every package folder and a package_data pattern for every other file, so an
+    install (not only a checkout) holds the whole library."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    folders = {module_name(p.parent / "x")[:-2] for p in sources() if p.name == "__init__.py"} - {"zosoma."}
+    missing = sorted(f for f in folders if f not in listed)
+    assert not missing, f"setup.cfg [options] packages lacks {missing}"
+    data = {k: [g.strip() for g in v.split(",")] for k, v in cfg["options.package_data"].items()}
+    unlisted = []
+    for p in PACKAGE.rglob("*"):
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts:
+            owner = next(q for q in p.parents if (q / "__init__.py").exists())
+            package, rel = module_name(owner / "x")[:-2], str(p.relative_to(owner))
+            if not any(fnmatch.fnmatch(rel, g) for g in data.get(package, [])):
+                unlisted.append(str(p.relative_to(ROOT)))
+    assert not unlisted, f"setup.cfg [options.package_data] lacks {unlisted}"
 
 
 def test_run_folder_files_are_named_in_one_module():
     names = re.compile(r"""["'](checkpoint(\.prev|\.next)?\.h5|soma\.json|router\.h5|metrics\.jsonl|"""
                        r"""results?\.json|curve\.jsonl|settings\.json)["']""")
-    found = [str(p.relative_to(ROOT)) for p in sources() + sorted((ROOT / "cli").glob("*.py"))
-             if names.search(p.read_text())]
+    found = [str(p.relative_to(ROOT)) for p in sources() + cli_sources() if names.search(p.read_text())]
     assert found == ["zosoma/runs/folder.py"]

@@ -1,6 +1,6 @@
 """zosoma.model.noise against Random123's known answers and an independent pure-Python reading of its spec.
 
-The pure-Python implementation below follows only the specification in zosoma/noise.py's docstring
+The pure-Python implementation below follows only the specification in zosoma/model/noise.py's docstring
 (plain Python ints, no NumPy, no Numba), so it is a second, independent implementation; the
 hard-coded vectors are its output, for porters (CUDA, other languages) to copy.
 """

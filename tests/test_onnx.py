@@ -1,12 +1,10 @@
-"""ONNX export (zosoma.formats.onnx, zosoma.porting.export, `zosoma export --format onnx`): the graphs
+"""ONNX export (zosoma.formats.onnx, zosoma.porting.export_run, `zosoma export --format onnx`): the graphs
 pass onnx.checker's full check, ONNX Runtime reproduces the NumPy reference's logits within 1e-5
 with the state carried across pieces, and the gate order is what makes it so."""
 
 import json
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 
 from helpers import (assert_close, error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, run_cli as run,
@@ -15,6 +13,9 @@ from zosoma.config import VOCAB, ModelConfig
 from zosoma.formats import onnx as zonnx
 from zosoma.model import reference
 from zosoma.model.params import Layout, init_params
+
+onnx = pytest.importorskip("onnx", reason="ONNX export needs the onnx extra")
+ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is in the onnx extra")
 
 LOGITS_ATOL = 1e-5  # the issue's bound: float32 runtime against the float64 reference
 

@@ -1,4 +1,4 @@
-"""Training through an inference-only runtime (zosoma.engines.onnxrt) and the engine names a run
+"""Training through an inference-only runtime (zosoma.engines.onnxruntime.onnxrt_ops) and the engine names a run
 carries (engines.get_ops, TrainConfig.engine / forward_precision): the same seed takes the same
 steps as the Numba engine within float tolerance, a resume keeps the run's engine, and an engine
 that is not installed is one line."""
@@ -18,6 +18,8 @@ from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.runs.records import Step
 from zosoma.runs.trainer import Trainer, new_state, train
+
+pytest.importorskip("onnxruntime", reason="the ONNX Runtime engine is the onnx extra")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One model's population over W workers (zosoma.runs.population): the single-process run's numbers
+"""One model's population over W workers (zosoma.runs.population_workers): the single-process run's numbers
 bit for bit, a lost worker rebuilt by replay, the summed-loss ablation through the same scalar
 exchange, communication accounting, and bad input in one line."""
 
@@ -14,9 +14,9 @@ from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
-from zosoma.runs.records import Step, Stopped
-from zosoma.runs.single import resume_run, start_run
+from zosoma.runs.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
+from zosoma.runs.records import Step
+from zosoma.runs.single import start_run
 from zosoma.runs.soma import start_soma
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
@@ -86,21 +86,6 @@ def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):
     assert "rebuilt from the checkpoint at step 4 and 2 logged steps" in notes[0]
     assert len(spy.handles) == 3
     assert np.array_equal(theta(tmp_path / "w2"), theta(tmp_path / "one"))
-
-
-def test_a_stopped_sharded_run_resumes_on_any_number_of_workers(tmp_path, two_domains):
-    run(tmp_path / "one", two_domains)
-    seen = {"n": 0}
-
-    def stop_after_five():
-        seen["n"] += 1
-        return seen["n"] > 5
-
-    records = run(tmp_path / "part", two_domains, Sharding(InProcess(), 2), should_stop=stop_after_five)
-    assert isinstance(records[-1], Stopped) and records[-1].step == 5
-    list(resume_run(tmp_path / "part", sharding=Sharding(InProcess(), 4)))
-    assert np.array_equal(theta(tmp_path / "part"), theta(tmp_path / "one"))
-    assert sorted(RunFolder(tmp_path / "part").read_scalars()) == list(range(CFG.steps))
 
 
 def test_summed_ablation_through_the_scalar_exchange(tmp_path, two_domains):

@@ -23,6 +23,9 @@ from zosoma.model.noise import philox4x32_10, stream_key
 from zosoma.porting import check_port
 from zosoma.porting.kit import write_kit
 
+pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
+
+
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
     out = tmp_path_factory.mktemp("kit") / "kit"

@@ -1,16 +1,17 @@
 """Low-precision forwards: the format rounding against independent converters, the compiled
 emulation against its NumPy version, and the engine's promise that theta never passes through the
-format (zosoma.model.precision, zosoma.model.precision_kernels, zosoma.engines.precision)."""
+format (zosoma.model.number_formats; zosoma.engines.emulated: precision_reference, precision_kernels,
+precision_ops)."""
 
 import numpy as np
 import pytest
-import torch
 
 from helpers import assert_close
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.engines import get_ops
 from zosoma.engines.ops import perturbed
-from zosoma.model import precision, precision_kernels, reference
+from zosoma.engines.emulated import precision_kernels, precision_reference
+from zosoma.model import number_formats, reference
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
@@ -36,9 +37,10 @@ def _values():
 
 
 def test_bf16_rounding_matches_torch_and_the_kernel():
+    torch = pytest.importorskip("torch", reason="the test extra's PyTorch converts to bfloat16")
     x = _values()
     want = torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
-    assert np.array_equal(precision.round_to(x, "bf16"), want)
+    assert np.array_equal(number_formats.round_to(x, "bf16"), want)
     got = x.copy()
     precision_kernels.round_array(got, precision_kernels.BF16)
     assert np.array_equal(got, want)
@@ -48,7 +50,7 @@ def test_fp16_rounding_matches_ieee_and_the_kernel():
     x = _values()
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).astype(np.float32)  # IEEE binary16: subnormals, overflow to inf
-    assert np.array_equal(precision.round_to(x, "fp16"), want)
+    assert np.array_equal(number_formats.round_to(x, "fp16"), want)
     got = x.copy()
     precision_kernels.round_array(got, precision_kernels.FP16)
     assert np.array_equal(got, want)
@@ -57,15 +59,15 @@ def test_fp16_rounding_matches_ieee_and_the_kernel():
 
 def test_int8_tables_and_quantisation():
     q = np.arange(-32768, 32768, 37)
-    z = q / precision.Q_GATE
-    sig = precision.table_lookup(q, precision.SIGMOID_TABLE) / precision.Q_ACT
-    tanh = precision.table_lookup(q, precision.TANH_TABLE) / precision.Q_ACT
+    z = q / number_formats.Q_GATE
+    sig = number_formats.table_lookup(q, number_formats.SIGMOID_TABLE) / number_formats.Q_ACT
+    tanh = number_formats.table_lookup(q, number_formats.TANH_TABLE) / number_formats.Q_ACT
     assert np.abs(sig - 1 / (1 + np.exp(-z))).max() < 2e-4  # interpolation error of the 1/16 grid
     assert np.abs(tanh - np.tanh(z)).max() < 1e-3
     assert np.all(np.diff(sig) >= 0) and np.all(np.diff(tanh) >= 0)
     w = np.random.default_rng(0).standard_normal((7, 9)).astype(np.float32)
-    s = precision.int8_scale(w)
-    qw = precision.quantize_int8(w, s)
+    s = number_formats.int8_scale(w)
+    qw = number_formats.quantize_int8(w, s)
     assert qw.min() >= -127 and qw.max() <= 127 and np.abs(qw).max() == 127
     assert np.abs(qw * s - w).max() <= s / 2 + 1e-7
 
@@ -80,8 +82,8 @@ def test_activation_tables_are_the_activations_of_every_format_value(fmt):
     finite = np.isfinite(values)
     x = values[finite].astype(np.float64)
     with np.errstate(over="ignore"):
-        assert np.array_equal(sig[finite], precision.round_to(1.0 / (1.0 + np.exp(-x)), fmt))
-    assert np.array_equal(tanh[finite], precision.round_to(np.tanh(x), fmt))
+        assert np.array_equal(sig[finite], number_formats.round_to(1.0 / (1.0 + np.exp(-x)), fmt))
+    assert np.array_equal(tanh[finite], number_formats.round_to(np.tanh(x), fmt))
     patterns = [precision_kernels._pattern(v, u, code) for v, u in zip(values, values.view(np.uint32))]
     same = np.array(patterns) == np.arange(65536)
     assert same[~np.isnan(values)].all() and np.isnan(sig[np.array(patterns)[np.isnan(values)]]).all()
@@ -104,7 +106,7 @@ def test_compiled_emulation_matches_numpy(fmt, embed, hidden, layers, B, T):
     batch = _bytes(1, (B, T + 1))
     thetas = np.stack([theta, theta * 0.7])
     got = precision_kernels.population_loss(thetas, layout, batch, fmt)
-    want = [precision.loss(t, layout, batch, fmt) for t in thetas]
+    want = [precision_reference.loss(t, layout, batch, fmt) for t in thetas]
     # same arithmetic; only the fp32 log-softmax's exp and summation order differ
     assert_close(got, want, rtol=2e-6, name=f"{fmt} loss")
 
@@ -114,8 +116,8 @@ def test_carried_state_and_per_byte_nats(fmt):
     theta, layout = _model()
     data = _bytes(2, (3, 21))
     tokens, targets = data[:, :-1], data[:, 1:]
-    logits, _ = precision.forward(theta, layout, tokens, fmt)
-    want = precision.nll(logits, targets)
+    logits, _ = precision_reference.forward(theta, layout, tokens, fmt)
+    want = precision_reference.nll(logits, targets)
     first, state = precision_kernels.nll_stream(theta, layout, tokens[:, :8], targets[:, :8], fmt)
     rest, _ = precision_kernels.nll_stream(theta, layout, tokens[:, 8:], targets[:, 8:], fmt, state)
     assert_close(np.concatenate([first, rest], axis=1), want, atol=2e-6, rtol=2e-6, name=f"{fmt} nll")
@@ -127,7 +129,7 @@ def test_emulation_stays_near_fp32(fmt, bound):
     theta, layout = _model(scale=1.5)
     batch = _bytes(4, (4, 33))
     exact = reference.loss(theta.astype(np.float64), layout, batch)
-    got = precision.loss(theta, layout, batch, fmt)
+    got = precision_reference.loss(theta, layout, batch, fmt)
     assert got != exact and abs(got - exact) < bound * exact
 
 
@@ -147,27 +149,28 @@ def test_members_are_copies_and_theta_never_passes_through_the_format(fmt):
 def test_in_place_perturbation_in_fp16_would_lose_the_weights():
     """The failure the engine avoids: MeZO's perturb, evaluate, restore, done in fp16 storage."""
     theta, _ = _model(8, 8, 1, scale=1.0)
-    w = precision.round_to(theta, "fp16")
+    w = number_formats.round_to(theta, "fp16")
     delta = noise(w.size, 0, 0, 0, 0)
     eps = np.float32(1e-3)
-    restored = precision.round_to(precision.round_to(w + eps * delta, "fp16") - eps * delta, "fp16")
+    restored = number_formats.round_to(number_formats.round_to(w + eps * delta, "fp16") - eps * delta, "fp16")
     assert (restored != w).mean() > 0.01
 
 
 def test_format_step():
     theta = np.array([0.1, -0.1, 0.3, 1e-9], np.float32)
     layout = None  # float formats need no layout
-    spacing = precision.spacing(theta, layout, "bf16")
+    spacing = number_formats.spacing(theta, layout, "bf16")
     assert spacing[0] == spacing[1] == 2.0 ** (-4 - 7) and spacing[2] == 2.0 ** (-2 - 7)
-    assert precision.spacing(theta, layout, "fp16")[3] == 2.0 ** (-14 - 10)  # subnormal grid
+    assert number_formats.spacing(theta, layout, "fp16")[3] == 2.0 ** (-14 - 10)  # subnormal grid
     t, lay = _model(8, 8, 1, scale=1.0)
-    steps = precision.spacing(t, lay, "int8")
+    steps = number_formats.spacing(t, lay, "int8")
     assert steps[lay["lstm0.w_hh"].offset] == pytest.approx(np.abs(lay.view(t, "lstm0.w_hh")).max() / 127)
-    assert precision.format_step(t, lay, "int8") == np.median(steps)
+    assert number_formats.format_step(t, lay, "int8") == np.median(steps)
 
 
 def test_study_plan_and_report(tmp_path):
     """The study's runs (eps in the format's steps, SOMA first) and its report from records."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
     from zosoma.experiments.precision import Study, jobs, write_report
 
     todo = jobs(Study(steps=10, formats=("fp32", "int8"), multiples=(1.0, 4.0), soma_multiples=()))
@@ -225,6 +228,22 @@ def test_bench_forward_times_the_emulated_formats_beside_fp32():
     assert result.exit_code == 0, result.output
     for name in ("cpu population_loss M=1", "cpu-bf16 population_loss M=1", "cpu-int8 population_loss M=1"):
         assert name in result.output
+
+
+def test_bench_forward_of_an_emulated_engine_is_a_cpu_benchmark(monkeypatch):
+    """An emulated engine runs on the CPU: timed beside the NumPy reference against the CPU's peak,
+    not labelled as a GPU's."""
+    from zosoma.experiments import bench_forward as bench
+
+    monkeypatch.setattr(bench, "_PEAK_N", 64)
+    monkeypatch.setattr(bench, "_PEAK_N_CUDA", 64)
+    monkeypatch.setattr(bench, "_PAUSE_S", 0.0)
+    records = bench.bench_forward(embed=8, hidden=8, layers=1, batch=2, seq_len=5, repeats=1,
+                                  ops=get_ops("cpu", precision="bf16"))
+    main = next(r for r in records if r["name"] == "cpu-bf16 population_loss M=1")
+    assert "cuBLAS" not in main["threads"] and main["threads"].startswith("blas=")
+    assert "numpy reference forward+loss" in [r["name"] for r in records]
+    assert "cuda" not in records[0]["threads"]  # the peak: the CPU's
 
 
 def test_bench_spsa_times_an_emulated_step_beside_fp32():

@@ -23,9 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 from click.testing import CliRunner
-from ray.cluster_utils import Cluster
 
 from helpers import RAY_OPTIONS, zosoma_cmd
 from zosoma.cli.main import cli
@@ -33,12 +31,15 @@ from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population import Sharding
+from zosoma.runs.population_workers import Sharding
 from zosoma.runs.ray_executor import RayExecutor, RayWorkers, connect
 from zosoma.runs.reaper import descendants, start_time
 from zosoma.runs.records import Failed, Finished, Note, Step
 from zosoma.runs.single import start_run
 from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
+
+ray = pytest.importorskip("ray", reason="the Ray executor needs the ray extra")
+from ray.cluster_utils import Cluster  # noqa: E402
 
 # Ray workers cannot import this module (tests/ is no package): send the test's units by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -93,6 +93,7 @@ def test_equal_wall_clock_reads_each_curve_at_the_same_seconds(results):
 
 
 def test_tuning_and_n_curve_tables(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
     tuning = [{"method": "SPSA", "setting": f"lr x{f:g}", "lr": 0.1 * f, "eps": 1e-3, "validation": v,
                "diverged": d, "final_train_loss": 2.5, "chosen": c}
               for f, v, d, c in ((0.5, 2.9, False, False), (1, 2.8, False, True), (2, 9.9, True, False))]
@@ -138,6 +139,7 @@ def test_csv_round_trip(results, tmp_path):
 
 
 def test_plots_are_png(results, tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
     # A seed that logged an extra step: only the steps every seed has are plotted.
     results[0]["curve"].append({"step": 750, "flops": 1.8e13, "wall_s": 1200.0, "heldout": 2.0})
     flops, wall = tmp_path / "f.png", tmp_path / "w.png"
@@ -161,6 +163,7 @@ def test_plots_are_png(results, tmp_path):
 def test_plots_of_runs_stopped_before_their_first_point(tmp_path):
     """Every run's guard stopped it before the first point past step 0 (0 FLOPs): the FLOPs plot
     is drawn without a log axis instead of failing."""
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
     rng = np.random.default_rng(2)
     runs = [make_run(m, "spsa", 0, rng, steps=(0,)) for m in ("SPSA P=2", "SPSA P=4")]
     flops, wall = tmp_path / "f.png", tmp_path / "w.png"
@@ -195,6 +198,7 @@ def test_ablation():
 
 
 def test_write_report(results, tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
     pairs = [{"seed": 0, "independent": {"heldout": 2.4, "wikitext103": None},
               "summed": {"heldout": 2.5, "wikitext103": None}}]
     paths = write_report(results, pairs, tmp_path / "out", "Equal compute")

@@ -240,7 +240,7 @@ def test_restart_is_refused_where_it_cannot_work(tmp_path):
 
 
 def test_a_sharded_population_restarts_as_one_process_does(tmp_path):
-    from zosoma.runs.population import InProcess, Sharding
+    from zosoma.runs.population_workers import InProcess, Sharding
     from zosoma.runs.single import start_run
     text = text_corpus(tmp_path)
     cfg = dataclasses.replace(RESTART, lr=40.0, max_restarts=1)

@@ -1,4 +1,4 @@
-"""Routing (zosoma.soma.routing), sampling (zosoma.sample) and the routed-inference benchmark's helpers.
+"""Routing (zosoma.mixture.routing), sampling (zosoma.sample) and the routed-inference benchmark's helpers.
 
 Tiny experts (E=8, H=16) with random weights, and clusterings fitted on three synthetic byte
 "domains" with small settings, so the whole file runs in seconds.
@@ -11,16 +11,16 @@ import pytest
 
 from zosoma.experiments.bench_route import bench_route, format_route, matched_config, matched_configs
 from zosoma.formats.checkpoint import Checkpoint
-from zosoma.soma.cluster import ClusterConfig, fit_clusters, save_clustering
+from zosoma.mixture.cluster import ClusterConfig, fit_clusters, save_clustering
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError
-from zosoma.model.forward import log_probs, nll_stream
+from zosoma.engines.cpu.forward import log_probs, nll_stream
 from zosoma.model.params import Layout, init_params
-from zosoma.soma.routing import (Ensemble, Router, Segments, cut_segments, evaluate_routed,
+from zosoma.mixture.routing import (Ensemble, Router, Segments, cut_segments, evaluate_routed,
                             evaluate_routed_corpus, mix_nll, run_selected,
                             segment_sums)
-from zosoma.soma.sample import sample
+from zosoma.mixture.sample import sample
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.soma import load_ensemble
 

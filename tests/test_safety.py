@@ -345,7 +345,7 @@ def test_small_things(text, tmp_path, monkeypatch):
     out = tmp_path / "m.pt"
     assert invoke(["export", run / "expert0", "--out", out]).exit_code == 0
     before = out.read_bytes()
-    import torch
+    torch = pytest.importorskip("torch", reason="exporting a state_dict needs PyTorch")
     monkeypatch.setattr(torch, "save", lambda obj, path: (Path(path).write_bytes(b"half"), 1 / 0))
     assert invoke(["export", run / "expert1", "--out", out, "--force"]).exit_code != 0
     assert out.read_bytes() == before  # --force replaces the file whole or not at all
@@ -419,7 +419,7 @@ def test_an_expert_is_resumed_only_with_its_run(text, tmp_path):
 
 
 def test_a_resume_keeps_the_placement_and_can_extend_the_run(text, tmp_path):
-    from zosoma.runs.population import exchange_bytes
+    from zosoma.runs.population_workers import exchange_bytes
     run = tmp_path / "run"
     args = train_args(text, run, 4, "--population-workers", "2", "--executor", "inline")
     args[args.index("-P") + 1] = "4"

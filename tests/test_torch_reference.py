@@ -10,14 +10,15 @@ Run with -s to see the achieved errors.
 
 import numpy as np
 import pytest
-import torch
 
 from helpers import assert_close
-from torch_reference import torch_model
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.model.noise import add_noise, noise
 from zosoma.model.params import Layout, init_params
+
+torch = pytest.importorskip("torch", reason="PyTorch, the referee, is in the test extra")
+from torch_reference import torch_model  # noqa: E402
 
 
 def make_theta(config, seed=0):
@@ -128,7 +129,7 @@ def test_forward_and_loss_match_torch(E, H, L, B, T):
     print(f"E={E} H={H} L={L} B={B} T={T}: float64 loss {ref_loss:.12f}, rel err vs torch {rel64:.2e}")
     assert rel64 < 1e-10
 
-    # float32 on both sides (README: 1.2e-7 at worst over these shapes; tests/correctness.py)
+    # float32 on both sides (README: 1.2e-7 at worst over these shapes; studies/correctness.py)
     logits32, _ = reference.forward(theta32, layout, batch[:, :-1])
     ref_loss32 = reference.loss(theta32, layout, batch)
     with torch.no_grad():
@@ -188,7 +189,7 @@ DIRECTIONAL_CONFIG = ModelConfig(embed=8, hidden=16, layers=2)  # d = 10,112
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 def test_directional_derivatives_match_autograd_float64(kind):
     """The error of a central difference is truncation, ~eps^2 times third derivatives, so it is
-    measured against |grad| (a typical directional derivative; README figure: tests/correctness.py)."""
+    measured against |grad| (a typical directional derivative; README figure: studies/correctness.py)."""
     theta32, layout = make_theta(DIRECTIONAL_CONFIG, seed=1)
     theta = theta32.astype(np.float64)
     batch = make_batch(3, 12, seed=1)

@@ -1,6 +1,5 @@
-"""The SPSA step, update rules and the training loop: estimates, skipping, exact resumption."""
-
-import json
+"""The SPSA step, update rules and the training loop: estimates, skipping, resumption from an older
+checkpoint (a resume's exactness: tests/test_resume.py)."""
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.runs.folder import CHECKPOINT, METRICS, PREVIOUS, CheckpointFallback, RunFolder
-from zosoma.runs.records import Finished, Step, Stopped
+from zosoma.runs.records import Finished, Step
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.spsa import SPSA, Adam, Momentum
@@ -106,12 +105,11 @@ def test_learning_rate_schedules():
     assert learning_rate(99, 1.0, 100, 10, "constant") == 1.0
 
 
-def run_steps(tmp_path, cfg, stop_at=None, state=None, ops=None):
+def run_steps(tmp_path, cfg, state=None, ops=None):
     sampler = BatchSampler(small_corpus(), cfg.seq_len + 1)
     state = new_state(MODEL, cfg) if state is None else state
     trainer = Trainer(tmp_path, MODEL, cfg, sampler, state, ops=ops)
-    records = list(train(trainer, should_stop=lambda: stop_at is not None and state.step >= stop_at))
-    return state, records
+    return state, list(train(trainer))
 
 
 def test_training_lowers_the_loss(tmp_path):
@@ -123,23 +121,6 @@ def test_training_lowers_the_loss(tmp_path):
     assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 1.0  # 5.3 -> 3.5 nats/byte here
     assert records[-2].metrics["tokens"] == 60 * 2 * 8 * 8 * 16
     assert len((tmp_path / METRICS).read_text().splitlines()) == 60
-
-
-def test_resume_equals_uninterrupted_run(tmp_path):
-    cfg = TrainConfig(steps=12, batch=4, seq_len=16, perturbations=4, lr=1e-2, warmup=2, checkpoint_every=5)
-    full, _ = run_steps(tmp_path / "full", cfg)
-    # Stopped at step 7: the checkpoint is written at stop time; resume reads it back.
-    part, records = run_steps(tmp_path / "part", cfg, stop_at=7)
-    assert isinstance(records[-1], Stopped) and part.step == 7
-    ckpt = RunFolder(tmp_path / "part").read_checkpoint()
-    assert ckpt.step == 7
-    resumed, _ = run_steps(tmp_path / "part", cfg, state=from_checkpoint(ckpt))
-    assert np.array_equal(resumed.theta, full.theta)
-    for k in full.optimizer:
-        assert np.array_equal(resumed.optimizer[k], full.optimizer[k])
-    lines = [json.loads(x) for x in (tmp_path / "part" / METRICS).read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(1, 13))
-    assert [r["loss"] for r in lines] == [r["loss"] for r in full.metrics]
 
 
 def test_resume_from_an_older_checkpoint_drops_later_metrics(tmp_path):
@@ -200,10 +181,11 @@ EGG = dict(optimizer="eggroll", rank=1, eps=0.01, batch=4, seq_len=16, perturbat
 
 
 def test_eggroll_step_is_the_zscored_low_rank_update(tmp_path):
-    """One trainer step equals eggroll_update on the same members' losses, which in turn moves
-    theta by lr * N^-1/2 * sum_j f~_j E_j with the materialised perturbations."""
-    from zosoma.model.lowrank import eggroll_population_loss, materialise
-    from zosoma.strategies.eggroll import eggroll_update, zscore
+    """One trainer step equals eggroll_step of the z-scored fitness of the same members' losses,
+    which in turn moves theta by lr * N^-1/2 * sum_j f~_j E_j with the materialised perturbations."""
+    from zosoma.engines.cpu.lowrank import eggroll_population_loss, eggroll_step
+    from zosoma.model.noise import materialise
+    from zosoma.strategies.eggroll import zscore
 
     cfg = TrainConfig(steps=1, lr=0.5, **EGG)
     layout = Layout(MODEL)
@@ -213,22 +195,19 @@ def test_eggroll_step_is_the_zscored_low_rank_update(tmp_path):
     batch = sampler.batch(cfg.seed, 0, 0, cfg.batch)
     losses = eggroll_population_loss(theta0, layout, batch, cfg.eps, 1, cfg.seed, 0, 0, cfg.perturbations)
     lr = learning_rate(0, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule)
-    expected = eggroll_update(theta0, layout, losses, lr, cfg.eps, 1, cfg.seed, 0, 0)
-    assert_close(state.theta, expected, rtol=1e-5, atol=1e-7)
     fz = zscore(-losses)
+    expected = eggroll_step(theta0, layout, fz[0::2] - fz[1::2], lr, cfg.eps, 1, cfg.seed, 0, 0)
+    assert_close(state.theta, expected, rtol=1e-5, atol=1e-7)
     dense = sum((fz[2 * i] - fz[2 * i + 1]) * materialise(layout, cfg.eps, 1, cfg.seed, 0, 0, i)
                 for i in range(cfg.perturbations))
     assert_close(state.theta - theta0, lr / np.sqrt(2 * cfg.perturbations) * dense, rtol=1e-3, atol=1e-7)
 
 
-def test_eggroll_training_lowers_the_loss_and_resumes_exactly(tmp_path):
+def test_eggroll_training_lowers_the_loss(tmp_path):
     cfg = TrainConfig(steps=40, lr=3.0, checkpoint_every=15, **{**EGG, "perturbations": 8})
-    full, records = run_steps(tmp_path / "full", cfg)
+    _, records = run_steps(tmp_path, cfg)
     losses = [r.loss for r in records if isinstance(r, Step)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2
-    part, _ = run_steps(tmp_path / "part", cfg, stop_at=17)
-    resumed, _ = run_steps(tmp_path / "part", cfg, state=from_checkpoint(RunFolder(tmp_path / "part").read_checkpoint()))
-    assert np.array_equal(resumed.theta, full.theta)
 
 
 def test_summed_losses_need_spsa(tmp_path):

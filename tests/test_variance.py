@@ -131,7 +131,7 @@ def lstm():
 def true_grad_norms_sq(thetas, batches):
     """||grad L_i||^2 of each expert on its batch by PyTorch's autograd (float64): a theory that
     owes nothing to the SPSA samples it is checked against."""
-    import torch
+    torch = pytest.importorskip("torch", reason="PyTorch's autograd is the referee here (the test extra)")
     from torch_reference import torch_model
 
     from zosoma.model.params import Layout

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from zosoma.config import VOCAB
-from zosoma.formats.export import torch_state_arrays
+from zosoma.formats.torch_state import torch_state_arrays
 
 
 class TorchByteLSTM(torch.nn.Module):

@@ -1,8 +1,9 @@
 """Which array module an array belongs to, without importing CuPy.
 
-Code that runs on NumPy or CuPy arrays alike (zosoma.model.lowrank's factor slicing and update, an
-ensemble's weights) derives its module from its inputs, as CuPy's get_array_module does. Neither
-function imports CuPy: if it was never imported, no argument can be a CuPy array.
+Code that runs on NumPy or CuPy arrays alike (EGGROLL's factor slicing in zosoma.model.noise and
+its update in zosoma.engines.cpu.lowrank, an ensemble's weights) derives its module from its
+inputs, as CuPy's get_array_module does. Neither function imports CuPy: if it was never imported,
+no argument can be a CuPy array.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from zosoma.errors import ConfigError
 
 VOCAB = 256  # V: one class per byte value
 ENGINES = ("native", "onnxruntime")  # where forwards run: the device's own kernels, or ONNX Runtime
-PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # the forward's number format (zosoma.model.precision)
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # the forward's number format (zosoma.model.number_formats)
 ON_DIVERGENCE = ("stop", "continue", "restart")  # what a run does when its loss runs away
 
 

@@ -87,10 +87,9 @@ def download_wikitext103(
 def find_wikitext103(explicit: str | Path | None = None) -> Path | None:
     """Path of wiki.test.raw for evaluation, or None when none is found.
 
-    Looks at, in order: `explicit` (the file itself or its directory), $ZOSOMA_WIKITEXT103,
-    wikitext103_cache_dir(), and ../shared/wikitext-103 beside the current directory (the
-    developers' layout). An explicit path or environment variable that holds no such file raises
-    DataError rather than being silently passed over.
+    Looks at, in order: `explicit` (the file itself or its directory), $ZOSOMA_WIKITEXT103 and
+    wikitext103_cache_dir(). An explicit path or environment variable that holds no such file
+    raises DataError rather than being silently passed over.
     """
     for given, origin in ((explicit, "given path"), (os.environ.get(ENV_VAR), f"${ENV_VAR}")):
         if given:
@@ -99,10 +98,8 @@ def find_wikitext103(explicit: str | Path | None = None) -> Path | None:
             if not found.is_file():
                 raise DataError(f"{path}: no wiki.test.raw here ({origin})")
             return found
-    for folder in (wikitext103_cache_dir(), Path.cwd().parent / "shared" / "wikitext-103"):
-        if (folder / "wiki.test.raw").is_file():
-            return folder / "wiki.test.raw"
-    return None
+    found = wikitext103_cache_dir() / "wiki.test.raw"
+    return found if found.is_file() else None
 
 
 class NotOfficial(UserWarning):

@@ -1,11 +1,18 @@
-"""Where the forward runs: one Ops interface, one implementation per engine.
+"""Where the forward runs: one Ops interface, one folder per engine.
 
-Owns the Ops interface (ops) and its engines: the CPU (NumPy and Numba, zosoma.model's kernels),
-CUDA (cuda, CuPy raw kernels in kernels/*.cu; only backend imports CuPy), and the forward-only
-engines (forward_only): ONNX Runtime (onnxrt) and the emulated low-precision forwards
-(precision). `get_ops` is the one place that maps a device, engine and precision name to an
-engine; workers and run folders carry the names. May import the foundation, zosoma.model and
-zosoma.formats (the ONNX graph).
+    ops            the Ops interface, implemented by the CPU engine (NumPy and Numba)
+    cpu/           the CPU engine's compiled kernels (forward, lowrank, noise_kernels, threads)
+    cuda/          CUDA: CudaOps (cuda_ops), CuPy raw kernels in kernels/*.cu; only backend
+                   imports CuPy
+    forward_only   the base of engines that run whole models only, fed perturbed copies:
+    onnxruntime/     ONNX Runtime (onnxrt_ops)
+    emulated/        the low-precision forwards, bf16, fp16 and int8 (precision_ops)
+
+`get_ops` is the one place that maps a device, engine and precision name to an engine; workers
+and run folders carry the names, and the rest of zosoma asks an engine what it is through its
+attributes (Ops.on_device, Ops.precision). An engine folder imports the shared modules here, the
+CPU engine's kernels (every engine is an Ops) and its own files. May import the foundation,
+zosoma.model and zosoma.formats (the ONNX graph).
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ DEVICES = ("cpu", "cuda", "auto")
 @lru_cache(maxsize=None)
 def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"):
     """The engine for a device name: "cpu", "cuda" (a ConfigError line when CuPy finds no GPU) or
-    "auto" (CUDA when CuPy finds a device, else the CPU; `auto_note` says which and why); with
+    "auto" (CUDA when CuPy finds a device, else the CPU; `device_note` says which and why); with
     engine "onnxruntime" the forwards run in ONNX Runtime, with a precision other than fp32 they
     are emulated in that format (both on the CPU; a ConfigError line when the runtime is not
     installed). The one place in zosoma where these names become an engine."""
-    from zosoma.engines import backend
+    from zosoma.engines.cuda import backend
     from zosoma.engines.ops import Ops
 
     if device not in DEVICES:
@@ -41,13 +48,13 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
             raise ConfigError("--engine onnxruntime runs fp32 forwards; --forward-precision emulates other "
                               "formats on the native engine")
         if engine == "onnxruntime":
-            from zosoma.engines.onnxrt import OnnxRuntimeOps
+            from zosoma.engines.onnxruntime.onnxrt_ops import OnnxRuntimeOps
             return OnnxRuntimeOps()
-        from zosoma.engines.precision import PrecisionOps
+        from zosoma.engines.emulated.precision_ops import PrecisionOps
         return PrecisionOps(precision)
     if device == "cpu" or (device == "auto" and backend.cuda_unavailable_reason() is not None):
         return Ops()
-    from zosoma.engines.cuda import CudaOps
+    from zosoma.engines.cuda.cuda_ops import CudaOps
     return CudaOps()  # a ConfigError line when CuPy is missing or finds no device
 
 
@@ -56,15 +63,17 @@ def run_ops(ops, engine: str = "native", precision: str = "fp32"):
     names another engine or a forward precision, which then run on the CPU (get_ops)."""
     if (engine, precision) == ("native", "fp32"):
         return ops
-    wanted = get_ops("cpu", engine, precision)
-    if ops is not None and ops.name not in ("cpu", wanted.name):
+    if ops is not None and ops.on_device:
         raise ConfigError(f"--engine {engine} --forward-precision {precision} runs on the CPU, not on {ops.name}")
-    return wanted
+    return get_ops("cpu", engine, precision)
 
 
-def auto_note(ops) -> str:
-    """One line saying which engine --device auto chose, and why not CUDA when it is the CPU."""
-    from zosoma.engines import backend
+def device_note(device: str, ops) -> str | None:
+    """The line --device auto prints: which engine it chose and, on the CPU, why not CUDA (None for
+    a device named outright)."""
+    from zosoma.engines.cuda import backend
 
-    why = backend.cuda_unavailable_reason() if ops.name == "cpu" else None
+    if device != "auto":
+        return None
+    why = None if ops.on_device else backend.cuda_unavailable_reason()
     return f"--device auto: running on {ops.name}" + (f" ({why})" if why else "")

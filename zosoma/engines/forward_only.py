@@ -8,7 +8,7 @@ so nothing has to be undone: MeZO's in-place perturb-and-restore loses the param
 in fp16), and hands the copies to it:
 
     dense (SPSA, ES)   theta +/- scale * delta_k          (Ops.perturbed_losses' own path)
-    low rank (EGGROLL) theta +/- E_k, E_k materialised    (zosoma.model.lowrank.materialise)
+    low rank (EGGROLL) theta +/- E_k, E_k materialised    (zosoma.model.noise.materialise)
 
 The updates stay on the host (Ops' NumPy and Numba updates).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from zosoma.engines.ops import Ops
-from zosoma.model import lowrank
+from zosoma.model.noise import materialise
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 
@@ -34,7 +34,7 @@ class ForwardOnlyOps(Ops):
 
         def build(chunk, members):
             for j, k in enumerate(chunk):
-                e = lowrank.materialise(layout, pop.scale, pop.rank, pop.seed, pop.expert, pop.step, k)
+                e = materialise(layout, pop.scale, pop.rank, pop.seed, pop.expert, pop.step, k)
                 members[2 * j] = theta + e
                 members[2 * j + 1] = theta - e
             return members

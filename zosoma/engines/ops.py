@@ -1,10 +1,15 @@
 """Ops: the array work of training and inference, and the CPU engine that implements it.
 
 Everything that touches a model's weights goes through one Ops object (the thinc pattern: this
-class is the CPU engine, NumPy arrays and zosoma.model's Numba kernels; CudaOps in
-zosoma.engines.cuda overrides it for a GPU). A new engine subclasses Ops and overrides what it runs
-itself; what it does not override runs here, on the host. The interface:
+class is the CPU engine, NumPy arrays and the Numba kernels of zosoma.engines.cpu; CudaOps in
+zosoma.engines.cuda overrides it for a GPU). A new engine subclasses Ops and overrides what it
+runs itself; what it does not override runs here, on the host. The rest of zosoma asks an engine
+what it is only through the attributes below, never by its name. The interface:
 
+    what it is name                     the engine's label in records and reports ("cpu", "cuda",
+                                        "onnxruntime", "cpu-bf16", ...)
+               on_device                True when its arrays live in an accelerator's memory
+               precision                the forwards' number format (zosoma.model.number_formats)
     arrays     xp                       the array module of the engine's arrays (numpy, cupy)
                asarray(x)               x as an engine float32 array (theta, optimizer state)
                to_numpy(x)              an engine array as a NumPy array (checkpoints, evaluation)
@@ -31,7 +36,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from zosoma.model import forward, lowrank, noise
+from zosoma.engines.cpu import forward, lowrank, noise_kernels
+from zosoma.model import noise
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
 
@@ -43,9 +49,11 @@ _KEEP_BYTES = 64 << 20
 
 
 class Ops:
-    """The CPU engine: NumPy arrays, the Numba forwards of zosoma.model."""
+    """The CPU engine: NumPy arrays, the Numba kernels of zosoma.engines.cpu."""
 
     name = "cpu"
+    on_device = False
+    precision = "fp32"
     xp = np
 
     # --- arrays -----------------------------------------------------------------------------
@@ -139,17 +147,18 @@ class Ops:
         dense Population in turn (P = len(coeffs)): SPSA's estimate from its P scalars. Here in
         one pass over the parameters, split over threads; Gaussian directions that
         perturbed_losses kept for this population are read instead (the same numbers)."""
-        return noise.weighted_sum(d, _weights(coeffs), pop.seed, pop.expert, pop.step, pop.kind,
-                                  self._kept_directions(pop, d, len(coeffs)))
+        return noise_kernels.weighted_sum(d, _weights(coeffs), pop.seed, pop.expert, pop.step, pop.kind,
+                                          self._kept_directions(pop, d, len(coeffs)))
 
     def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
         """theta - lr * noise_sum(coeffs) - lr * weight_decay * theta, a new array (the inputs are
         left untouched, so an interruption never leaves a half-applied step). Here in one pass
         over theta, the same float32 numbers as the formula (unless noise_sum is overridden)."""
         if type(self).noise_sum is Ops.noise_sum:
-            return noise.apply_weighted_sum(theta, _weights(coeffs), lr, lr * weight_decay if weight_decay else None,
-                                            pop.seed, pop.expert, pop.step, pop.kind,
-                                            self._kept_directions(pop, theta.size, len(coeffs)))
+            return noise_kernels.apply_weighted_sum(theta, _weights(coeffs), lr,
+                                                    lr * weight_decay if weight_decay else None,
+                                                    pop.seed, pop.expert, pop.step, pop.kind,
+                                                    self._kept_directions(pop, theta.size, len(coeffs)))
         new = theta - np.float32(lr) * self.noise_sum(coeffs, theta.size, pop)
         if weight_decay:
             new -= np.float32(lr * weight_decay) * theta
@@ -163,7 +172,7 @@ class Ops:
         return kept[2] if kept is not None and kept[0] == pop and kept[1] == d and P == pop.P else None
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
-        """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.model.lowrank)."""
+        """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.engines.cpu.lowrank)."""
         return lowrank.eggroll_step(theta, layout, coeffs, lr, pop.scale, pop.rank, pop.seed, pop.expert,
                                     pop.step)
 
@@ -176,8 +185,8 @@ def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray 
     theta = np.ascontiguousarray(theta, np.float32)
     none = np.empty(0, np.float32)
     for j, k in enumerate(pairs):
-        noise.antithetic_pair(out[2 * j], out[2 * j + 1], theta, np.float32(pop.scale), noise.kind_code(pop.kind),
-                              k0, k1, k, pop.step, pop.expert, none)
+        noise_kernels.antithetic_pair(out[2 * j], out[2 * j + 1], theta, np.float32(pop.scale),
+                                      noise.kind_code(pop.kind), k0, k1, k, pop.step, pop.expert, none)
     return out
 
 

@@ -2,7 +2,7 @@
 
 EGGROLL evaluates all 2P members at once (`eggroll_population_loss`, regenerating its low-rank
 factors inside the timing). SPSA evaluates 2P dense perturbed copies one member after another
-(`zosoma.model.forward.population_loss`), run exactly as the trainer runs it (`Ops.perturbed_losses`: the
+(`zosoma.engines.cpu.forward.population_loss`), run exactly as the trainer runs it (`Ops.perturbed_losses`: the
 copies are built chunk by chunk within a memory budget, then evaluated): "dense" is the forward
 alone, "dense+noise" also counts building the Rademacher copies. The three are timed in turn in
 each of `repeats` rounds after one warm-up (which also compiles), and each keeps its best round,

@@ -28,7 +28,7 @@ from zosoma.corpus import BatchSampler
 from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline, LocalProcesses
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population import Processes, Sharding, make_trainer
+from zosoma.runs.population_workers import Processes, Sharding, make_trainer
 from zosoma.runs.records import Failed, Step
 from zosoma.runs.single import data_record, load_data
 from zosoma.runs.soma import ExpertUnit, create_soma, open_soma

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from zosoma.config import VOCAB, ModelConfig
-from zosoma.model import threads
+from zosoma.engines.cpu import threads
 from zosoma.model.params import Layout, init_params
 
 _PAUSE_S = 0.3  # lets the previous path's BLAS threads stop spinning (OpenBLAS: about 0.1 s)
@@ -174,7 +174,7 @@ def bench_forward(embed: int = 512, hidden: int = 512, layers: int = 2, batch: i
     threads = blas_threads()
     shape = f"E={embed} H={hidden} L={layers} B={batch} T={seq_len}"
     xp = ops.xp
-    on_gpu = ops.name != "cpu"  # a device engine: its peak, no NumPy reference
+    on_gpu = ops.on_device  # its peak, no NumPy reference
     thetas, data_e = ops.asarray(theta[None]), xp.asarray(data)
     main = (f"{ops.name} population_loss M=1",
             "cuBLAS + raw kernels" if on_gpu else f"blas={threads}, kernels serial")

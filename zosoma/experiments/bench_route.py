@@ -1,11 +1,12 @@
 """Benchmark: top-k routed inference, many small experts against a few large ones.
 
-The paper's claim (SOMA.md, published figures): at a similar total size and top-4 routing, SOMA
-with N = 256 experts serves 2.36M tokens/s against 257k for N = 8, 9.19x, routing included, on
-RTX 5090 GPUs. With top-k routing each token runs k experts, so its cost shrinks with the expert
-size, total / N. `bench_route` measures that ratio here, on this machine's CPU and, with
-devices=("cpu", "cuda"), on its GPU too (the same ensembles and windows, the experts' weights kept
-on the GPU), with random (seeded init_params) weights, which cost exactly what trained ones do.
+The SOMA paper's claim (arXiv:2609.37899, its published figures): at a similar total size and
+top-4 routing, SOMA with N = 256 experts serves 2.36M tokens/s against 257k for N = 8, 9.19x,
+routing included, on RTX 5090 GPUs. With top-k routing each token runs k experts, so its cost
+shrinks with the expert size, total / N. `bench_route` measures that ratio here, on this machine's
+CPU and, with devices=("cpu", "cuda"), on its GPU too (the same ensembles and windows, the experts'
+weights kept on the GPU), with random (seeded init_params) weights, which cost exactly what trained
+ones do.
 
 What one timed run does, for S held-out windows of `context` + `segment` bytes (real text from the
 shipped corpus's held-out split, the same windows for both N):
@@ -39,12 +40,12 @@ import numpy as np
 
 from zosoma.engines import get_ops
 from zosoma.runs.executor import THREAD_VARS, child_threads
-from zosoma.soma.cluster import ClusterConfig, fit_clusters
+from zosoma.mixture.cluster import ClusterConfig, fit_clusters
 from zosoma.config import ModelConfig
 from zosoma.errors import ConfigError
 from zosoma.corpus import BatchSampler, chunk, load_corpus
 from zosoma.model.params import Layout, init_params
-from zosoma.soma.routing import Ensemble, Router, Segments, segment_sums, mix_nll, run_selected
+from zosoma.mixture.routing import Ensemble, Router, Segments, segment_sums, mix_nll, run_selected
 
 PAPER = {"n_small": 256, "n_large": 8, "top_k": 4, "small_tokens_per_s": 2.36e6,
          "large_tokens_per_s": 257e3, "ratio": 9.19}

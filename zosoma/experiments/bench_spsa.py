@@ -30,8 +30,8 @@ import numpy as np
 from zosoma.config import ModelConfig
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.experiments.bench_forward import peak_gflops
+from zosoma.engines.cpu import noise_kernels, threads
 from zosoma.model import noise as noise_mod
-from zosoma.model import threads
 from zosoma.runs.trainer import Trainer, new_state
 from zosoma.strategies.settings import resolve
 
@@ -64,7 +64,7 @@ def _noise_in_forward(theta: np.ndarray, pop) -> callable:
 
     def run():
         def work(k, bufs):
-            noise_mod.antithetic_pair(bufs[0], bufs[1], theta, scale, code, k0, k1, k, pop.step, pop.expert, none)
+            noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, scale, code, k0, k1, k, pop.step, pop.expert, none)
         threads.run_items(work, pop.P, lambda: np.empty((2, theta.size), np.float32))
     return run
 
@@ -87,8 +87,8 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     peer_steps, peer_times = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), ops=ops)
-        on_cpu = trainer.ops.name == "cpu"
-        if peers and on_cpu:
+        fp32_on_host = not trainer.ops.on_device and trainer.ops.precision == "fp32"  # the PyTorch peers' terms
+        if peers and fp32_on_host:
             from zosoma.experiments import torch_peers
             peer_batch = sampler.batch(seed, 0, 0, B)
             for name, make in torch_peers.available().items():
@@ -100,7 +100,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
                 trainer.update(*trainer.coefficients(*trainer.losses()))
             if s:
                 per_step.append(dict(trainer.timings))
-            if on_cpu:
+            if fp32_on_host and "noise" not in trainer.timings:  # the forward built the members itself
                 pop = trainer.strategy.ask(0, s)
                 build = _noise_in_forward(trainer.state.theta, pop)
                 t0 = time.perf_counter()
@@ -141,17 +141,17 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
             "noise_in_forward_s": float(np.median(in_forward)) if in_forward else None,
             "gflops_nominal": nominal / total / 1e9, "gflops_executed": executed / total / 1e9,
             "peak_gflops": peak, "peak_how": peak_how, "threads": n_threads, "peers": list(best.values()),
-            "peers_skipped": _peers_skipped(peers, on_cpu, trainer.ops.name),
+            "peers_skipped": _peers_skipped(peers, fp32_on_host, trainer.ops.name),
             "model": model, "device": trainer.ops.name}
 
 
-def _peers_skipped(wanted: bool, on_cpu: bool, engine: str) -> str | None:
+def _peers_skipped(wanted: bool, fp32_on_host: bool, engine: str) -> str | None:
     """Why no PyTorch peer was timed, or None."""
     from zosoma.experiments import torch_peers
 
     if not wanted:
         return "not run (--no-peers)"
-    if not on_cpu:
+    if not fp32_on_host:
         return f"CPU yardsticks, not run on the {engine} engine"
     return None if torch_peers.available() else "torch is not installed"
 

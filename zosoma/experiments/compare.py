@@ -2,7 +2,7 @@
 parameter count and the same forward-FLOP budget, over several seeds; and the ablation of
 independent against summed expert losses.
 
-A comparison is a TOML file (the shipped ones are in zosoma/configs/: `zosoma compare cpu`):
+A comparison is a TOML file (the shipped ones are in zosoma/experiments/configs/: `zosoma compare cpu`):
 
     title = "..."
     seeds = [0, 1, 2]
@@ -31,7 +31,7 @@ rounded down. EGGROLL is charged the same dense FLOPs per member: its shared GEM
 and its rank-r corrections are left out like the gate math. Wall time is training seconds (no
 evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours.
 
-Evaluation. Every method is scored by one protocol, the routed one of zosoma.soma.routing: segments of
+Evaluation. Every method is scored by one protocol, the routed one of zosoma.mixture.routing: segments of
 `segment` predicted bytes, each after `context` bytes of warm-up (and, for SOMA, routing) context.
 A monolithic model is an ensemble of one expert with weight 1, which scores exactly as the model.
 
@@ -143,7 +143,7 @@ _TOP_KEYS = {"title", "seeds", "flops", "curve_points", "curve_bytes", "segment"
 
 
 def find_config(name: str) -> Path:
-    """A path, or the name of a shipped config (`cpu` -> zosoma/configs/cpu.toml)."""
+    """A path, or the name of a shipped config (`cpu` -> zosoma/experiments/configs/cpu.toml)."""
     path = Path(name)
     if path.is_file():
         return path

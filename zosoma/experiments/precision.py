@@ -1,9 +1,9 @@
 """What a forward-only device's number format costs: the precision study.
 
 The default single model (the tiny preset) and SOMA with N experts are trained with every forward
-in fp32, bf16, fp16 or int8 (zosoma.engines.precision: master weights and updates fp32 on the
+in fp32, bf16, fp16 or int8 (zosoma.engines.emulated: master weights and updates fp32 on the
 host), each at eps = m * step(F) for the multiples m, and at TrainConfig's default eps. step(F)
-is the format's step at the preset's initial parameters (zosoma.model.precision.format_step: the
+is the format's step at the preset's initial parameters (zosoma.model.number_formats.format_step: the
 median over parameters of the distance to the neighbouring value in F; for int8 the tensor's
 scale): an eps well below it moves few weights to another representable value, so the two
 members of a pair often compute the same loss.
@@ -39,7 +39,7 @@ from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.model.params import Layout, init_params
-from zosoma.model.precision import format_step
+from zosoma.model.number_formats import format_step
 from zosoma.strategies.settings import resolve
 
 PRESET = "tiny"
@@ -181,10 +181,6 @@ def _cell(x) -> str:
     return "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"
 
 
-def _eps_label(r: dict) -> str:
-    return "default" if r["multiple"] is None else f"{r['multiple']:g}"
-
-
 def format_tables(results: list[dict]) -> str:
     """Markdown: per model kind, held-out nats/byte by format and eps (in the format's steps),
     then every run's details."""
@@ -226,7 +222,7 @@ def write_report(results: list[dict], out: Path, unfinished: list[str] = ()) -> 
     steps = sorted({r["steps"] for r in results})
     md = (f"# What the forward's number format costs\n\nTiny preset (49,664 parameters per model), seed "
           f"{results[0]['seed']}, {'/'.join(map(str, steps))} steps; master weights and updates fp32, every forward "
-          "emulated in the format (zosoma.model.precision). step = the format's step at the initial "
+          "emulated in the format (zosoma.model.number_formats). step = the format's step at the initial "
           "parameters (median distance to the neighbouring representable value; int8: the tensor scale).\n\n"
           + format_tables(results)
           + (f"\n**Not finished yet** ({len(unfinished)} runs; the same `zosoma precision-study` command trains "

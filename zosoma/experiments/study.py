@@ -47,8 +47,8 @@ from zosoma.runs.records import Failed, Note, Result
 from zosoma.runs.single import data_record, load_data, new_trainer, open_run
 from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
 from zosoma.runs.trainer import train
-from zosoma.soma.cluster import load_clustering
-from zosoma.soma.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
+from zosoma.mixture.cluster import load_clustering
+from zosoma.mixture.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
 
 
 @dataclass(frozen=True)
@@ -310,7 +310,7 @@ class Run:
     def score(self, corpus: Corpus, segment: int = 256, context: int = 512, top_k: int | None = None,
               ops: Ops | None = None) -> dict:
         """Nats/byte of the (routed) model on each name of corpus, and "overall", by the segment
-        protocol (zosoma.soma.routing), with `ops` (default: the device's fp32 engine)."""
+        protocol (zosoma.mixture.routing), with `ops` (default: the device's fp32 engine)."""
         by = evaluate_routed_corpus(self.ensemble(top_k), corpus, ops or self.ops, segment=segment, context=context)
         return {name: r["routed"].nats_per_byte for name, r in by.items()}
 

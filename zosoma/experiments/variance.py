@@ -1,6 +1,6 @@
 """The variance experiment: independent (SOMA) versus summed losses for N experts' SPSA estimates.
 
-SOMA's theorem (SOMA.md, "Sharding, the separable loss"): on a fixed separable objective with N
+SOMA's theorem (the SOMA paper, arXiv:2609.37899): on a fixed separable objective with N
 equal-size blocks, independent losses reduce the relative gradient variance to about 1/N of the
 shared-loss estimator's. This module measures it twice: on a quadratic, where the exact ratio is
 known in closed form, and on real byte-level LSTM experts at fixed weights.

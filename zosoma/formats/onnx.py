@@ -26,7 +26,8 @@ weights keep zosoma's orientation and gate order (gates = x @ w_ih + h @ w_hh + 
 i, f, g, o). Inputs and outputs as above.
 
 Weights are initializers for an export; for training on an inference-only runtime
-(zosoma.engines.onnxrt) the "lstm" graph instead takes the flat parameter vector as an input:
+(zosoma.engines.onnxruntime) the "lstm" graph instead takes the flat parameter vector as an
+input:
 
     training graph: inputs theta (d,) float32 (zosoma.model.params' layout), tokens and targets
     (B, T) int64, h0, c0; outputs nll (B, T) nats of each target byte, loss (mean nats/byte,

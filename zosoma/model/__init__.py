@@ -1,8 +1,10 @@
-"""The model: what a byte-level LSTM is, its perturbations, and the plain references.
+"""The model, as a specification: what a byte-level LSTM is, its perturbations, and the references.
 
-Owns the flat parameter layout (params), the NumPy forward that is the ground truth (reference),
-the counter-based perturbation noise (noise), the fast CPU forwards checked against the reference
-(forward: dense members; lowrank: EGGROLL's shared-GEMM population and update) and single-model
-evaluation in nats/byte (evaluate). Imports only zosoma's foundation (config, errors, corpus);
-nothing here knows about engines, strategies or run folders.
+Owns the flat parameter layout (params), the plain NumPy forward that is the ground truth
+(reference), the counter-based perturbation noise with its reference generator and EGGROLL's
+low-rank factors (noise), a step's population named by its counters (population), the forward's
+number formats and their rounding rules (number_formats) and single-model evaluation in
+nats/byte (evaluate). Where the forwards run fast is zosoma.engines; nothing here knows about
+engines, strategies or run folders. Imports only zosoma's foundation (config, errors, corpus,
+arrays).
 """

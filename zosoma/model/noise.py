@@ -24,9 +24,26 @@ agrees within float32 rounding.
 In SPSA a member is one perturbation direction k (its antithetic pair theta +/- eps*delta_k shares
 it); in EGGROLL a member is one antithetic pair of low-rank factors.
 
-Fast paths (same numbers as add_noise, float32 op for op): `antithetic_pair` builds both members
-of a pair from one generation; `weighted_sum` / `apply_weighted_sum` regenerate SPSA's P directions
-block by block in one pass over the parameters (the update), split over threads.
+EGGROLL's low-rank factors (Sarkar et al., "Evolution Strategies at the Hyperscale") are sliced
+from one Gaussian stream per pair, member = the pair's index i:
+
+    z = noise(noise_length(layout, r), seed, expert, step, member=i, kind="gaussian")
+
+walking the Layout entries in order (embed, lstm0.w_ih, lstm0.w_hh, lstm0.bias, ..., out.w, out.b):
+
+    matrix W (m, n) ("x @ W" orientation, m = fan-in rows, n = columns):
+        A_i = next m*r values reshaped (m, r) row-major, then B_i = next n*r values reshaped (n, r)
+        perturbation E_i = (sigma / sqrt(r)) A_i B_i^T
+    vector v (k,):
+        e_i = sigma * next k values                       (full-rank Gaussian)
+
+The embedding (V, E) is a matrix like any other. Antithetic pairs: population member 2i uses
+theta + E_i, member 2i+1 uses theta - E_i. `materialise` builds E_i densely, the reference that
+the engines' population forwards (which never build it) are checked against.
+
+This module is the reference generator, a Philox block at a time, written to be read; the CPU
+engine's fast paths (zosoma.engines.cpu.noise_kernels) produce the same numbers, the CUDA kernels
+too (Gaussian ones within float32 rounding).
 """
 
 from __future__ import annotations
@@ -36,7 +53,8 @@ import math
 import numba
 import numpy as np
 
-from zosoma.model import threads
+from zosoma.arrays import get_array_module
+from zosoma.model.params import Layout
 
 RADEMACHER, GAUSSIAN = 0, 1
 KINDS = {"rademacher": RADEMACHER, "gaussian": GAUSSIAN}
@@ -45,7 +63,7 @@ _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)  # Philox multipliers
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)  # Weyl key increments
 _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
-_jit = numba.njit(cache=True, error_model="numpy", nogil=True)  # nogil: zosoma.model.threads
+_jit = numba.njit(cache=True, error_model="numpy", nogil=True)  # nogil: called on the CPU engine's threads
 
 
 @_jit
@@ -114,9 +132,7 @@ def add_noise(out, base, scale, seed, expert, step, member, kind="rademacher", s
     a caller work on a slice of the parameter vector; it must be a multiple of 128 (Rademacher) or
     4 (Gaussian)."""
     k0, k1 = stream_key(seed)
-    if kind not in KINDS:
-        raise ValueError(f"noise kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    code = KINDS[kind]
+    code = kind_code(kind)
     align = 128 if code == RADEMACHER else 4
     if start % align:
         raise ValueError(f"start must be a multiple of {align} for {kind} noise")
@@ -137,154 +153,69 @@ def kind_code(kind: str) -> int:
     return KINDS[kind]
 
 
-_BLOCK = 128  # parameters per block of the fast paths: one Rademacher Philox block, 32 Gaussian ones
-_SPAN = 32  # blocks the update adds at once (16 KiB of float32: L1)
-_THREADED_MIN = 1 << 20  # parameters x directions from which the update is split over threads
-# For byte c of a Rademacher word, the float32 sign bits of its 8 parameters, two per uint64 (the
-# lower-numbered parameter in the low half: little-endian, as x86 and ARM are). Flipping w's sign
-# bit gives w * delta exactly, so the update adds the same numbers without a multiply.
-_SIGN_BITS = np.array([[((c >> (2 * p)) & 1) << 31 | ((c >> (2 * p + 1)) & 1) << 63 for p in range(4)]
-                       for c in range(256)], np.uint64)
+# --- EGGROLL's low-rank factors (module docstring) ------------------------------------------------
+
+def noise_length(layout: Layout, r: int) -> int:
+    """Length of one pair's Gaussian stream: sum over matrices of (m + n) * r, plus vector sizes."""
+    return sum((e.shape[0] + e.shape[1]) * r if len(e.shape) == 2 else e.size
+               for e in layout.entries)
 
 
-@_jit
-def _block_values(values, kind, block, k0, k1, member, step, expert):
-    """values (128,) float32 = delta[128*block : 128*block + 128] of (member, step, expert),
-    computed exactly as _axpy_rademacher / _axpy_gaussian compute them."""
-    if kind == RADEMACHER:
-        x = philox4x32_10(block, member, step, expert, k0, k1)
-        for w in range(4):
-            word = x[w]
-            for bit in range(32):  # vectorises: one variable shift per lane
-                values[(w << 5) + bit] = (np.float32(1.0) - np.float32(2.0)
-                                          * np.float32((word >> np.uint32(bit)) & np.uint32(1)))
-    else:
-        for q in range(_BLOCK >> 2):
-            x = philox4x32_10((block << 5) + q, member, step, expert, k0, k1)
-            for p in range(2):
-                u1 = (np.float64(x[2 * p]) + 0.5) * 2.3283064365386963e-10
-                u2 = (np.float64(x[2 * p + 1]) + 0.5) * 2.3283064365386963e-10
-                r = math.sqrt(-2.0 * math.log(u1))
-                values[4 * q + 2 * p] = np.float32(r * math.cos(2.0 * math.pi * u2))
-                values[4 * q + 2 * p + 1] = np.float32(r * math.sin(2.0 * math.pi * u2))
+def check_rank(r: int) -> int:
+    r = int(r)
+    if r < 1:
+        raise ValueError(f"EGGROLL rank r must be at least 1, got {r}")
+    return r
 
 
-@_jit
-def _signed_block(pairs, w2, block, k0, k1, member, step, expert):
-    """pairs (64,) uint64, read as (128,) float32, = w * delta[128*block : 128*block + 128] of
-    (member, step, expert), Rademacher: w2 is w's float32 bits in both halves of a uint64."""
-    x = philox4x32_10(block, member, step, expert, k0, k1)
-    for w in range(4):
-        word = x[w]
-        for q in range(4):  # a byte of the word: 8 parameters, 4 pairs
-            c = (word >> np.uint32(8 * q)) & np.uint32(255)
-            o = (w << 4) + (q << 2)
-            for p in range(4):
-                pairs[o + p] = w2 ^ _SIGN_BITS[c, p]
-
-
-@_jit
-def antithetic_pair(plus, minus, base, scale, kind, k0, k1, member, step, expert, delta):
-    """plus = base + scale * delta and minus = base - scale * delta, delta = the noise of
-    (member, step, expert) under key (k0, k1) and kind code `kind`, from one generation; all
-    float32 (d,), scale float32. The same numbers as add_noise with +scale and -scale. delta:
-    (d,) to keep the direction in, or empty."""
-    n = base.shape[0]
-    s = np.float32(scale)
-    ns = -s
-    keep = delta.shape[0] > 0
-    values = np.empty(_BLOCK, np.float32)
-    for b in range((n + _BLOCK - 1) // _BLOCK):
-        _block_values(values, kind, b, k0, k1, member, step, expert)
-        j0 = b * _BLOCK
-        for i in range(min(_BLOCK, n - j0)):
-            plus[j0 + i] = base[j0 + i] + s * values[i]
-            minus[j0 + i] = base[j0 + i] + ns * values[i]
-            if keep:
-                delta[j0 + i] = values[i]
-
-
-@_jit
-def _weighted_blocks(out, theta, weights, lr, decay, decay_on, kind, k0, k1, step, expert, kept, b0, b1):
-    """For parameter blocks [b0, b1): acc = sum_k weights[k] * delta_k, accumulated in float32 in
-    k order from zero (as add_noise into a zeroed vector, k by k), then out = acc, or, when theta
-    is not empty, out = theta - lr * acc, then minus decay * theta when decay_on. delta_k is
-    regenerated, or read from kept (P, d) when that is not empty. Blocks go _SPAN at a time, so
-    each direction's values are added over a span that stays in L1, in one vectorised loop."""
-    n = out.shape[0]
-    acc = np.empty(_SPAN * _BLOCK, np.float32)
-    values = np.empty(_SPAN * _BLOCK, np.float32)
-    pairs = np.empty(_SPAN * _BLOCK // 2, np.uint64)
-    signed = pairs.view(np.float32)  # weights[k] * delta_k, built from sign bits
-    bits = weights.view(np.uint32)
-    fast = kind == RADEMACHER and kept.shape[0] == 0
-    for s0 in range(b0, b1, _SPAN):
-        s1 = min(b1, s0 + _SPAN)
-        j0 = s0 * _BLOCK
-        m = min(s1 * _BLOCK, n) - j0
-        acc[:m] = 0.0
-        for k in range(weights.shape[0]):
-            if fast:
-                w2 = np.uint64(bits[k]) | (np.uint64(bits[k]) << np.uint64(32))
-                for b in range(s0, s1):
-                    _signed_block(pairs[(b - s0) * (_BLOCK // 2):], w2, b, k0, k1, k, step, expert)
-                for i in range(m):
-                    acc[i] = acc[i] + signed[i]
-            else:
-                if kept.shape[0]:
-                    values[:m] = kept[k, j0:j0 + m]
-                else:
-                    for b in range(s0, s1):
-                        _block_values(values[(b - s0) * _BLOCK:(b - s0 + 1) * _BLOCK], kind, b, k0, k1, k, step,
-                                      expert)
-                w = weights[k]
-                for i in range(m):
-                    acc[i] = acc[i] + w * values[i]
-        if theta.shape[0] == 0:
-            for i in range(m):
-                out[j0 + i] = acc[i]
-        else:
-            for i in range(m):
-                t = theta[j0 + i]
-                v = t - lr * acc[i]
-                if decay_on:
-                    v = v - decay * t
-                out[j0 + i] = v
-
-
-def _weighted(n, theta, weights, lr, decay, decay_on, seed, expert, step, kind, kept) -> np.ndarray:
-    k0, k1 = stream_key(seed)
-    code = kind_code(kind)
-    weights = np.ascontiguousarray(weights, np.float32)
-    kept = np.empty((0, 0), np.float32) if kept is None else kept
-    if kept.size and kept.shape != (weights.size, n):
-        raise ValueError(f"kept directions must be ({weights.size}, {n}), got {kept.shape}")
-    out = np.empty(n, np.float32)
-    # threads from about a million parameter-directions: at d x P = 0.8M one thread and two take
-    # the same time (0.45-0.6 ms); the tiny preset's update (1.6M) takes 0.83 ms on one thread and
-    # 0.63 ms on two (medians, AVX2 EPYC, sign-bit path); below that a busy core costs more than it saves
-    many = n * weights.size >= _THREADED_MIN
-    parts = threads.split((n + _BLOCK - 1) // _BLOCK, 4 * threads.n_threads() if many else 1)
-
-    def work(i, _):
-        _weighted_blocks(out, theta, weights, np.float32(lr), np.float32(decay), decay_on, code, k0, k1,
-                         step, expert, kept, parts[i].start, parts[i].stop)
-
-    threads.run_items(work, len(parts))
+def split_factors(z, layout: Layout, r: int) -> dict:
+    """Slice noise streams z (..., noise_length), NumPy or CuPy, into contiguous
+    name -> (A (..., m, r), B (..., n, r)) for matrices and name -> (..., k) for vectors: the
+    order of the module docstring, shared by the CPU and GPU populations and the update."""
+    xp = get_array_module(z)
+    lead = z.shape[:-1]
+    out, pos = {}, 0
+    for e in layout.entries:
+        shapes = [(e.shape[0], r), (e.shape[1], r)] if len(e.shape) == 2 else [e.shape]
+        parts = []
+        for shape in shapes:
+            size = math.prod(shape)
+            parts.append(xp.ascontiguousarray(z[..., pos:pos + size]).reshape(lead + shape))
+            pos += size
+        out[e.name] = tuple(parts) if len(e.shape) == 2 else parts[0]
     return out
 
 
-def weighted_sum(n, weights, seed, expert, step, kind="rademacher", kept=None) -> np.ndarray:
-    """(n,) float32 sum_k weights[k] * delta_k, delta_k = noise(n, seed, expert, step, k, kind),
-    the float32 weights (P,) applied in k order: the numbers of add_noise applied k by k to a
-    zeroed vector. kept: the directions (P, n) float32 already generated (antithetic_pair's
-    delta), else they are regenerated."""
-    return _weighted(n, np.empty(0, np.float32), weights, 0.0, 0.0, False, seed, expert, step, kind, kept)
+def pair_factors(layout: Layout, r: int, seed: int, expert: int, step: int, member: int,
+                 dtype=np.float32) -> dict:
+    """The unscaled noise of pair `member`: name -> (A (m, r), B (n, r)) for matrices, name -> (k,)
+    standard Gaussian for vectors (callers apply the sigma and sigma/sqrt(r) scales)."""
+    r = check_rank(r)
+    z = noise(noise_length(layout, r), seed, expert, step, member, kind="gaussian")
+    return split_factors(z.astype(dtype), layout, r)
 
 
-def apply_weighted_sum(theta, weights, lr, decay, seed, expert, step, kind="rademacher", kept=None) -> np.ndarray:
-    """A new float32 theta - lr * weighted_sum(...), then - decay * theta unless decay is None
-    (lr and decay rounded to float32), op for op as NumPy computes it from weighted_sum's result."""
-    theta = np.ascontiguousarray(theta, np.float32)
-    return _weighted(theta.size, theta, weights, lr, decay or 0.0, decay is not None, seed, expert, step, kind,
-                     kept)
+def population_factors(layout: Layout, r: int, seed: int, expert: int, step: int, n_pairs: int,
+                       dtype=np.float32, first: int = 0) -> dict:
+    """The factors of pairs first .. first+n_pairs-1 stacked: name -> (A (P, m, r), B (P, n, r))
+    or (P, k), P = n_pairs."""
+    r = check_rank(r)
+    n = noise_length(layout, r)
+    z = np.empty((n_pairs, n), dtype)
+    for i in range(n_pairs):
+        z[i] = noise(n, seed, expert, step, first + i, kind="gaussian")
+    return split_factors(z, layout, r)
+
+
+def materialise(layout: Layout, sigma: float, r: int, seed: int, expert: int, step: int,
+                member: int, dtype=np.float64) -> np.ndarray:
+    """The dense perturbation E_i of pair `member` as a flat (d,) vector (tests and small uses only;
+    the forward and the update never build it)."""
+    f = pair_factors(layout, r, seed, expert, step, member, dtype)
+    out = np.empty(layout.size, dtype)
+    c = sigma / math.sqrt(r)
+    for e in layout.entries:
+        v = f[e.name]
+        block = c * (v[0] @ v[1].T) if len(e.shape) == 2 else sigma * v
+        out[e.offset:e.offset + e.size] = block.ravel()
+    return out

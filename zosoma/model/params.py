@@ -2,7 +2,7 @@
 
 Every model is one contiguous float32 vector theta (d values): SPSA perturbs and updates it as a
 whole, and the kernels read named views of it. Matrices are stored in the "x @ W" orientation the
-kernels consume (torch stores the transpose; see zosoma.formats.export):
+kernels consume (torch stores the transpose; see zosoma.formats.torch_state):
 
     embed           (V, E)       byte -> embedding row
     lstm{l}.w_ih    (E_in, 4H)   gates = x @ w_ih + h @ w_hh + bias, column blocks i, f, g, o

@@ -16,7 +16,7 @@ class Population:
 
         rank 0 (dense, SPSA and ES):   scale * delta_k,  delta_k = noise(seed, expert, step, k, kind)
         rank r >= 1 (EGGROLL):         E_k = (scale / sqrt(r)) A_k B_k^T (+ scale * e_k on vectors),
-                                       factors sliced from pair k's Gaussian stream (zosoma.model.lowrank)
+                                       factors sliced from pair k's Gaussian stream (zosoma.model.noise)
 
     Engines evaluate a Population (or a range of its pairs) without storing any perturbation."""
 

@@ -1,6 +1,6 @@
 """The porting kit's low-precision stages: the bf16, fp16 and int8 forwards, operation by operation.
 
-The specification is zosoma.model.precision (PORTING.md, "Low-precision forwards", writes it out).
+The specification is zosoma.model.number_formats (PORTING.md, "Low-precision forwards", writes it out).
 Each stage holds one chain of the forward in the format, with every intermediate, computed from
 the kit's weights, bytes and carried state; a port checks each operation from the KIT's values of
 what it consumes (step t's gates from the kit's h of step t-1, the cell from the kit's
@@ -20,9 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from zosoma.config import VOCAB
-from zosoma.model import precision
+from zosoma.engines.emulated import precision_reference
+from zosoma.model import number_formats
 from zosoma.model.params import Layout
-from zosoma.model.precision import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
+from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.porting.stage import Out, Stage
 
 B, T = 3, 12  # the op-by-op chain
@@ -168,7 +169,7 @@ def float_stage(fmt: str, theta, layout: Layout, rng) -> Stage:
     zeros = np.zeros((L, LOSS_BATCH[0], layout.config.hidden), np.float32)
     free = float_chain(theta, layout, inputs["batch"][:, :-1], fmt, zeros, zeros)
     loss = float(nll64(free["logits"], inputs["batch"][:, 1:]).mean())
-    assert abs(loss - precision.loss(theta, layout, inputs["batch"], fmt)) < 2e-5  # the spec reproduces the library
+    assert abs(loss - precision_reference.loss(theta, layout, inputs["batch"], fmt)) < 2e-5  # the spec reproduces the library
     edges = _float_edges(fmt)
     acts, cells, hidden = float_cell(edges["edge_gates"], edges["edge_c"], fmt)
     needs = _needs(layout)
@@ -267,7 +268,7 @@ def int8_scales(layout: Layout, w: dict) -> np.ndarray:
 
 def int8_chain(theta, layout: Layout, tokens, h0, c0) -> dict:
     """Every value of the int8 forward: scales and integers (int64 arrays), the logits float64."""
-    w = precision.prepare(theta, layout, "int8")
+    w = number_formats.prepare(theta, layout, "int8")
     H, L = layout.config.hidden, layout.config.layers
     q = np.concatenate([w[_qname(e.name)].ravel() for e in layout.entries]).astype(np.int64)
     out = {"scales": int8_scales(layout, w), "quantized": q,
@@ -365,14 +366,14 @@ def int8_stage(theta, layout: Layout, rng) -> Stage:
     inputs = _inputs(layout, rng)
     chain = int8_chain(theta, layout, inputs["tokens"], inputs["h0"], inputs["c0"])
     state = [(inputs["h0"][layer], inputs["c0"][layer]) for layer in range(layout.config.layers)]
-    check, _ = precision.forward(theta, layout, inputs["tokens"], "int8", state)
+    check, _ = precision_reference.forward(theta, layout, inputs["tokens"], "int8", state)
     assert np.array_equal(check, chain["logits"].astype(np.float32))  # the spec reproduces the library bit for bit
     L = layout.config.layers
     zeros = np.zeros((L, LOSS_BATCH[0], layout.config.hidden), np.float32)
     free = int8_chain(theta, layout, inputs["batch"][:, :-1], zeros, zeros)
     loss = float(nll64(free["logits"].astype(np.float32), inputs["batch"][:, 1:]).mean())
     edges = _int8_edges()
-    e_scale = precision.int8_scale(edges["edge_tensor"])
+    e_scale = number_formats.int8_scale(edges["edge_tensor"])
     e_acts = int8_activations(edges["edge_gates"])
     e_cells = int8_cell(e_acts[:, 1], e_acts[:, 0], e_acts[:, 2], edges["edge_c"])
     e_hidden = int8_hidden(e_acts[:, 3], e_cells)
@@ -413,7 +414,7 @@ def int8_stage(theta, layout: Layout, rng) -> Stage:
                           "your own free-running int8 forward from zero state: per-op outputs pass but this fails "
                           "when the operations are chained differently (state carried, layers)")
     outputs["edge_scale"] = Out(np.float64(e_scale), "scale", ("edge_tensor",), "max|W| / 127")
-    outputs["edge_q"] = Out(precision.quantize_int8(edges["edge_tensor"], e_scale).astype(np.int64), "exact",
+    outputs["edge_q"] = Out(number_formats.quantize_int8(edges["edge_tensor"], e_scale).astype(np.int64), "exact",
                             ("edge_tensor", "edge_scale (kit's)"), rint_hint)
     outputs["edge_qz"] = Out(requantize(edges["edge_z"]), "exact", ("edge_z",),
                              "clip(rint(4096 z), -32768, 32767): " + rint_hint)
@@ -449,5 +450,5 @@ def int8_stage(theta, layout: Layout, rng) -> Stage:
                   "edge_c": (edges["edge_c"], "(n,) int Q4.11 carried cell")}
     return Stage("int8", "the int8 forward op by op (teacher-forced from the kit's integers): scales, "
                          "quantised weights, tables, requantisation, cell, h; its edge cases and a free-running loss",
-                 all_inputs, outputs, settings={"format": ("int8", "8x8_16-style integer LSTM, zosoma.model.precision")},
+                 all_inputs, outputs, settings={"format": ("int8", "8x8_16-style integer LSTM, zosoma.model.number_formats")},
                  misreadings=misreadings)

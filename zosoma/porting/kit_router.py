@@ -1,4 +1,4 @@
-"""The porting kit's router stage: SOMA's c-BTM routing of contexts to experts (zosoma.soma)."""
+"""The porting kit's router stage: SOMA's c-BTM routing of contexts to experts (zosoma.mixture)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import numpy as np
 
 from zosoma.corpus import Corpus, chunk, load_corpus
 from zosoma.porting.stage import Out, Stage
-from zosoma.soma.cluster import ClusterConfig, fit_clusters
-from zosoma.soma.routing import Router
+from zosoma.mixture.cluster import ClusterConfig, fit_clusters
+from zosoma.mixture.routing import Router
 
 TOP_K, TAU = 2, 0.1
 GAP = 1e-3  # the kit's contexts have no near-ties among their K + 1 nearest centroids
 
 
 def fnv_counts(text: bytes, cfg: ClusterConfig) -> np.ndarray:
-    """(F,) hashed n-gram counts of one text, from the specification (zosoma.soma.cluster)."""
+    """(F,) hashed n-gram counts of one text, from the specification (zosoma.mixture.cluster)."""
     bits = cfg.n_features.bit_length() - 1
     counts = np.zeros(cfg.n_features, np.int64)
     for t in range(len(text)):

@@ -17,7 +17,8 @@ import numpy as np
 from zosoma.config import VOCAB, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, load_corpus
 from zosoma.errors import ConfigError
-from zosoma.model import lowrank, reference
+from zosoma.engines.cpu import lowrank
+from zosoma.model import noise as noise_spec, reference
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
 from zosoma.porting.stage import Out, Stage
@@ -345,7 +346,7 @@ def eggroll_stage(theta, layout: Layout, rng) -> Stage:
     P, sigma, r, lr, seed, expert, step = 4, 0.05, 2, 0.5, 2**36 + 1, 3, 5
     batch = rng.integers(0, VOCAB, (2, 17), dtype=np.uint8)
     t64 = theta.astype(np.float64)
-    E = np.stack([lowrank.materialise(layout, sigma, r, seed, expert, step, k) for k in range(P)])
+    E = np.stack([noise_spec.materialise(layout, sigma, r, seed, expert, step, k) for k in range(P)])
     losses = _losses(layout, batch, [t64 + s * e for e in E for s in (1, -1)])
     plus, minus = losses[0::2], losses[1::2]
     fz = zscore(-losses)
@@ -396,7 +397,7 @@ def _matrix_mask(layout: Layout) -> np.ndarray:
 
 def _variant_perturbation(layout: Layout, sigma, r, seed, expert, step, how: str) -> np.ndarray:
     """E_0 under a misreading of the slicing."""
-    z = noise(lowrank.noise_length(layout, r), seed, expert, step, 0, kind="gaussian").astype(np.float64)
+    z = noise(noise_spec.noise_length(layout, r), seed, expert, step, 0, kind="gaussian").astype(np.float64)
     out, pos = np.empty(layout.size), 0
     for e in layout.entries:
         if len(e.shape) == 2:

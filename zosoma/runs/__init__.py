@@ -3,7 +3,7 @@
 Owns every file name inside a run folder (folder), the one atomic writer, the training loop over
 a strategy and an engine (trainer), single-model and SOMA runs (single, soma), the executors that
 run idempotent units of work (executor; on Ray: ray_executor), one model's population over
-workers that exchange only scalars (population) and the typed records training yields
+workers that exchange only scalars (population_workers) and the typed records training yields
 (records). May import everything below it: the foundation, model, formats, engines, strategies
-and soma.
+and mixture.
 """

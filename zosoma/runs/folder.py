@@ -9,7 +9,7 @@ A single model's run (or one SOMA expert's folder):
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
     RUN/results.json         the final evaluation
     RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
-    RUN/scalars.jsonl        a population sharded over workers (zosoma.runs.population): each
+    RUN/scalars.jsonl        a population sharded over workers (zosoma.runs.population_workers): each
                              step's P update scalars, so a lost worker is rebuilt by replay
 
 A SOMA run:

@@ -75,14 +75,16 @@ def executor(placement: Placement, units: int, workers: int | None = None):
 def study_executor(placement: Placement, units: int, jobs: int | None = None):
     """The executor of a study's `units` runs: `jobs` of them at once, by default as many as the
     machine has cores, or one at a time on a GPU (the runs would share its memory)."""
-    return executor(placement, units, jobs or (1 if placement.device != "cpu" else os.cpu_count()))
+    from zosoma.engines import get_ops
+    on_device = get_ops(placement.device).on_device
+    return executor(placement, units, jobs or (1 if on_device else os.cpu_count()))
 
 
 def place(placement: Placement, experts: int, loss: str = "independent"):
     """Where a training run's work goes: (the executor of independent experts, the workers of
     the summed ablation's experts, the sharding of one model's population), each None when
     unused."""
-    from zosoma.runs.population import InProcess, Processes, Sharding
+    from zosoma.runs.population_workers import InProcess, Processes, Sharding
 
     population = placement.population_workers
     if population is not None and experts > 1:

@@ -12,7 +12,7 @@ Needs the `ray` extra (pip install 'zosoma[ray]'); without it, asking for Ray is
                         (as many BLAS threads) and `gpus` GPUs, retried up to `max_retries` times
                         when its worker process or its node dies. A unit is idempotent (it resumes
                         from its folder's last checkpoint), so a retry on another node continues it.
-    RayWorkers          the population workers of zosoma.runs.population as Ray actors.
+    RayWorkers          the population workers of zosoma.runs.population_workers as Ray actors.
 
 Records reach the driver through one small actor on the driver's node (the channel): a task sends
 what it yielded at most every `FLUSH_S` seconds and gets back whether the driver asked to stop.
@@ -23,7 +23,7 @@ absolute) must be on storage every node mounts at the same path. The driver writ
 into each run folder (RunFolder.write_token) and every task or actor reads it back before it
 touches the folder: a node that sees another folder, or none, is a one-line error instead of a
 silent fresh start. Results are bit for bit those of an inline run (the forwards give the same
-numbers on any number of threads: zosoma.model.threads).
+numbers on any number of threads: zosoma.engines.cpu.threads).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from zosoma.errors import ConfigError
 from zosoma.runs import reaper
 from zosoma.runs.executor import THREAD_VARS, one_line
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population import Shard, ShardSpec, WorkerLost, error_line
+from zosoma.runs.population_workers import Shard, ShardSpec, WorkerLost, error_line
 from zosoma.runs.records import Failed
 
 EXTRA = "pip install 'zosoma[ray]'"
@@ -326,7 +326,7 @@ class _RemoteShard:
 
 
 class RayWorkers:
-    """Population workers (zosoma.runs.population) as Ray actors with the executor's resources;
+    """Population workers (zosoma.runs.population_workers) as Ray actors with the executor's resources;
     an actor lost with its process or node is rebuilt by the driver, anywhere."""
 
     def __init__(self, executor: RayExecutor):

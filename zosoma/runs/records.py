@@ -13,7 +13,7 @@ from zosoma.config import ModelConfig, TrainConfig
 
 @dataclass(frozen=True)
 class Clusters:
-    """A SOMA run clustered its corpus: one report row per cluster (zosoma.soma.cluster)."""
+    """A SOMA run clustered its corpus: one report row per cluster (zosoma.mixture.cluster)."""
     report: list
     n_chunks: int
     chunk_size: int

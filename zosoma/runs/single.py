@@ -25,11 +25,11 @@ from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder, noting_fallbacks
 from zosoma.runs.placement import Placement
-from zosoma.runs.population import Sharding, make_trainer
+from zosoma.runs.population_workers import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
-from zosoma.soma.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
+from zosoma.mixture.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
 
 
 def fingerprint(corpus: Corpus) -> str:
@@ -130,7 +130,7 @@ def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, h
     """A new run in run_dir, which must be new or empty. Every input (data, held-out, WikiText-103)
     is checked before anything is written. Yields Started, the training records, then Evaluated;
     the folder is locked (RunFolder.lock) while it runs. With `sharding` the population is spread
-    over workers (zosoma.runs.population); `placement`, where it all runs, is recorded for a
+    over workers (zosoma.runs.population_workers); `placement`, where it all runs, is recorded for a
     resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
@@ -206,7 +206,7 @@ def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, o
                  segment: int = 256, context: int = 512, streams: int | None = None) -> dict:
     """{"heldout": {domain: nats/byte, ..., "overall": ...}, "wikitext103": nats/byte or None}.
 
-    By the one protocol every table uses (zosoma.soma.routing: segments of `segment` bytes after
+    By the one protocol every table uses (zosoma.mixture.routing: segments of `segment` bytes after
     `context` bytes of warm-up; the model as a one-expert ensemble, so SOMA runs and single
     models compare like for like); with `streams`, instead, the model runs statefully over each
     whole file in that many side-by-side parts (zosoma.model.evaluate)."""

@@ -9,7 +9,7 @@ Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
 couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
-that was already one checkpoint ahead). Given `workers` (zosoma.runs.population: local processes
+that was already one checkpoint ahead). Given `workers` (zosoma.runs.population_workers: local processes
 or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
 scalars travel each step, with the same numbers.
 
@@ -35,13 +35,13 @@ from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks
-from zosoma.runs.population import summed_trainers
+from zosoma.runs.population_workers import summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
-from zosoma.soma.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
-from zosoma.soma.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
+from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
+from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
 from zosoma.strategies.summed import Summed
 
@@ -104,7 +104,7 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
         run = open_soma(run_dir)
         yield Clusters(report, n_chunks, chunk_size)
         yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
-                      run_ops(get_ops(device), cfg.engine, cfg.forward_precision).name)
+                      get_ops(device, cfg.engine, cfg.forward_precision).name)
         yield from _train_and_evaluate(run, executor, should_stop, device, workers)
 
 
@@ -208,7 +208,7 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         yield from notes
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
                       run.soma["loss"], done,
-                      run_ops(get_ops(device), first.train.engine, first.train.forward_precision).name)
+                      get_ops(device, first.train.engine, first.train.forward_precision).name)
         yield from _train_and_evaluate(run, executor, should_stop, device, workers)
 
 
@@ -219,7 +219,7 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=Non
         with noting_fallbacks() as fallbacks:
             trainers = lockstep_trainers(run, ops)
         yield from fallbacks()
-        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.runs.population)
+        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.runs.population_workers)
             trainers = summed_trainers(trainers, workers, device)
         records = train_lockstep(trainers, should_stop)
     else:

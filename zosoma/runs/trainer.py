@@ -1,6 +1,6 @@
 """The training loop of one model: a strategy, an engine, a run folder.
 
-One step (SOMA.md; zosoma.strategies.base):
+One step (zosoma.strategies.base):
 
     batch        = sampler.batch(seed, expert, step)                  a pure function of the counters
     pop          = strategy.ask(expert, step)                         which 2P members
@@ -173,7 +173,7 @@ class Trainer:
         return Step(self.expert, record)
 
     def apply(self, coeffs: np.ndarray, pop, lr: float):
-        """(theta, optimizer state, skipped) after the step's update (zosoma.runs.population
+        """(theta, optimizer state, skipped) after the step's update (zosoma.runs.population_workers
         applies it on the workers instead)."""
         return apply_update(self.strategy, self.ops, self.layout, self.state.theta, self.state.optimizer,
                             coeffs, pop, lr)

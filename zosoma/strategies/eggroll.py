@@ -2,7 +2,7 @@
 ESHyperscale/HyperscaleES): low-rank antithetic ES, z-scored fitness.
 
 Member pairs theta +/- E_k with E_k = (sigma/sqrt(r)) A_k B_k^T per matrix (full-rank Gaussian on
-vectors), regenerated from counters (zosoma.model.lowrank); fitness f = -loss, shaped by `zscore`
+vectors), regenerated from counters (zosoma.model.noise); fitness f = -loss, shaped by `zscore`
 across the 2P members; update (the reference code's convention, without 1/sigma)
 
     theta <- theta + lr * (2P)^(-1/2) * sum_k (f~_{k+} - f~_{k-}) E_k
@@ -30,20 +30,6 @@ def zscore(fitness) -> np.ndarray:
     if not std > 1e-12 * max(1.0, float(np.abs(f).max())):
         return np.zeros_like(f)
     return (f - f.mean()) / std
-
-
-def eggroll_update(theta, layout: Layout, losses, lr: float, sigma: float, r: int, seed: int,
-                   expert: int, step: int, shaping=None) -> np.ndarray:
-    """New theta = theta + lr * N^(-1/2) * sum_j shaping(-losses)_j E_j (no 1/sigma: E_j carries
-    sigma, the reference code's convention). losses (2*n_pairs,) from eggroll_population_loss with
-    the same (sigma, r, seed, expert, step). Returns a new array of theta's dtype."""
-    losses = np.asarray(losses, np.float64)
-    if losses.ndim != 1 or losses.size < 2 or losses.size % 2:
-        raise ValueError(f"losses must be (2*n_pairs,), got {losses.shape}")
-    fz = np.asarray((shaping or zscore)(-losses), np.float64)
-    coef = fz[0::2] - fz[1::2]  # (P,): +E_i weighted by fz_2i, -E_i by fz_2i+1
-    from zosoma.model.lowrank import eggroll_step  # compiled kernels: loaded when first used
-    return eggroll_step(theta, layout, coef, lr, sigma, r, seed, expert, step)
 
 
 class Eggroll(Strategy):

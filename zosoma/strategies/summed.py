@@ -1,4 +1,5 @@
-"""The summed-loss ablation (SOMA.md): N experts updated with the scalars of their summed loss.
+"""The summed-loss ablation of the SOMA paper (arXiv:2609.37899): N experts updated with the
+scalars of their summed loss.
 
 The same experts, starting weights, batches, perturbations and compute as independent SOMA, but
 every expert's update uses the shared SPSA scalars of L = sum_j L_j,

@@ -7,7 +7,7 @@ A single model or one expert's folder (RUN/expertI) becomes one .onnx file
                         top_k and temperature, the router file and the featurizer's settings,
                         and under "files" the names of every file below (itself included)
     OUT/expert{i}.onnx  expert i, in the chosen form (each checked with onnx.checker)
-    OUT/router.npz      the router (zosoma.soma.cluster / routing; PORTING.md, "Router"):
+    OUT/router.npz      the router (zosoma.mixture.cluster / routing; PORTING.md, "Router"):
                           idf         (F,) float32   smoothed idf of every hash bucket
                           projection  (F, D) float32 tf-idf row -> embedding (then L2-normalise)
                           centroids   (N, D) float32 one per expert, in expert order
@@ -37,7 +37,7 @@ from zosoma.formats.onnx import export_onnx
 from zosoma.model.params import Layout
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.runs.folder import RunFolder, checkpoint_path
-from zosoma.soma.cluster import load_clustering
+from zosoma.mixture.cluster import load_clustering
 
 SOMA_FORMAT, SOMA_VERSION = "zosoma-onnx-soma", 1
 ROUTER = "router.npz"
@@ -79,7 +79,7 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
                                  "hidden": c.model.hidden, "layers": c.model.layers} for i, c in enumerate(ckpts)],
                     "top_k": soma["top_k"], "temperature": TEMPERATURE, "router": ROUTER,
                     "featurizer": json.loads(clustering.config.to_json()),
-                    "spec": "zosoma.porting.export and PORTING.md, 'Router'", "files": files}
+                    "spec": "zosoma.porting.export_run and PORTING.md, 'Router'", "files": files}
         atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=2), "manifest")
     return [f"wrote {out}/: {n} experts as ONNX ({form}), router.npz ({clustering.n_clusters} centroids, "
             f"{clustering.config.n_features} features, {clustering.config.svd_dim} dims) and manifest.json"]

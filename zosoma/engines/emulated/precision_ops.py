@@ -1,7 +1,7 @@
 """The low-precision engine: every forward emulated in bf16, fp16 or int8 on the CPU.
 
-What a forward-only device with a narrow number format computes (zosoma.model.precision is the
-specification; zosoma.model.precision_kernels runs it compiled). The master weights and the
+What a forward-only device with a narrow number format computes (zosoma.model.number_formats is the
+specification; zosoma.engines.emulated.precision_kernels runs it compiled). The master weights and the
 update stay fp32 on the host (Ops' updates); each member of a step is a perturbed fp32 COPY of
 theta (ForwardOnlyOps), which the forward rounds or quantises, so theta never passes through the
 format and the plus/minus round trip of MeZO's in-place perturbation, which loses low bits in
@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from zosoma.engines.forward_only import ForwardOnlyOps
-from zosoma.model import precision_kernels
+from zosoma.engines.emulated import precision_kernels
 from zosoma.model.params import Layout
-from zosoma.model.precision import check_format
+from zosoma.model.number_formats import check_format
 
 
 class PrecisionOps(ForwardOnlyOps):
@@ -26,11 +26,11 @@ class PrecisionOps(ForwardOnlyOps):
         check_format(fmt)
         if fmt == "fp32":
             raise ValueError("fp32 is the CPU engine itself (zosoma.engines.get_ops)")
-        self.fmt = fmt
+        self.precision = fmt
         self.name = f"cpu-{fmt}"
 
     def population_loss(self, thetas, layout: Layout, batch) -> np.ndarray:
-        return precision_kernels.population_loss(thetas, layout, batch, self.fmt)
+        return precision_kernels.population_loss(thetas, layout, batch, self.precision)
 
     def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):  # every column
-        return precision_kernels.nll_stream(theta, layout, tokens, targets, self.fmt, state)
+        return precision_kernels.nll_stream(theta, layout, tokens, targets, self.precision, state)

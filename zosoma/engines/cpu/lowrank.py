@@ -1,23 +1,11 @@
-"""EGGROLL: low-rank evolution strategies (Sarkar et al., "Evolution Strategies at the Hyperscale";
-reference code ESHyperscale/HyperscaleES), the low-rank ES baseline of SOMA.md.
+"""The CPU engine's EGGROLL kernels: low-rank evolution strategies (Sarkar et al., "Evolution
+Strategies at the Hyperscale"; reference code ESHyperscale/HyperscaleES), a baseline of the SOMA
+paper.
 
-Noise (regenerated from counters, like SPSA's; nothing is stored)
------------------------------------------------------------------
-Population pair i (the `member` counter of zosoma.model.noise) draws ONE Gaussian stream
-
-    z = noise(noise_length(layout, r), seed, expert, step, member=i, kind="gaussian")
-
-and slices it, walking the Layout entries in order (embed, lstm0.w_ih, lstm0.w_hh, lstm0.bias,
-..., out.w, out.b):
-
-    matrix W (m, n) ("x @ W" orientation, m = fan-in rows, n = columns):
-        A_i = next m*r values reshaped (m, r) row-major, then B_i = next n*r values reshaped (n, r)
-        perturbation E_i = (sigma / sqrt(r)) A_i B_i^T   (never materialised by the forward)
-    vector v (k,):
-        e_i = sigma * next k values                       (full-rank Gaussian)
-
-The embedding (V, E) is a matrix like any other. Antithetic pairs: population member 2i uses
-theta + E_i, member 2i+1 uses theta - E_i, so a population has N = 2 * n_pairs members.
+Pair i's factors A_i, B_i (matrices) and e_i (vectors) are sliced from its Gaussian stream as
+zosoma.model.noise specifies (split_factors); E_i = (sigma / sqrt(r)) A_i B_i^T is never
+materialised here. Population member 2i uses theta + E_i, member 2i+1 uses theta - E_i, so a
+population has N = 2 * n_pairs members.
 
 Population forward (shared GEMM)
 --------------------------------
@@ -36,12 +24,12 @@ expands exactly (s^2 = 1) into
 Per timestep and layer: gates = h @ w_hh (+ x @ w_ih above layer 0), one GEMM each over the rows
 of a group of members (up to 1,024 rows), then member by member the rank-k correction and the
 LSTM cell while the rows are in cache; the output layer likewise per step (GEMM, correction,
-log-softmax + NLL). Against SPSA's dense copies (zosoma.model.forward, one member at a time) this saves
+log-softmax + NLL). Against SPSA's dense copies (zosoma.engines.cpu.forward, one member at a time) this saves
 each member's table embed @ w_ih, and its GEMMs have N*B rows instead of B, which BLAS runs faster
 (weights reused across rows, both threads busy). The recurrent and output products, the gate math
 and the log-softmax stay per-member work, so at small H the saving is the table's share.
 
-Float32 runs this as one compiled loop (`_population_sums`) around BLAS with zosoma.model.forward's cell
+Float32 runs this as one compiled loop (`_population_sums`) around BLAS with zosoma.engines.cpu.forward's cell
 and log-softmax kernels; other dtypes (float64 in the tests) run `_population_sums_numpy`, the
 same algebra in plain NumPy with zosoma.model.reference's cell, the readable version. The tests compare
 both with zosoma.model.reference on materialised perturbations.
@@ -69,80 +57,12 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from zosoma.model import reference
 from zosoma.arrays import get_array_module
 from zosoma.config import VOCAB
-from zosoma.model.forward import JIT_OPTIONS, lstm_cell_rows, output_rows
-from zosoma.model.noise import noise
+from zosoma.engines.cpu.forward import JIT_OPTIONS, lstm_cell_rows, output_rows
+from zosoma.model import reference
+from zosoma.model.noise import check_rank, population_factors
 from zosoma.model.params import Layout
-
-
-# --------------------------------------------------------------------------------------- noise
-
-def noise_length(layout: Layout, r: int) -> int:
-    """Length of one pair's Gaussian stream: sum over matrices of (m + n) * r, plus vector sizes."""
-    return sum((e.shape[0] + e.shape[1]) * r if len(e.shape) == 2 else e.size
-               for e in layout.entries)
-
-
-def _check_rank(r: int) -> int:
-    r = int(r)
-    if r < 1:
-        raise ValueError(f"EGGROLL rank r must be at least 1, got {r}")
-    return r
-
-
-def split_factors(z, layout: Layout, r: int) -> dict:
-    """Slice noise streams z (..., noise_length), NumPy or CuPy, into contiguous
-    name -> (A (..., m, r), B (..., n, r)) for matrices and name -> (..., k) for vectors: the
-    order of the module docstring, shared by the CPU and GPU populations and the update."""
-    xp = get_array_module(z)
-    lead = z.shape[:-1]
-    out, pos = {}, 0
-    for e in layout.entries:
-        shapes = [(e.shape[0], r), (e.shape[1], r)] if len(e.shape) == 2 else [e.shape]
-        parts = []
-        for shape in shapes:
-            size = math.prod(shape)
-            parts.append(xp.ascontiguousarray(z[..., pos:pos + size]).reshape(lead + shape))
-            pos += size
-        out[e.name] = tuple(parts) if len(e.shape) == 2 else parts[0]
-    return out
-
-
-def pair_factors(layout: Layout, r: int, seed: int, expert: int, step: int, member: int,
-                 dtype=np.float32) -> dict:
-    """The unscaled noise of pair `member`: name -> (A (m, r), B (n, r)) for matrices, name -> (k,)
-    standard Gaussian for vectors (callers apply the sigma and sigma/sqrt(r) scales)."""
-    r = _check_rank(r)
-    z = noise(noise_length(layout, r), seed, expert, step, member, kind="gaussian")
-    return split_factors(z.astype(dtype), layout, r)
-
-
-def population_factors(layout: Layout, r: int, seed: int, expert: int, step: int, n_pairs: int,
-                       dtype=np.float32, first: int = 0) -> dict:
-    """The factors of pairs first .. first+n_pairs-1 stacked: name -> (A (P, m, r), B (P, n, r))
-    or (P, k), P = n_pairs."""
-    r = _check_rank(r)
-    n = noise_length(layout, r)
-    z = np.empty((n_pairs, n), dtype)
-    for i in range(n_pairs):
-        z[i] = noise(n, seed, expert, step, first + i, kind="gaussian")
-    return split_factors(z, layout, r)
-
-
-def materialise(layout: Layout, sigma: float, r: int, seed: int, expert: int, step: int,
-                member: int, dtype=np.float64) -> np.ndarray:
-    """The dense perturbation E_i of pair `member` as a flat (d,) vector (tests and small uses only;
-    the forward and the update never build it)."""
-    f = pair_factors(layout, r, seed, expert, step, member, dtype)
-    out = np.empty(layout.size, dtype)
-    c = sigma / math.sqrt(r)
-    for e in layout.entries:
-        v = f[e.name]
-        block = c * (v[0] @ v[1].T) if len(e.shape) == 2 else sigma * v
-        out[e.offset:e.offset + e.size] = block.ravel()
-    return out
 
 
 # ----------------------------------------------------------------------------- population forward
@@ -150,7 +70,7 @@ def materialise(layout: Layout, sigma: float, r: int, seed: int, expert: int, st
 @njit(**JIT_OPTIONS)
 def _dot(a, b):
     """a @ b of 2-D arrays through Numba's np.dot, i.e. SciPy's OpenBLAS, the BLAS that the kernels
-    (here and in zosoma.model.forward) call. NumPy's `@` would call NumPy's own OpenBLAS, whose threads
+    (here and in zosoma.engines.cpu.forward) call. NumPy's `@` would call NumPy's own OpenBLAS, whose threads
     keep spinning for a while after a call and halve the speed of the next kernel's GEMMs."""
     return np.dot(a, b)
 
@@ -233,7 +153,7 @@ def _terms(theta, layout: Layout, sigma: float, r: int, seed: int, expert: int, 
 
 
 # Members evaluated together: their rows (group * B) make each step's GEMMs, big enough to be
-# efficient and to use BLAS's threads, and bound the work buffers (zosoma.model.forward's chunk size).
+# efficient and to use BLAS's threads, and bound the work buffers (zosoma.engines.cpu.forward's chunk size).
 _ROWS_PER_GROUP = 1024
 
 
@@ -376,7 +296,7 @@ def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, 
                          f"{batch.shape}")
     if n_pairs < 1:
         raise ValueError(f"n_pairs must be at least 1, got {n_pairs}")
-    r = _check_rank(r)
+    r = check_rank(r)
     terms = _terms(theta, layout, sigma, r, seed, expert, step, n_pairs, first)
     tokens = np.ascontiguousarray(batch[:, :-1].T).astype(np.intp)  # (T, B): step t's bytes
     targets = np.ascontiguousarray(batch[:, 1:].T)
@@ -404,7 +324,7 @@ def eggroll_step(theta, layout: Layout, coef, lr: float, sigma: float, r: int, s
     coef = xp.asarray(coef, np.float64)
     if coef.ndim != 1 or coef.size < 1:
         raise ValueError(f"coef must be (n_pairs,), got {coef.shape}")
-    r = _check_rank(r)
+    r = check_rank(r)
     P = coef.size
     scale = lr / math.sqrt(2 * P)
     f = population_factors(layout, r, seed, expert, step, P, np.float64) if factors is None else factors

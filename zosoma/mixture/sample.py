@@ -8,17 +8,17 @@ bytes on the last `context` bytes of prompt + generated text:
 
 - an expert kept by a re-route carries its state on (it has read everything since it was chosen);
 - an expert newly chosen starts from zero state and warms up on the last `context` bytes, as in
-  routed evaluation (zosoma.soma.routing);
+  routed evaluation (zosoma.mixture.routing);
 - the weights of all selected experts are replaced by the new routing.
 
 The experts never saw a start-of-text symbol, so an EMPTY prompt is read as a single newline (the
 most neutral boundary byte in text): the experts' first input is b"\\n", which is not returned.
 The router sees only real text, so it routes an empty prompt by the no-information rule of
-zosoma.soma.routing (equal weights on the broadest clusters) until text exists at the next re-route.
+zosoma.mixture.routing (equal weights on the broadest clusters) until text exists at the next re-route.
 
 Randomness: one generator, np.random.default_rng([seed, 0x5A4]), one uniform draw per byte, so
 the same ensemble, prompt and seed give the same bytes on any machine with the same float32
-arithmetic. On a GPU engine (zosoma.engines.cuda) the experts' float32
+arithmetic. On a GPU engine (zosoma.engines.cuda.cuda_ops) the experts' float32
 rounding differs from the CPU's in the last bits: a draw that falls on a boundary of the
 cumulative distribution can then pick another byte.
 """
@@ -31,7 +31,7 @@ import numpy as np
 
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
-from zosoma.soma.routing import Ensemble
+from zosoma.mixture.routing import Ensemble
 
 _STREAM = 0x5A4  # random stream of sampling (params use 0x1D1)
 _START = b"\n"  # the experts' first input when the prompt is empty

@@ -4,8 +4,9 @@ items (population members, or blocks of batch rows) with BLAS held to one thread
 Why not BLAS's own threads: the forwards of small models are many small GEMMs. OpenBLAS runs a
 GEMM under about 2.6e5 multiply-adds on one thread (the recurrent product of the tiny preset, every
 timestep), and splitting a larger one costs a synchronisation per call; on a shared machine a split
-GEMM whose second thread waits for a busy core runs 10x slower or worse (PERF_NOTES). Members are
-independent, so each thread here runs whole members, one-thread BLAS calls and all.
+GEMM whose second thread waits for a busy core ran 10x slower or worse (the 2-core development
+machine). Members are independent, so each thread here runs whole members, one-thread BLAS calls
+and all.
 
 The threads are as many as BLAS would use (OPENBLAS_NUM_THREADS, else the cores), so a worker
 process given one BLAS thread (zosoma.runs.executor) runs everything inline. Each thread sets its

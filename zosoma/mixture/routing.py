@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from zosoma.arrays import get_array_module
-from zosoma.soma.cluster import Clustering
+from zosoma.mixture.cluster import Clustering
 from zosoma.corpus import Corpus
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError, DataError

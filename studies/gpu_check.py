@@ -3,15 +3,15 @@
 For a machine with an NVIDIA GPU and CuPy, Numba and PyTorch (a CUDA build) already installed;
 nothing is installed or downloaded. Run from a checkout (no install needed):
 
-    bash tests/gpu_check.sh [TABLE_FILE]          # or: python tests/gpu_check.py --out TABLE_FILE
+    bash studies/gpu_check.sh [TABLE_FILE]          # or: python studies/gpu_check.py --out TABLE_FILE
 
-1. Validation, on fresh random inputs, every output buffer (and every float buffer gpu.py
+1. Validation, on fresh random inputs, every output buffer (and every float buffer cuda_ops.py
    allocates) filled with NaN first, so an element a kernel skips shows up: Philox known answers;
    Rademacher noise, populations, estimates and fused updates bit-identical to zosoma.model.noise /
    zosoma.engines.ops at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
    log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream,
    log_probs and population_nll against the Numba forward and the NumPy reference;
-   eggroll_population_loss against zosoma.model.lowrank's CPU forward. Each line prints its max abs and
+   eggroll_population_loss against zosoma.engines.cpu.lowrank's CPU forward. Each line prints its max abs and
    relative error.
 2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
    forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
@@ -21,7 +21,7 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    its per-member speed-up over the dense forward; then the SPSA step (population build + forward +
    fused update) at P = 64, 256, 1024. Everything in fp32: TF32 is off for torch, and CuPy uses
    fp32 GEMMs unless CUPY_TF32 is set.
-3. Routed top-4 inference (zosoma.bench_route, as `zosoma bench route --device cuda`): tokens/s of
+3. Routed top-4 inference (zosoma.experiments.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
    same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
 
@@ -46,11 +46,12 @@ import numpy as np  # noqa: E402
 
 from zosoma.arrays import to_numpy  # noqa: E402
 from zosoma.config import PRESETS, VOCAB, ModelConfig, TrainConfig  # noqa: E402
-from zosoma.engines import backend  # noqa: E402
-from zosoma.engines import cuda as gpu  # noqa: E402
+from zosoma.engines.cpu import forward  # noqa: E402
+from zosoma.engines.cpu import lowrank as eggroll  # noqa: E402
+from zosoma.engines.cuda import backend  # noqa: E402
+from zosoma.engines.cuda import cuda_ops as gpu  # noqa: E402
 from zosoma.engines.ops import Ops, perturbed  # noqa: E402
-from zosoma.model import forward, reference  # noqa: E402
-from zosoma.model import lowrank as eggroll  # noqa: E402
+from zosoma.model import reference  # noqa: E402
 from zosoma.model.noise import noise  # noqa: E402
 from zosoma.model.params import Layout, init_params  # noqa: E402
 from zosoma.model.population import Population  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check for zosoma's CUDA backend (tests/gpu_check.py): validates every kernel against
+# The device check for zosoma's CUDA backend (studies/gpu_check.py): validates every kernel against
 # the CPU code on fresh random inputs, then times the paper-size forward (dense and EGGROLL) and
 # SPSA step against PyTorch's cuDNN LSTM, and routed top-4 inference on the CPU and the GPU. Needs an
 # NVIDIA GPU with CuPy, Numba and PyTorch (CUDA) installed; installs nothing; about 3-6 minutes.
@@ -9,4 +9,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-.}/gpu_check.txt}"
 export PYTHONUNBUFFERED=1
-exec "${PYTHON:-python3}" tests/gpu_check.py --out "$out"
+exec "${PYTHON:-python3}" studies/gpu_check.py --out "$out"

@@ -1,10 +1,10 @@
-"""The low-precision forwards of zosoma.model.precision, compiled with Numba.
+"""The low-precision forwards of zosoma.model.number_formats, compiled with Numba.
 
-Same specification, same arithmetic as that module's NumPy version, organised like
-zosoma.model.forward: members spread over threads (zosoma.model.threads), each one's weights
+Same specification, same arithmetic as the NumPy version (precision_reference), organised like
+zosoma.engines.cpu.forward: members spread over threads (zosoma.engines.cpu.threads), each one's weights
 prepared once (rounded, or quantised to int8 with their scales), the time loop compiled, layer 0's
 input projection a table (embed @ w_ih: exact for int8, whose products are integers; float
-formats as one fp32 GEMM), then the log-softmax and NLL of zosoma.model.forward (fp32). Integer
+formats as one fp32 GEMM), then the log-softmax and NLL of zosoma.engines.cpu.forward (fp32). Integer
 arithmetic is carried in float64, where every sum of int8 products is exact.
 
 Activations are table lookups, exact by construction: a bf16 or fp16 input is one of 65,536
@@ -23,11 +23,12 @@ import numpy as np
 from numba import njit
 
 from zosoma.config import VOCAB
-from zosoma.model import threads
-from zosoma.model.forward import output_rows
+from zosoma.engines.cpu import threads
+from zosoma.engines.cpu.forward import output_rows
+from zosoma.model.number_formats import (FP16_MAX, FP16_MIN_NORMAL, Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE,
+                                         TANH_TABLE, check_format, table_lookup, to_grid)
 from zosoma.model.params import Layout
-from zosoma.model.precision import (FP16_MAX, FP16_MIN_NORMAL, Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE,
-                                    TANH_TABLE, check_format, table_lookup)
+from zosoma.model.reference import zero_state
 
 _JIT = dict(cache=True, error_model="numpy")
 BF16, FP16, INT8 = 1, 2, 3
@@ -124,6 +125,23 @@ def _pattern(x, u, code):
 
 
 @njit(**_JIT)
+def _layer(w, offsets, layer, H, table, xs):
+    """Layer `layer`'s w_hh (H, 4H) and bias (4H,), views of the prepared weights w, and its input
+    projection: layer 0's byte table, else the layer below's outputs xs (T, B, H) @ w_ih."""
+    G = 4 * H
+    T, B = xs.shape[0], xs.shape[1]
+    o = offsets[3 * layer + 2]
+    w_hh = w[o:o + H * G].reshape((H, G))
+    o = offsets[3 * layer + 3]
+    bias = w[o:o + G]
+    xproj = table
+    if layer > 0:
+        o = offsets[3 * layer + 1]
+        xproj = np.dot(xs.reshape((T * B, H)), w[o:o + H * G].reshape((H, G)))
+    return w_hh, bias, xproj
+
+
+@njit(**_JIT)
 def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll_out):
     """One model in bf16/fp16. w (d,) float32 already rounded; sig, tanh the format's activation
     tables; h, c (L, B, H) float32 format values, updated in place; writes nll_out (B, T).
@@ -140,14 +158,7 @@ def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, n
     act = np.empty((B, G), np.float32)
     xs = np.empty((T, B, H), np.float32)  # a layer's outputs, the next layer's inputs
     for layer in range(L):
-        o = offsets[3 * layer + 2]
-        w_hh = w[o:o + H * G].reshape((H, G))
-        o = offsets[3 * layer + 3]
-        bias = w[o:o + G]
-        xproj = table
-        if layer > 0:
-            o = offsets[3 * layer + 1]
-            xproj = np.dot(xs.reshape((T * B, H)), w[o:o + H * G].reshape((H, G)))
+        w_hh, bias, xproj = _layer(w, offsets, layer, H, table, xs)
         cu = c[layer].reshape(B * H).view(np.uint32)
         for t in range(T):
             np.dot(h[layer], w_hh, gates)
@@ -236,7 +247,7 @@ def _int8_prepare(theta, offsets, sizes, L):
 
 @njit(**_JIT)
 def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out):
-    """One model in int8 (zosoma.model.precision). theta (d,) float32 master weights; h, c
+    """One model in int8 (zosoma.model.number_formats). theta (d,) float32 master weights; h, c
     (L, B, H) float64 real values on the int8 / Q4.11 grids, updated in place; writes nll_out."""
     B, T = tokens.shape
     G = 4 * H
@@ -249,14 +260,7 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out)
     qz = np.empty(4, np.float64)
     xs = np.empty((T, B, H), np.float64)  # int8 h values of a layer, the next layer's inputs
     for layer in range(L):
-        o = offsets[3 * layer + 2]
-        w_hh = q[o:o + H * G].reshape((H, G))
-        o = offsets[3 * layer + 3]
-        q_b = q[o:o + G]
-        xproj = table
-        if layer > 0:
-            o = offsets[3 * layer + 1]
-            xproj = np.dot(xs.reshape((T * B, H)), q[o:o + H * G].reshape((H, G)))
+        w_hh, q_b, xproj = _layer(q, offsets, layer, H, table, xs)
         sx_sw = s[3 * layer + 3]  # the input's scale times w_ih's, the bias's scale
         sh_sw = s[3 * layer + 2] / Q_H
         for t in range(T):
@@ -296,7 +300,7 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out)
 @njit(nogil=True, **_JIT)
 def _member_sum(thetas, m, offsets, sizes, E, H, L, code, sig, tanh, batches, sums):
     """sums[m] = summed nll of member m (float64) on its batch (batches (1 or M, B, T+1) uint8),
-    from zero state. Without the GIL: members run on threads (zosoma.model.threads)."""
+    from zero state. Without the GIL: members run on threads (zosoma.engines.cpu.threads)."""
     n_batches, B, T1 = batches.shape
     T = T1 - 1
     batch = batches[m if n_batches > 1 else 0]
@@ -332,7 +336,7 @@ def _tables_for(code: int) -> tuple[np.ndarray, np.ndarray]:
 def _code(fmt: str) -> int:
     check_format(fmt)
     if fmt not in CODES:
-        raise ValueError("fp32 runs the ordinary forward (zosoma.model.forward)")
+        raise ValueError("fp32 runs the ordinary forward (zosoma.engines.cpu.forward)")
     return CODES[fmt]
 
 
@@ -358,8 +362,6 @@ def population_loss(thetas, layout: Layout, batch, fmt: str) -> np.ndarray:
 def nll_stream(theta, layout: Layout, tokens, targets, fmt: str, state=None):
     """Nats (B, T) float32 of each target byte of one model in format `fmt`, and the state after
     the last step (format values), carried in from `state` (None: zeros)."""
-    from zosoma.model.precision import to_grid, zero_state
-
     code = _code(fmt)
     cfg = layout.config
     theta = np.ascontiguousarray(theta, np.float32)

@@ -1,13 +1,14 @@
 // The non-GEMM parts of the population LSTM forward: the fused gate/cell update and the
 // log-softmax + NLL of the output logits. The GEMMs (embed @ w_ih, h @ w_hh, hs @ w_ih, hs @ out.w)
-// run in cuBLAS through CuPy; zosoma/engines/cuda.py drives the time loop. Mirrors zosoma/model/forward.py
-// (`_lstm_cell`, `_output_rows`) and zosoma/reference.py (the ground truth).
+// run in cuBLAS through CuPy; zosoma/engines/cuda/cuda_ops.py drives the time loop. Mirrors
+// zosoma/engines/cpu/forward.py (`lstm_cell_rows`, `output_rows`) and zosoma/model/reference.py (the
+// ground truth).
 //
 // Shapes: M population members, B batch, T time (Tc: the timesteps of one chunk), E embedding,
 // H hidden, G = 4H gate columns (blocks i, f, g, o), V = 256. Every member has its own weights,
 // so every array carries a leading M axis.
 //
-// Launch (zosoma/engines/cuda.py): 1-D, block = (256, 1, 1), grid.x = min(ceil(work / 256), cap), with
+// Launch (zosoma/engines/cuda/cuda_ops.py): 1-D, block = (256, 1, 1), grid.x = min(ceil(work / 256), cap), with
 // grid-stride loops over 64-bit indices. One thread per (member, row, hidden unit) in the cell
 // kernels; one thread per (member, time, row) in log_softmax_nll: a row of V = 256 logits is small,
 // and keeping each row in one thread needs no shared memory or barriers, so tests/test_kernels.py
@@ -33,7 +34,7 @@ __device__ __forceinline__ float cell_unit(const float* gates, const float* x, c
 }
 
 // Layer 0, step t of a chunk: the input projection of byte v is row v of table = embed @ w_ih
-// (exact: x_t @ w_ih with x_t = embed[v]), as zosoma.model.forward does.
+// (exact: x_t @ w_ih with x_t = embed[v]), as zosoma.engines.cpu.forward does.
 //   gates  (M, B, G)   h_prev @ w_hh
 //   table  (M, V, G)   embed @ w_ih
 //   tokens            byte of (m, b) at absolute time tt: tokens[m*tok_sm + b*tok_sb + tt]
@@ -78,7 +79,7 @@ extern "C" __global__ void lstm_cell_proj(const float* gates, const float* xproj
 }
 
 // Log-softmax + NLL of one chunk of Tc timesteps starting at absolute time t0. CPU:
-// zosoma.model.forward.output_rows; reference: zosoma.model.reference.nll.
+// zosoma.engines.cpu.forward.output_rows; reference: zosoma.model.reference.nll.
 //   logits  (M, Tc, B, V)  hs @ out.w, out.b not yet added
 //   bias    (M, V)         out.b
 //   targets               target byte of (m, b, t0 + t) at targets[m*tgt_sm + b*tgt_sb + t0 + t]

@@ -1,6 +1,6 @@
 """Training through ONNX Runtime beside the Numba engine: the default run, seed by seed.
 
-    python tests/engine_agreement.py [--seeds 0 1 2] [--dir runs/engines] [--out FILE]
+    python studies/engine_agreement.py [--seeds 0 1 2] [--dir runs/engines] [--out FILE]
 
 Runs `zosoma train --engine native|onnxruntime --seed S` for each seed (a run folder that already
 holds results.json is reused; one its divergence guard stopped is resumed past the guard, the
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shared_data import use_shared_wikitext
 from zosoma.corpus import load_text
-from zosoma.engines.onnxrt import OnnxRuntimeOps
+from zosoma.engines.onnxruntime.onnxrt_ops import OnnxRuntimeOps
 from zosoma.engines.ops import Ops
 from zosoma.model import reference
 from zosoma.model.params import Layout
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("runs/engines"))
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args()
+    use_shared_wikitext()
 
     lines = ["# The default `zosoma train` run (tiny preset) on the Numba and the ONNX Runtime engine, same seed.",
              "seed  engine        held-out  WikiText-103  wall s  last-100 train loss",

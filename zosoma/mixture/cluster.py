@@ -470,13 +470,8 @@ class Clustering:
 
     config: ClusterConfig
     idf: np.ndarray  # (F,) float32
-    projection: np.ndarray  # (F, D) float32: the SVD components transposed (components.T)
+    projection: np.ndarray  # (F, D) float32: the truncated-SVD components, transposed
     centroids: np.ndarray  # (N, D) float32
-
-    @property
-    def components(self) -> np.ndarray:
-        """(D, F) float32 truncated-SVD components (a view of projection)."""
-        return self.projection.T
 
     @property
     def n_clusters(self) -> int:

@@ -1,7 +1,7 @@
-"""The correctness figures the README quotes, printed by one command (PyTorch is the referee, so this
-lives with the tests; it needs the test extra):
+"""The correctness figures the README quotes, printed by one command (PyTorch is the referee: it
+reuses the tests' shape grid and PyTorch model, and needs the test extra):
 
-    python tests/correctness.py [--out results/correctness.txt]
+    python studies/correctness.py [--out results/correctness.txt]
 
 1. zosoma's NumPy reference forward vs torch.nn.LSTM + nn.Linear loaded with the same weights: max
    relative loss error over the shape grid of tests/test_torch_reference.py, float64 and float32.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import numpy as np  # noqa: E402

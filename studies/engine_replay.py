@@ -1,8 +1,8 @@
 """Why some ONNX Runtime runs take loss bumps: engine_agreement's runs replayed step by step.
 
-    python tests/engine_replay.py [--seeds 0 1 2] [--dir runs/engines] [--jobs 2] [--out FILE]
+    python studies/engine_replay.py [--seeds 0 1 2] [--dir runs/engines] [--jobs 2] [--out FILE]
 
-Each run tests/engine_agreement.py left in --dir (native, onnxruntime and native-ulp, per seed) is
+Each run studies/engine_agreement.py left in --dir (native, onnxruntime and native-ulp, per seed) is
 trained again from its configuration, recording every step's P SPSA scalars (L+ - L-) / (2 eps);
 the replay must reproduce the run's step losses exactly. In an ONNX Runtime replay the Numba
 engine also evaluates each step's population from the same weights and batch, so the two engines
@@ -27,8 +27,9 @@ import numpy as np
 from scipy.stats import mannwhitneyu
 
 from engine_agreement import emit, nudge
+from zosoma.engines.cpu import forward
 from zosoma.engines.ops import Ops, perturbed
-from zosoma.model import forward, reference
+from zosoma.model import reference
 from zosoma.model.params import Layout
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Diverged, Finished, Step, Stopped
@@ -134,7 +135,7 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         records = dict(zip(runs, pool.map(replay, runs, [args.steps] * len(runs))))
 
-    lines = ["# Each run of tests/engine_agreement.py trained again, every step's P SPSA scalars recorded; "
+    lines = ["# Each run of studies/engine_agreement.py trained again, every step's P SPSA scalars recorded; "
              "each replay reproduced its run's step losses exactly.",
              f"# Outlier steps: the scalars' sd over {CLIFF:g} x the run's median (steps 101 on); "
              "loss change: mean of the 20 steps after minus the 20 before.",

@@ -15,7 +15,7 @@ update. No parameters travel while training: theta comes to the driver for check
 A lost worker (a killed process, a dead node) is rebuilt from the run's last checkpoint plus a
 replay of the scalars logged since: updates only, no forward passes, the same numbers. The run
 ends bit for bit where the single-process run ends: a member's losses do not depend on which
-worker, or how many threads, computed them (zosoma.model.threads). EGGROLL is not sharded: its
+worker, or how many threads, computed them (zosoma.engines.cpu.threads). EGGROLL is not sharded: its
 population shares one GEMM over all members, so splitting them changes the rounding.
 
 The summed-loss ablation runs through the same exchange: one worker per expert, each evaluating
@@ -48,7 +48,7 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.engines import get_ops, run_ops
+from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, ZosomaError
 from zosoma.model.params import Layout
 from zosoma.runs.executor import child_threads, exit_with_parent, one_line
@@ -109,7 +109,7 @@ class Shard:
         self.cfg, self.stream, self.pairs = ckpt.train, stream(spec.expert, restarts), spec.pairs
         self.lr_scale = ckpt.train.restart_lr_factor ** restarts
         self.strategy = make_strategy(ckpt.train)
-        self.ops = run_ops(get_ops(spec.device), ckpt.train.engine, ckpt.train.forward_precision)
+        self.ops = get_ops(spec.device, ckpt.train.engine, ckpt.train.forward_precision)
         self.layout = Layout(ckpt.model)
         self.sampler = BatchSampler(spec.corpus, ckpt.train.seq_len + 1)
         self.theta = self.ops.asarray(ckpt.theta)

@@ -1,12 +1,12 @@
 """The CUDA backend: the population forward and SPSA on an NVIDIA GPU, through CuPy.
 
 Mirrors the CPU functions one for one, and is checked against them (tests/test_kernels.py,
-tests/gpu_check.py):
+studies/gpu_check.py):
 
-    population_loss(thetas, layout, batch)            zosoma.model.forward.population_loss
-    nll_stream / log_probs                             zosoma.model.forward.nll_stream / log_probs
+    population_loss(thetas, layout, batch)            zosoma.engines.cpu.forward.population_loss
+    nll_stream / log_probs                             zosoma.engines.cpu.forward.nll_stream / log_probs
     population_nll(thetas, layout, tokens, targets)    nll_stream of M models at once, from zero state
-    eggroll_population_loss(theta, layout, batch, ...) zosoma.model.lowrank.eggroll_population_loss
+    eggroll_population_loss(theta, layout, batch, ...) zosoma.engines.cpu.lowrank.eggroll_population_loss
     add_noise(out, base, scale, seed, ...)             zosoma.model.noise.add_noise (bit-identical signs)
     perturbed(theta, eps, members, seed, ...)          zosoma.engines.ops.perturbed
     spsa_gradient(coeffs, d, seed, ...)                zosoma.engines.ops.Ops.noise_sum
@@ -22,7 +22,7 @@ every member has its own weights, so every GEMM is batched over members (cuBLAS 
 through cupy.matmul) and the rest is two raw kernels from kernels/lstm.cu:
 
     table  = embed @ w_ih of layer 0           (M, V, E) x (M, E, G): the input projection of every
-                                               byte, gathered by token as zosoma.model.forward does
+                                               byte, gathered by token as zosoma.engines.cpu.forward does
     per chunk of Tc timesteps (Tc * B ~ 1024 rows), per layer:
         xproj = hs_below @ w_ih                (M, Tc*B, H) x (M, H, G), layers >= 1
         per step: gates = h @ w_hh             (M, B, H) x (M, H, G)
@@ -62,18 +62,17 @@ import numpy as np
 
 from zosoma.arrays import to_numpy
 from zosoma.config import VOCAB
-from zosoma.engines import backend
+from zosoma.engines.cpu.lowrank import eggroll_step
+from zosoma.engines.cuda import backend
 from zosoma.engines.ops import Ops
-from zosoma.model import lowrank
-from zosoma.model.lowrank import split_factors
-from zosoma.model.noise import KINDS, stream_key
-from zosoma.model.population import Population
+from zosoma.model.noise import KINDS, kind_code, noise_length, split_factors, stream_key
 from zosoma.model.params import Layout
+from zosoma.model.population import Population
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 KERNEL_FILES = ("noise.cu", "lstm.cu")
 BLOCK = 256  # threads per block of every kernel
-ROWS_PER_CHUNK = 1024  # target Tc*B rows of the per-chunk GEMMs (as zosoma.model.forward)
+ROWS_PER_CHUNK = 1024  # target Tc*B rows of the per-chunk GEMMs (as zosoma.engines.cpu.forward)
 WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers, per call
 _U32 = 0xFFFFFFFF
 
@@ -189,12 +188,6 @@ def to_device(x, dtype=np.float32):
     return xp.ascontiguousarray(xp.asarray(x), dtype=dtype)
 
 
-def _kind_code(kind: str) -> int:
-    if kind not in KINDS:
-        raise ValueError(f"noise kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return KINDS[kind]
-
-
 def _check_out(out, shape: tuple, name: str = "out"):
     xp = runtime().xp
     if not isinstance(out, xp.ndarray) or out.dtype != np.float32 or out.shape != shape \
@@ -212,7 +205,7 @@ def add_noise(out, base, scale: float, seed: int, expert: int, step: int, member
     zosoma.model.noise.add_noise. out: device float32 (n,), may be base (in place); base (n,). `start` must
     be a multiple of 128 (Rademacher) or 4 (Gaussian). Returns out."""
     stream_key(seed)  # a bad seed is reported before anything else
-    code = _kind_code(kind)
+    code = kind_code(kind)
     align = 128 if kind == "rademacher" else 4
     if start % align:
         raise ValueError(f"start must be a multiple of {align} for {kind} noise")
@@ -252,7 +245,7 @@ def perturbed(theta, eps: float, members: range, seed: int, expert: int, step: i
     theta = to_device(theta)
     d = theta.size
     member0, count = _member_range(members)
-    code = _kind_code(kind)
+    code = kind_code(kind)
     out = runtime().xp.empty((2 * count, d), np.float32) if out is None else _check_out(out, (2 * count, d))
     if count:
         _perturb(out, theta, eps, 0, seed, expert, step, member0, count, True, code)
@@ -272,7 +265,7 @@ def spsa_gradient(coeffs, d: int, seed: int, expert: int, step: int, kind: str):
     k0, k1 = stream_key(seed)
     out = runtime().xp.empty(d, np.float32)
     _launch("spsa_update", -(-d // 4), out, out, coef, P, d, k0, k1, expert & _U32, step & _U32,
-            _kind_code(kind), 0, 0.0, 0.0)
+            kind_code(kind), 0, 0.0, 0.0)
     return out
 
 
@@ -289,7 +282,7 @@ def spsa_update(theta, coeffs, lr: float, seed: int, expert: int, step: int, kin
     k0, k1 = stream_key(seed)
     lr_wd = np.float32(lr * weight_decay) if weight_decay else 0.0
     _launch("spsa_update", -(-d // 4), out, theta, coef, P, d, k0, k1, expert & _U32, step & _U32,
-            _kind_code(kind), 1, np.float32(lr), lr_wd)
+            kind_code(kind), 1, np.float32(lr), lr_wd)
     return out
 
 
@@ -341,12 +334,12 @@ class _Dense:
 
 
 class _LowRank:
-    """EGGROLL's population around one theta (zosoma.model.lowrank): members 2i and 2i+1 use the matrices
+    """EGGROLL's population around one theta (zosoma.engines.cpu.lowrank): members 2i and 2i+1 use the matrices
     W + s c A_i B_i^T (s = +1, -1; c = sigma / sqrt(r)) and the vectors v + s sigma e_i. A product
     splits into the dense part, ONE GEMM over all members' rows with the shared W, and each
     member's rank-r correction, two skinny batched GEMMs:
         x_m @ (W + s c A_i B_i^T) = x_m @ W + (x_m @ A_i) @ (s c B_i^T)
-    z (P, n): each pair's Gaussian stream, sliced by zosoma.model.lowrank.split_factors."""
+    z (P, n): each pair's Gaussian stream, sliced by zosoma.model.noise.split_factors."""
 
     def __init__(self, theta, layout: Layout, z, sigma: float, r: int):
         xp = runtime().xp
@@ -473,7 +466,7 @@ def _member_chunks(M: int, per_member: int, workspace_bytes: int):
 
 def population_loss(thetas, layout: Layout, batch, workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
     """Mean nats per predicted byte of each member, from zero state, as
-    zosoma.model.forward.population_loss. thetas (M, d) float32; batch (B, T+1) uint8 shared by all
+    zosoma.engines.cpu.forward.population_loss. thetas (M, d) float32; batch (B, T+1) uint8 shared by all
     members, or (M, B, T+1) one per member. Members run in chunks whose work buffers fit
     workspace_bytes. Returns (M,) float64 NumPy."""
     thetas = _check_thetas(thetas, layout, 2)
@@ -493,7 +486,7 @@ def population_loss(thetas, layout: Layout, batch, workspace_bytes: int = WORKSP
 def population_nll(thetas, layout: Layout, tokens, targets,
                    workspace_bytes: int = WORKSPACE_BYTES) -> np.ndarray:
     """Nats of each target byte under each of M models of one Layout, from zero state: the models
-    of a batch of routed inference (zosoma.soma.routing) in one forward. thetas (M, d) float32, or a
+    of a batch of routed inference (zosoma.mixture.routing) in one forward. thetas (M, d) float32, or a
     sequence of M (d,) arrays; tokens, targets (B, T) uint8 read by every model, or (M, B, T) one
     batch per model. Returns (M, B, T) float32 NumPy."""
     if not hasattr(thetas, "ndim"):
@@ -539,7 +532,7 @@ def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, 
                             first: int = 0) -> np.ndarray:
     """Mean nats/byte of the N = 2*n_pairs EGGROLL members theta +/- E_i (member 2j is +E_i, 2j+1
     is -E_i, i = first + j), from zero state, on the shared (B, T+1) uint8 batch, as
-    zosoma.model.lowrank.eggroll_population_loss. Pair i's Gaussian stream is regenerated on the device
+    zosoma.engines.cpu.lowrank.eggroll_population_loss. Pair i's Gaussian stream is regenerated on the device
     (the Philox counters of zosoma.model.noise, member = i: within float32 rounding of the CPU's); no
     member's weights are ever built (_LowRank). Pairs run in chunks whose work buffers fit
     workspace_bytes. Returns (N,) float64 NumPy."""
@@ -554,7 +547,7 @@ def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, 
         raise ValueError(f"EGGROLL rank r must be at least 1, got {r}")
     r = int(r)
     B, T = batch.shape[0], batch.shape[1] - 1
-    n = lowrank.noise_length(layout, r)
+    n = noise_length(layout, r)
     zeros = xp.zeros(n, np.float32)
     sums = np.empty(2 * n_pairs, np.float64)
     # a pair: its z, and two members' work buffers: no weight copies but their embedding, and the
@@ -592,7 +585,7 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_logp: bool):
 
 
 def nll_stream(theta, layout: Layout, tokens, targets, state=None):
-    """Nats of each target byte under one model, carrying state, as zosoma.model.forward.nll_stream.
+    """Nats of each target byte under one model, carrying state, as zosoma.engines.cpu.forward.nll_stream.
     theta (d,); tokens, targets (B, T) uint8; state None or one (h, c) pair of (B, H) per layer.
     Returns nll (B, T) float32 NumPy and the final state (NumPy)."""
     nll, _, state = _stream(theta, layout, tokens, targets, state, False)
@@ -600,7 +593,7 @@ def nll_stream(theta, layout: Layout, tokens, targets, state=None):
 
 
 def log_probs(theta, layout: Layout, tokens, state=None):
-    """Next-byte log-probabilities of one model, as zosoma.model.forward.log_probs. theta (d,); tokens
+    """Next-byte log-probabilities of one model, as zosoma.engines.cpu.forward.log_probs. theta (d,); tokens
     (B, T) uint8. Returns logp (B, T, V) float32 NumPy and the final state."""
     _, logp, state = _stream(theta, layout, tokens, None, state, True)
     return to_numpy(logp[0]), state
@@ -615,6 +608,7 @@ class CudaOps(Ops):
     float32 rounding (Rademacher noise and the dense updates bit for bit)."""
 
     name = "cuda"
+    on_device = True
 
     def __init__(self):
         self.xp = runtime().xp
@@ -681,10 +675,10 @@ class CudaOps(Ops):
         """The factors are regenerated on the device (float32 Box-Muller, within float32 rounding
         of the CPU's) and the update accumulates there in float64."""
         r, P = pop.rank, len(coeffs)
-        n = lowrank.noise_length(layout, r)
+        n = noise_length(layout, r)
         z = self.xp.empty((P, n), np.float32)
         _perturb(z, self.xp.zeros(n, np.float32), 1.0, 0, pop.seed, pop.expert, pop.step, 0, P, False,
                  KINDS["gaussian"])
         factors = split_factors(z.astype(np.float64), layout, r)
-        return lowrank.eggroll_step(theta, layout, self.xp.asarray(np.asarray(coeffs, np.float64)), lr,
+        return eggroll_step(theta, layout, self.xp.asarray(np.asarray(coeffs, np.float64)), lr,
                                     pop.scale, r, pop.seed, pop.expert, pop.step, factors=factors)

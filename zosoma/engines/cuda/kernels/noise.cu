@@ -1,5 +1,5 @@
 // Counter-based perturbation noise on the GPU: Philox4x32-10, Rademacher and Gaussian directions,
-// the SPSA population builder and the fused SPSA update. Mirrors zosoma/noise.py (the
+// the SPSA population builder and the fused SPSA update. Mirrors zosoma/model/noise.py (the
 // specification: key/counter layout, bit layout, Box-Muller) and zosoma/engines/ops.py.
 //
 //   key     = (seed mod 2**32, seed >> 32)
@@ -14,7 +14,7 @@
 // barriers: every thread is independent, so tests/test_kernels.py runs these kernels on the CPU
 // through emulate.h.
 //
-// Launch (zosoma/engines/cuda.py): block = (256, 1, 1); grid.x = min(ceil(groups / 256), cap);
+// Launch (zosoma/engines/cuda/cuda_ops.py): block = (256, 1, 1); grid.x = min(ceil(groups / 256), cap);
 // perturb also uses grid.y over members (grid-stride as well).
 //
 // Rounding: out = base + scale*delta with the product and the sum rounded separately

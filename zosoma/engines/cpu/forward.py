@@ -23,17 +23,19 @@ overhead per step) does, per chunk of Tc timesteps:
                (2**-k by a bit cast), the loss sum accumulated in float64
 
 Members run one after another with their own dense weights, so each member's weights stay in
-cache (PERF_NOTES: stacking members' weights into one batched matmul streams them from RAM), and
-the members are spread over threads (zosoma.model.threads), each thread running whole members
-with one-thread BLAS; the kernels themselves are serial (PERF_NOTES: Numba threads beside BLAS
-threads are 10-40x slower). A single member's batch rows are split over the threads instead.
+cache (stacking members' weights into one batched matmul streams them from RAM: at 4.46M
+parameters it ran at about half the speed, on the development machine), and the members are
+spread over threads (zosoma.engines.cpu.threads), each thread running whole members with
+one-thread BLAS; the kernels themselves are serial (Numba's parallel=True gate kernels beside
+BLAS threads ran 10-40x slower there). A single member's batch rows are split over the threads
+instead.
 
 SPSA's population (`perturbed_sums`) is never materialised: each thread builds a pair's two
 members theta +/- scale * delta_k from the counters (zosoma.model.noise) into its own two buffers
 right before their forwards, one noise pass for both.
 
 Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=1.
-`lstm_cell_rows` and `output_rows` are public: zosoma.model.lowrank's population forward reuses them.
+`lstm_cell_rows` and `output_rows` are public: zosoma.engines.cpu.lowrank's population forward reuses them.
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 from zosoma.config import VOCAB
-from zosoma.model import noise, threads
+from zosoma.engines.cpu import noise_kernels, threads
+from zosoma.model import noise
 from zosoma.model.params import Layout
 
 # fastmath without nnan/ninf: reductions and FMAs may reassociate, but a diverged model still
 # yields inf/nan losses that the trainer can see. error_model="numpy" drops the division checks
-# that would otherwise stop the gate loop from vectorising. Public: zosoma.model.lowrank's kernels use it.
+# that would otherwise stop the gate loop from vectorising. Public: zosoma.engines.cpu.lowrank's kernels use it.
 JIT_OPTIONS = dict(cache=True, error_model="numpy",
                    fastmath={"reassoc", "contract", "arcp", "nsz", "afn"})
-# the thread-parallel entry points release the GIL (zosoma.model.threads)
+# the thread-parallel entry points release the GIL (zosoma.engines.cpu.threads)
 _NOGIL = dict(JIT_OPTIONS, nogil=True)
 
 _ROWS_PER_CHUNK = 1024  # target Tc*B: big enough for an efficient GEMM, small enough for cache
@@ -390,7 +393,7 @@ def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step
     none3 = np.empty((0, 0, VOCAB), np.float32)
     for i in range(ks.shape[0]):
         delta = deltas[i] if deltas.shape[0] else deltas[0:0, 0]
-        noise.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)
+        noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)
         for s in range(2):
             h[:] = 0.0
             c[:] = 0.0
