@@ -131,7 +131,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     else:
         placement = Placement(**given_placement)
         try:
-            model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())})
+            model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())}, loss=loss)
         except UnusedOption as e:
             raise click.UsageError(str(e)) from None
         get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now

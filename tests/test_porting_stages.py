@@ -19,7 +19,7 @@ from porting_port import load
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler
 from zosoma.engines.ops import Ops
-from zosoma.model import precision
+from zosoma.model import number_formats as precision
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout
 from zosoma.model.population import Population

@@ -262,7 +262,7 @@ def _method(raw: dict, shared: dict, where: str, budget: float | None = None, st
     _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, where)
     given = {**_known(raw.get("model", {}), MODEL_KEYS, f"{where} model"), **_train_table(raw.get("train", {}), where)}
     try:
-        model, train_cfg = resolve(None, given, shared)
+        model, train_cfg = resolve(None, given, shared, loss=str(raw.get("loss", "independent")))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     method = Method(str(raw["name"]), model, train_cfg, _int(raw.get("experts", 1), f"{where}: experts"),

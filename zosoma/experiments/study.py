@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from zosoma.config import RETIRED, ModelConfig, TrainConfig
+from zosoma.config import ABSENT, RETIRED, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
@@ -87,10 +87,12 @@ class Job(Protocol):
 
 def _from_result(result: dict, keys) -> dict:
     """What a finished job's record says it was, by the keys given that it holds (a model or
-    training field an older zosoma did not write takes its default, as a checkpoint's does)."""
+    training field an older zosoma did not write takes what it meant then, as in a checkpoint:
+    zosoma.config.ABSENT, else today's default)."""
     def config(cls, fields):
         retired = RETIRED.get(cls.__name__, ())
-        return {**dataclasses.asdict(cls()), **{k: v for k, v in fields.items() if k not in retired}}
+        return {**dataclasses.asdict(cls()), **ABSENT.get(cls.__name__, {}),
+                **{k: v for k, v in fields.items() if k not in retired}}
     classes = {"model": ModelConfig, "train": TrainConfig}
     return {k: config(classes[k], result[k]) if k in classes else result[k] for k in keys if k in result}
 

@@ -35,6 +35,7 @@ def zscore(fitness) -> np.ndarray:
 class Eggroll(Strategy):
     name = "eggroll"
     options = frozenset({"rank"})
+    defaults = {"shaping": ()}  # z-scored fitness is its shaping
 
     def check(self, layout: Layout) -> None:
         """A rank-r product A B^T of an m x n matrix has rank at most min(m, n): a larger r only

@@ -20,13 +20,15 @@ MODEL_KEYS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 
-def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}) -> tuple[ModelConfig, TrainConfig]:
+def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {},
+            loss: str = "independent") -> tuple[ModelConfig, TrainConfig]:
     """The model and training configuration of a run: `preset`'s (zosoma.config.PRESETS; None:
     the dataclasses' defaults), then the strategy's own defaults (Strategy.defaults), then
     `shared`, then `given`; each a mapping of ModelConfig and TrainConfig fields together. The
     strategy (the optimizer given, else shared, else the default) must read every training key
     of `given`; a key of `shared` (a table several methods share) that it does not read must
-    leave its field at the default. Anything else is a ConfigError in one line."""
+    leave its field at the default. Anything else is a ConfigError in one line. The summed-loss
+    ablation (loss "summed") couples its experts, so its own default on divergence is to stop."""
     unknown = sorted(set(given) - MODEL_KEYS - TRAIN_KEYS)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
@@ -37,7 +39,8 @@ def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}
     if strategy is None:
         raise ConfigError(f"optimizer must be one of {', '.join(STRATEGIES)}, got {name!r}")
     model = dataclasses.replace(base_model, **{k: v for k, v in merged.items() if k in MODEL_KEYS})
-    cfg = dataclasses.replace(TrainConfig(), **{**base_train, **strategy.defaults,
+    coupled = {"on_divergence": "stop"} if loss == "summed" else {}
+    cfg = dataclasses.replace(TrainConfig(), **{**base_train, **strategy.defaults, **coupled,
                                                 **{k: v for k, v in merged.items() if k in TRAIN_KEYS}})
     check_options(strategy, cfg, given=[k for k in given if k in TRAIN_KEYS])
     return model, cfg
