@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import click
 
-from zosoma.cli.options import device_ops, device_option, positive
+from zosoma.cli.options import device_ops, device_option, emit_json, json_option, positive
 from zosoma.config import ENGINES, PRECISIONS
 
 
 @click.group()
 def bench():
     """Benchmarks that print throughput figures (not tests)."""
+
+
+def show(kind: str, result, text) -> None:
+    """A benchmark's result as text, or with --json as one object (docs/json.md)."""
+    if click.get_current_context().params.get("as_json"):
+        emit_json(f"bench-{kind}", {"results": result})
+    else:
+        click.echo(text(result))
 
 
 def shape_options(embed: int, hidden: int, layers: int, batch: int, seq_len: int):
@@ -30,7 +38,8 @@ def shape_options(embed: int, hidden: int, layers: int, batch: int, seq_len: int
 @click.option("--engine", type=click.Choice(ENGINES), default="native", show_default=True, help="onnxruntime: also time ONNX Runtime's forward (zosoma's training graph) beside Numba's.")
 @click.option("--forward-precision", "precisions", multiple=True, type=click.Choice([p for p in PRECISIONS if p != "fp32"]), help="Also time the forward emulated in this format (repeat the option for several).")
 @device_option
-def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, precisions, device):
+@json_option
+def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, precisions, device, as_json):
     """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
     configuration, and the fraction of the matmul peak measured in the same run. With --device
     cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
@@ -40,7 +49,7 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
     others += tuple(get_ops("cpu", precision=p) for p in dict.fromkeys(precisions))
     records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
                             repeats=repeats, include_numpy=not no_numpy, ops=device_ops(device), others=others)
-    click.echo(format_records(records))
+    show("forward", records, format_records)
 
 
 @bench.command("spsa")
@@ -53,7 +62,8 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
 @click.option("--peers/--no-peers", default=True, show_default=True, help="Time the PyTorch peers (when torch is installed).")
 @click.option("--forward-precision", "precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True, help="Time the step with its forwards emulated in this format (CPU), beside the fp32 step in the same run.")
 @device_option
-def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, precision, device):
+@json_option
+def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, precision, device, as_json):
     """SPSA step throughput split into data, forward passes, noise and the update, beside the same
     step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
     matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak."""
@@ -61,14 +71,14 @@ def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, p
     from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
     shape = dict(preset=preset, perturbations=perturbations, batch=batch, seq_len=seq_len, steps=steps, noise=noise)
     if precision == "fp32":
-        click.echo(format_spsa(bench_spsa(**shape, ops=device_ops(device), peers=peers)))
+        show("spsa", bench_spsa(**shape, ops=device_ops(device), peers=peers), format_spsa)
         return
     emulated_ops = get_ops(device, precision=precision)  # before any timing: a GPU device is a one-line error
     fp32 = bench_spsa(**shape, ops=device_ops(device), peers=False)
     emulated = bench_spsa(**shape, ops=emulated_ops, peers=peers)
-    click.echo(format_spsa(emulated))
-    click.echo(f"{precision} step {emulated['step_s']:.4f} s, the fp32 step {fp32['step_s']:.4f} s in the same run: "
-               f"{emulated['step_s'] / fp32['step_s']:.2f}x")
+    show("spsa", {**emulated, "fp32_step_s": fp32["step_s"]},
+         lambda r: format_spsa(emulated) + f"\n{precision} step {r['step_s']:.4f} s, the fp32 step "
+         f"{r['fp32_step_s']:.4f} s in the same run: {r['step_s'] / r['fp32_step_s']:.2f}x")
 
 
 @bench.command("route")
@@ -79,14 +89,15 @@ def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, p
 @click.option("--segments", type=int, default=1024, show_default=True, callback=positive, help="Held-out segments routed per run.")
 @click.option("--repeats", type=int, default=3, show_default=True, callback=positive)
 @device_option
-def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, device):
+@json_option
+def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, device, as_json):
     """Tokens/s of top-k routed inference (routing included) for N=8 vs N=256 experts of similar
     total size, random weights (the paper: 257k vs 2.36M tokens/s, 9.19x). With --device cuda the
     experts also run on the GPU, beside the CPU in the same run."""
     from zosoma.experiments.bench_route import bench_route, format_route
     devices = tuple(dict.fromkeys(("cpu", device_ops(device).name)))  # the CPU, and the GPU when asked for
-    click.echo(format_route(bench_route(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
-                                        n_segments=segments, repeats=repeats, devices=devices)))
+    show("route", bench_route(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
+                              n_segments=segments, repeats=repeats, devices=devices), format_route)
 
 
 @bench.command("eggroll")
@@ -95,22 +106,24 @@ def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, de
 @click.option("--rank", type=int, default=1, show_default=True, callback=positive)
 @click.option("--repeats", type=int, default=3, show_default=True, callback=positive)
 @device_option
-def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeats, device):
+@json_option
+def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeats, device, as_json):
     """Forward seconds per population member: EGGROLL's shared-GEMM low-rank population vs
     full-rank SPSA's dense perturbed copies, same model and batch (defaults: the CPU comparison's
     monolithic model)."""
     from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
-    click.echo(format_eggroll([bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
-                                             pairs=pairs, rank=rank, repeats=repeats, ops=device_ops(device))]))
+    show("eggroll", [bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
+                                   pairs=pairs, rank=rank, repeats=repeats, ops=device_ops(device))], format_eggroll)
 
 @bench.command("comm")
 @click.option("--workers", "-W", type=int, default=8, show_default=True, callback=positive, help="W: workers sharing one model (at most P).")
-def bench_comm_cmd(workers):
+@json_option
+def bench_comm_cmd(workers, as_json):
     """Bytes exchanged per training step for each preset: SOMA's experts (none while training),
     one model's population sharded over W workers (its P scalars) and data-parallel backprop's
     gradient all-reduce (about 2 x 4d per worker), side by side."""
     from zosoma.experiments.bench_comm import bench_comm, format_comm
-    click.echo(format_comm(bench_comm(workers)))
+    show("comm", bench_comm(workers), format_comm)
 
 
 @bench.command("executors")
@@ -119,8 +132,9 @@ def bench_comm_cmd(workers):
 @click.option("--steps", type=int, default=200, show_default=True, callback=positive)
 @click.option("--no-ray", is_flag=True, help="Leave Ray out.")
 @click.option("--address", help="A Ray cluster to join (default: start Ray on this machine).")
-def bench_executors_cmd(preset, experts, steps, no_ray, address):
+@json_option
+def bench_executors_cmd(preset, experts, steps, no_ray, address, as_json):
     """Training time by where it runs: SOMA's experts inline, in local processes and as Ray tasks;
     one model's population here and over W = 1 and 2 workers (local processes, Ray actors)."""
     from zosoma.experiments.bench_executors import bench_executors, format_executors
-    click.echo(format_executors(bench_executors(preset, experts, steps, not no_ray, address)))
+    show("executors", bench_executors(preset, experts, steps, not no_ray, address), format_executors)

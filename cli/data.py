@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import click
 
+from zosoma.cli.options import emit_json, json_option
 
 
 @click.group()
@@ -15,16 +17,23 @@ def data():
 
 
 @data.command("show")
-def data_show():
+@json_option
+def data_show(as_json):
     """Describe the shipped corpus (after verifying its checksums)."""
     from zosoma.corpus import default_corpus_dir, describe, load_corpus
     from zosoma.model.evaluate import ngram_baselines
     corpora = {split: load_corpus(None, split=split) for split in ("train", "heldout")}
+    base = ngram_baselines(corpora["train"], corpora["heldout"])
+    if as_json:
+        emit_json("data-show", {"location": str(default_corpus_dir()), "baselines": {**base, "uniform": math.log(256)},
+                                "splits": {split: {"description": describe(c), "documents": [
+                                    {"name": n, "bytes": int(d.size)} for n, d in zip(c.names, c.docs)]}
+                                    for split, c in corpora.items()}})
+        return
     for split, c in corpora.items():
         click.echo(f"{split}: {describe(c)}")
         for name, doc in zip(c.names, c.docs):
             click.echo(f"  {name:<14} {doc.size:>10,} bytes")
-    base = ngram_baselines(corpora["train"], corpora["heldout"])
     click.echo(f"held-out nats/byte of byte n-gram models counted on train (add-one): unigram "
                f"{base['unigram']:.3f}, bigram {base['bigram']:.3f}; trigram (Witten-Bell) {base['trigram']:.3f}; "
                "uniform 5.545")

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from zosoma.cli import render
-from zosoma.cli.options import device_ops, device_option, positive, previous_option, refuse_given
+from zosoma.cli.options import (device_ops, device_option, emit_json, json_option, positive, previous_option,
+                                refuse_given)
 
 
 @click.command("eval")
@@ -21,8 +22,9 @@ from zosoma.cli.options import device_ops, device_option, positive, previous_opt
 @click.option("--context", type=int, default=512, show_default=True, callback=positive, help="Bytes before each segment used for warm-up (and routing).")
 @previous_option
 @device_option
+@json_option
 @click.pass_context
-def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment, context, previous, device):
+def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment, context, previous, device, as_json):
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
@@ -39,7 +41,11 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
         from zosoma.runs.soma import evaluate_soma, load_ensemble
         ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
         r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
-        click.echo(render.results(r))
+        if as_json:
+            emit_json("eval", {"run": str(checkpoint), "kind": "soma", "n_params": ensemble.n_params,
+                               "dropped": list(ensemble.router.dropped), **r})
+        else:
+            click.echo(render.results(r))
         return
     from zosoma.formats.checkpoint import load_checkpoint
     from zosoma.model.params import Layout
@@ -49,5 +55,9 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     ckpt = RunFolder(path).read_checkpoint(fallback=previous) if path.is_dir() else load_checkpoint(path)
     r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=segment, context=context,
                      streams=streams)
+    if as_json:
+        emit_json("eval", {"run": str(checkpoint), "kind": "single", "step": ckpt.step,
+                           "n_params": ckpt.model.n_params(), **r})
+        return
     click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
     click.echo(render.results(r))

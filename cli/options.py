@@ -4,6 +4,7 @@ executor options, and asking the context which options were given."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 
 import click
@@ -97,3 +98,24 @@ def device_ops(device: str):
     if note:
         click.echo(note, err=True)
     return ops
+
+
+def json_option(f):
+    """--json: one JSON object on stdout instead of text (its schema: docs/json.md)."""
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print one JSON object instead of text (schema in docs/json.md).")(f)
+
+
+def emit_json(kind: str, obj) -> None:
+    """One JSON object, {"schema": "zosoma.KIND/1", ...}; non-finite numbers as null (strict JSON)."""
+    def plain(x):
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if hasattr(x, "item") and not isinstance(x, (str, bytes)):  # NumPy scalars
+            x = x.item()
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        return x
+    click.echo(json.dumps({"schema": f"zosoma.{kind}/1", **plain(obj)}, indent=2, sort_keys=True))

@@ -2,22 +2,109 @@
 
 from __future__ import annotations
 
+import math
 import sys
+import time
+from dataclasses import dataclass, field
 
 import click
 
 from zosoma.cli.stop import StopRequest
 
 
-def training(records, stop: StopRequest) -> None:
-    """Progress bars and lines for a run's records (zosoma.runs.records); the exit code and the
-    line to continue with when it stopped or failed."""
+@dataclass(frozen=True)
+class Logging:
+    """How training shows progress: bars on a terminal; without one (a log file, nohup, SLURM)
+    a plain line every `seconds` seconds or every `steps` steps; nothing with quiet."""
+    seconds: float | None = 30.0
+    steps: int | None = None
+    quiet: bool = False
+
+    @classmethod
+    def parse(cls, every: str | None, quiet: bool) -> "Logging":
+        """--log-every "30s" (seconds) or "500" (steps); --quiet."""
+        if every is None:
+            return cls(quiet=quiet)
+        text = every.strip().lower()
+        try:
+            value = float(text[:-1]) if text.endswith("s") else int(text)
+        except ValueError:
+            raise click.BadParameter(f"{every!r}: give seconds as 30s or a number of steps as 500",
+                                     param_hint="--log-every") from None
+        if not value > 0 or not math.isfinite(value):
+            raise click.BadParameter(f"{every!r} must be positive", param_hint="--log-every")
+        return cls(value, None, quiet) if text.endswith("s") else cls(None, value, quiet)
+
+
+@dataclass
+class Lines:
+    """Progress as plain lines: step/total, smoothed loss, tokens/s, ETA, restarts, per run (one
+    summary line for SOMA's experts)."""
+    logging: Logging
+    total: int
+    start: dict  # expert -> step it started this session at
+    at: dict = field(default_factory=dict)  # expert -> its latest step
+    loss: dict = field(default_factory=dict)  # expert -> smoothed loss (EMA, 0.98 as the guard's)
+    tokens: dict = field(default_factory=dict)  # expert -> (forward tokens at its first record, latest)
+    restarts: int = 0
+    dropped: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+    last_step: int = 0
+
+    def step(self, r) -> None:
+        e, now = r.expert, time.monotonic()
+        if not self.at:  # rates from the first step on: compiling the kernels is not training
+            self.t0 = self.last = now
+        if e not in self.at:
+            self.start[e] = r.step
+        prev = self.loss.get(e)
+        if math.isfinite(r.loss):
+            self.loss[e] = r.loss if prev is None else 0.98 * prev + 0.02 * r.loss
+        self.at[e] = r.step
+        self.tokens[e] = (self.tokens.get(e, (r.metrics["tokens"],))[0], r.metrics["tokens"])
+        done = min(self.at.get(i, s) for i, s in self.start.items())
+        due = (self.logging.steps and done - self.last_step >= self.logging.steps) or (
+            self.logging.seconds and now - self.last >= self.logging.seconds)
+        if due:
+            self.last, self.last_step = now, done
+            click.echo(self.line(now))
+
+    def line(self, now: float) -> str:
+        n = len(self.start)
+        steps = [self.at.get(i, s) for i, s in self.start.items()]
+        done = sum(s - self.start[i] for i, s in zip(self.start, steps))
+        left = sum(self.total - s for s in steps)
+        elapsed = now - self.t0
+        eta = left * elapsed / done if done else float("nan")
+        losses = list(self.loss.values())
+        where = (f"step {steps[0]:,}/{self.total:,}" if n == 1 else
+                 f"{n} experts at steps {min(steps):,}-{max(steps):,}/{self.total:,}")
+        loss = (f"loss {losses[0]:.3f}" if n == 1 else f"loss {sum(losses) / len(losses):.3f} mean "
+                f"({min(losses):.3f}-{max(losses):.3f})") if losses else "loss n/a"
+        fate = (f", {self.restarts} restart(s)" if self.restarts else "") + (
+            f", {self.dropped} dropped" if self.dropped else "")
+        return (f"[{time.strftime('%H:%M:%S')}] {where} ({100 * sum(steps) / (n * self.total):.0f}%), "
+                f"{loss} (smoothed), {sum(b - a for a, b in self.tokens.values()) / max(elapsed, 1e-9):,.0f} tok/s, ETA {_duration(eta)}{fate}")
+
+
+def _duration(s: float) -> str:
+    if not math.isfinite(s):
+        return "n/a"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
+    """Progress bars (on a terminal) or lines (logging) for a run's records
+    (zosoma.runs.records); the exit code and the line to continue with when it stopped or
+    failed."""
     from tqdm import tqdm
 
     from zosoma.runs.records import (Clusters, Diverged, Dropped, Evaluated, Failed, Note, Restarted, Started, Step,
                                      Stopped)
 
-    bars, stopped, evaluated, failed, run_dir = {}, False, False, [], "RUN"
+    bars, stopped, evaluated, failed, run_dir, lines = {}, False, False, [], "RUN", None
     for r in records:
         if isinstance(r, Step):
             bar = bars[r.expert]
@@ -28,6 +115,8 @@ def training(records, stop: StopRequest) -> None:
                 bar.write(f"expert {r.expert} step {r.step}: non-finite loss, update skipped")
             for note in r.notes:
                 bar.write(f"warning: {note}", file=sys.stderr)
+            if lines is not None:
+                lines.step(r)
         elif isinstance(r, Clusters):
             from zosoma.mixture.cluster import format_report
             click.echo(f"clustered {r.n_chunks:,} chunks of {r.chunk_size} bytes:")
@@ -42,14 +131,22 @@ def training(records, stop: StopRequest) -> None:
                        + (f", on divergence {t.on_divergence}" if t.on_divergence != "stop" else "")
                        + (f", {r.loss} losses" if n > 1 else "") + f", device {r.device}")
             click.echo(f"data: {r.data}")
+            # bars on a terminal; lines without one, or when --log-every asks for them
+            show_lines = not logging.quiet and (logging != Logging() or not sys.stderr.isatty())
             for i, done in enumerate(r.steps):
                 bars[i] = tqdm(total=t.steps, initial=done, unit="step", dynamic_ncols=True, position=i,
-                               desc=f"expert {i}" if n > 1 else "train", disable=None, file=sys.stderr)
+                               desc=f"expert {i}" if n > 1 else "train", file=sys.stderr,
+                               disable=True if logging.quiet or show_lines else None)
+            lines = Lines(logging, t.steps, dict(enumerate(r.steps))) if show_lines else None
         elif isinstance(r, Restarted):
             bars[r.expert].n = r.to
+            if lines is not None:
+                lines.restarts += 1
             bars[r.expert].write(f"{'expert %d' % r.expert if len(bars) > 1 else 'the model'} restarted at step "
                                  f"{r.step} ({r.verdict}): rolled back to step {r.to}, lr x{r.lr_scale:g}, fresh batches")
         elif isinstance(r, Dropped):
+            if lines is not None:
+                lines.dropped += 1
             if len(bars) > 1:
                 bars[r.expert].write(f"expert {r.expert} dropped at step {r.step} after {r.restarts} restart(s) "
                                      f"({r.verdict}): the others go on, and routing leaves it out")

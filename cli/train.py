@@ -75,9 +75,11 @@ def new_run_dir(prefix: str) -> Path:
 @click.option("--engine", type=click.Choice(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")
 @click.option("--forward-precision", type=click.Choice(PRECISIONS), help=f"Number format of every forward, emulated on the CPU; master weights and the update stay fp32.  [default: {_TC.forward_precision}]")
 @device_option
+@click.option("--log-every", help="Progress as plain lines (the default without a terminal: a log file, nohup, SLURM), every this many seconds (30s) or steps (500).  [default: 30s]")
+@click.option("--quiet", is_flag=True, help="No progress bars or lines: the run's line, warnings and results only.")
 @click.pass_context
 def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor_kind, address, cpus_per_unit,
-          gpus_per_unit, population_workers, chunk_size, top_k, resume, run_dir, device, **options):
+          gpus_per_unit, population_workers, chunk_size, top_k, resume, run_dir, device, log_every, quiet, **options):
     """Train byte-level LSTMs with SPSA (forward passes only), then evaluate.
 
     With --experts N > 1 (SOMA): cluster the corpus into N clusters, train one expert per cluster
@@ -96,6 +98,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     from zosoma.strategies.base import UnusedOption
     from zosoma.strategies.settings import resolve
 
+    logging = render.Logging.parse(log_every, quiet)
     if top_k > experts and experts > 1:
         raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
     check_executor_options(ctx, executor_kind, "--workers", workers)
@@ -152,7 +155,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
             records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
                                 ops=get_ops(placement.device), sharding=sharding, placement=placement)
     try:
-        render.training(records, stop)
+        render.training(records, stop, logging)
     except BaseException:
         if not resume and made is not None:
             RunFolder(made).remove_if_empty()  # the folder this command named and made, nothing written in it

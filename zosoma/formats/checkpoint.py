@@ -261,6 +261,18 @@ def load_checkpoint(path: PathLike) -> Checkpoint:
     return _read_or_raise(path)[0]
 
 
+def description(path: PathLike) -> dict:
+    """What `zosoma info --json` prints of a checkpoint (verified as load_checkpoint does)."""
+    ckpt, header = _read_or_raise(path)
+    layout = Layout(ckpt.model)
+    return {"checkpoint": str(path), **{k: header[k] for k in ("format", "format_version", "zosoma_version", "created")},
+            "step": ckpt.step, "n_params": layout.size, "model": asdict(ckpt.model), "train": asdict(ckpt.train),
+            "tensors": [{"name": e.name, "shape": list(e.shape), "offset": e.offset} for e in layout.entries],
+            "optimizer": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in ckpt.optimizer.items()},
+            "metrics": len(ckpt.metrics), "last_metrics": ckpt.metrics[-1] if ckpt.metrics else None,
+            "extra": ckpt.extra}
+
+
 def summary(path: PathLike) -> str:
     """A multi-line human summary of a checkpoint (what `zosoma info` prints); verifies the file
     like load_checkpoint and raises CheckpointError when it is damaged."""

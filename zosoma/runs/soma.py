@@ -161,21 +161,34 @@ def open_soma(run_dir) -> SomaRun:
     return SomaRun(folder, soma, train_corpus, tuple(corpora), heldout)
 
 
-def soma_summary(run_dir, fallback: bool = False) -> str:
-    """A few lines for `zosoma info RUN`: what the run is and how far each expert got. A damaged
-    newest checkpoint is an error unless `fallback` (then a CheckpointFallback warning)."""
+def soma_description(run_dir, fallback: bool = False) -> dict:
+    """What `zosoma info --json RUN` prints: the run's description and how far each expert got. A
+    damaged newest checkpoint is an error unless `fallback` (then a CheckpointFallback warning)."""
     folder = RunFolder(run_dir)
     soma = folder.read_soma()
-    lines = [f"SOMA run {run_dir}: {soma['experts']} experts, {soma['loss']} losses, chunks of "
-             f"{soma['chunk_size']} bytes, cluster sizes {soma['cluster_sizes']}"]
+    experts = []
     for i in range(soma["experts"]):
         c = folder.expert(i).read_checkpoint(fallback=fallback)
         t = summary_of(c)
-        fate = (f", {len(t['restarts'])} restart(s)" if t["restarts"] else "") + (
-            f", DROPPED at step {t['dropped']['step']} (left out of routing)" if t["dropped"] else "")
-        lines.append((f"  expert{i}: step {c.step}/{c.train.steps}, {c.model.n_params():,} parameters, "
-                      f"last loss {c.metrics[-1]['loss']:.4f}" if c.metrics else f"  expert{i}: step 0") + fate)
-    lines.append(f"details: zosoma info {folder.expert(0)}")
+        experts.append({"expert": i, "step": c.step, "steps": c.train.steps, "n_params": c.model.n_params(),
+                        "last_loss": c.metrics[-1]["loss"] if c.metrics else None, "restarts": t["restarts"],
+                        "dropped": t["dropped"]})
+    return {"run": str(run_dir), **{k: soma[k] for k in ("experts", "loss", "chunk_size", "top_k", "cluster_sizes")},
+            "experts_status": experts}
+
+
+def soma_summary(run_dir, fallback: bool = False) -> str:
+    """A few lines for `zosoma info RUN`: soma_description as text."""
+    d = soma_description(run_dir, fallback)
+    lines = [f"SOMA run {run_dir}: {d['experts']} experts, {d['loss']} losses, chunks of "
+             f"{d['chunk_size']} bytes, cluster sizes {d['cluster_sizes']}"]
+    for e in d["experts_status"]:
+        fate = (f", {len(e['restarts'])} restart(s)" if e["restarts"] else "") + (
+            f", DROPPED at step {e['dropped']['step']} (left out of routing)" if e["dropped"] else "")
+        lines.append((f"  expert{e['expert']}: step {e['step']}/{e['steps']}, {e['n_params']:,} parameters, "
+                      f"last loss {e['last_loss']:.4f}" if e["last_loss"] is not None else
+                      f"  expert{e['expert']}: step 0") + fate)
+    lines.append(f"details: zosoma info {RunFolder(run_dir).expert(0)}")
     return "\n".join(lines)
 
 
