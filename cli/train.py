@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 
 import click
@@ -16,21 +15,6 @@ from zosoma.strategies import STRATEGIES
 from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
 
 _TC = TrainConfig()  # defaults shown in --help
-
-
-def new_run_dir(prefix: str) -> Path:
-    """runs/<prefix><time>, made now and so unique: two runs started in the same second get
-    runs/...-<time> and runs/...-<time>-2."""
-    stem = Path("runs") / f"{prefix}{datetime.now():%Y%m%d-%H%M%S}"
-    Path("runs").mkdir(exist_ok=True)
-    for n in range(1, 1000):
-        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise click.ClickException(f"cannot find a free run folder name beside {stem}")
 
 
 @click.command()
@@ -91,7 +75,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
     from zosoma.engines import get_ops
-    from zosoma.runs.folder import RunFolder
+    from zosoma.runs.folder import RunFolder, new_run_dir
     from zosoma.runs.placement import Placement, place
     from zosoma.runs.single import resume_run, start_run
     from zosoma.runs.soma import resume_soma, start_soma

@@ -25,6 +25,7 @@ ALLOWED = {
     "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs"},
     "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "experiments"},
     "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "porting"},
+    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "experiments", "api"},
 }
 DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an address "auto")
 
@@ -32,6 +33,8 @@ DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an 
 def part(module: str) -> str:
     """zosoma.model.reference -> "model"; zosoma.config -> "foundation"."""
     name = module.split(".")[1] if module.count(".") else ""
+    if name == "__init__":  # zosoma/__init__.py: the package's face, the Python API loaded on first use
+        return "api"
     return "foundation" if name in FOUNDATION or name == "" else name
 
 

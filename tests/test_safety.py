@@ -492,7 +492,7 @@ def test_a_start_that_fails_leaves_no_folder(text, tmp_path, monkeypatch):
 
 
 def test_default_run_folders_are_unique(tmp_path, monkeypatch):
-    from zosoma.cli.train import new_run_dir
+    from zosoma.runs.folder import new_run_dir
     monkeypatch.chdir(tmp_path)
     made = [new_run_dir("tiny-") for _ in range(3)]  # within one second
     assert len(set(made)) == 3 and all(p.is_dir() for p in made)

@@ -324,6 +324,11 @@ class RunFolder:
     def append_metrics(self, record: dict) -> None:
         append_line(self.path / METRICS, json.dumps(record), "metrics")
 
+    def read_results(self) -> dict | None:
+        """The final evaluation (results.json), or None before the run finished."""
+        path = self.path / RESULTS
+        return json.loads(path.read_text()) if path.exists() else None
+
     def write_results(self, results: dict) -> None:
         write_json(self.path / RESULTS, results, "results")
 
@@ -431,6 +436,24 @@ class RunFolder:
             return (self.path / TOKEN).read_text()
         except OSError:
             return None
+
+
+def new_run_dir(prefix: str) -> Path:
+    """runs/<prefix><time>, made now and so unique: two runs started in the same second get
+    runs/...-<time> and runs/...-<time>-2 (remove_if_empty takes it back if the run never starts)."""
+    stem = Path("runs") / f"{prefix}{datetime.now():%Y%m%d-%H%M%S}"
+    try:
+        stem.parent.mkdir(exist_ok=True)
+        for n in range(1, 1000):
+            path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+    except OSError as err:
+        raise WriteError(f"cannot create a run folder in runs/: {reason(err)}") from None
+    raise WriteError(f"cannot find a free run folder name beside {stem}")
 
 
 def recency(ckpt: Checkpoint) -> tuple[int, int]:

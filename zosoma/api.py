@@ -1,0 +1,164 @@
+"""zosoma from Python: train, evaluate and sample runs, and zero-order steps on your own loss.
+
+    import zosoma
+    run = zosoma.train(steps=300, seed=0)                 # a single model, the tiny preset
+    soma = zosoma.train(experts=2, steps=300, seed=0)     # SOMA: clusters, experts, router
+    run.results["heldout"]["overall"], soma.evaluate()["heldout"]["overall"]["routed"]
+    soma.sample(b"And the LORD said", n_bytes=80)
+
+    opt = zosoma.Optimizer(d=3, lr=0.05, eps=0.01)       # SPSA's ask/tell on any loss
+    members = opt.ask(theta, step)                        # (2P, d) perturbed parameters
+    theta = opt.tell(theta, step, losses)                 # one loss per member
+
+Every call goes through the library the command line uses (options resolved by
+zosoma.strategies.settings.resolve, runs in zosoma.runs), so a run trained here is a run folder
+that `zosoma eval`, `info`, `train --resume` and TensorBoard read like any other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from zosoma.corpus import load_corpus
+from zosoma.errors import ConfigError
+from zosoma.runs.folder import RunFolder, new_run_dir
+
+__all__ = ["Optimizer", "Run", "load_corpus", "open_run", "train"]
+
+
+def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str = "independent",
+          top_k: int = 2, chunk_size: int = 2048, wikitext=None, **options) -> "Run":
+    """Train a run as `zosoma train` does and return it (its evaluation in Run.results). `data`
+    and `heldout`: paths (default: the shipped corpus); `options`: any TrainConfig or model field
+    (steps, lr, perturbations, shaping, embed, ...). The experts of a SOMA run train one after
+    another in this process. A run whose guard stopped it, or that failed, raises ConfigError."""
+    from zosoma.runs.records import Diverged, Dropped, Evaluated, Failed
+    from zosoma.runs.single import start_run
+    from zosoma.runs.soma import start_soma
+    from zosoma.strategies.settings import resolve
+
+    model, cfg = resolve(preset, options, loss=loss)
+    made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")
+    run_dir = Path(run_dir or made)
+    paths = dict(train_paths=[str(p) for p in _paths(data)] or None,
+                 heldout_paths=[str(p) for p in _paths(heldout)] or None, wikitext=wikitext)
+    if experts > 1:
+        records = start_soma(run_dir, model, cfg, experts, loss, chunk_size=chunk_size, top_k=top_k, **paths)
+    else:
+        records = start_run(run_dir, model, cfg, **paths)
+    try:
+        for r in records:
+            if isinstance(r, Failed):
+                raise ConfigError(f"{run_dir}: expert {r.unit} failed: {r.error}")
+            if isinstance(r, Diverged) or (isinstance(r, Dropped) and experts == 1):
+                raise ConfigError(f"{run_dir}: diverged at step {r.step} ({r.verdict})")
+            if isinstance(r, Evaluated):
+                return Run(run_dir)
+    except BaseException:
+        if made is not None:
+            RunFolder(made).remove_if_empty()  # the folder named and made here, nothing written in it
+        raise
+    raise ConfigError(f"{run_dir}: training ended without an evaluation")
+
+
+def open_run(path) -> "Run":
+    """A run folder (a single model or a SOMA run) written by zosoma."""
+    if not RunFolder(path).holds_run:
+        raise ConfigError(f"{path}: not a zosoma run folder")
+    return Run(Path(path))
+
+
+def _paths(x) -> list:
+    return [] if x is None else [x] if isinstance(x, (str, Path)) else list(x)
+
+
+class Run:
+    """A run folder: its results, and what can be done with its model."""
+
+    def __init__(self, path):
+        self.path, self.folder = Path(path), RunFolder(path)
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r})"
+
+    @property
+    def is_soma(self) -> bool:
+        return self.folder.is_soma
+
+    @property
+    def results(self) -> dict | None:
+        """The final evaluation, as results.json holds it (None before the run finished)."""
+        return self.folder.read_results()
+
+    def model(self, top_k: int = 2):
+        """The run's model as a routed ensemble (zosoma.mixture.routing.Ensemble; one expert for
+        a single model)."""
+        from zosoma.runs.single import load_model
+        from zosoma.runs.soma import load_ensemble
+        return load_ensemble(self.path, top_k) if self.is_soma else load_model(self.path)
+
+    def evaluate(self, data=None, wikitext=None, top_k: int = 2) -> dict:
+        """Nats/byte on `data` (paths; default the shipped held-out slices) and WikiText-103, by
+        the protocol of every table (`zosoma eval`'s result)."""
+        from zosoma.runs.soma import evaluate_soma
+        from zosoma.runs.single import evaluate_run
+        corpus = load_corpus(_paths(data) or None, split="heldout")
+        if self.is_soma:
+            return evaluate_soma(self.model(top_k), corpus, wikitext)
+        (theta, layout), = self.model().experts
+        return evaluate_run(theta, layout, corpus, wikitext)
+
+    def sample(self, prompt: bytes = b"", n_bytes: int = 200, temperature: float = 0.8, seed: int = 0,
+               top_k: int = 2) -> bytes:
+        """Bytes generated after `prompt` (temperature 0: greedy)."""
+        from zosoma.mixture.sample import sample
+        return sample(self.model(top_k), bytes(prompt), n_bytes=n_bytes, temperature=temperature, seed=seed)
+
+
+class Optimizer:
+    """A zosoma strategy's ask/tell on your own loss over a flat float32 vector of d parameters:
+    the same estimator, shaping and update rule as training (optimizer sgd, momentum, adam or es;
+    EGGROLL's perturbations need an LSTM's matrices). Options: TrainConfig fields (perturbations,
+    eps, lr, schedule, warmup, steps (the schedule's length), shaping, seed, ...)."""
+
+    def __init__(self, d: int, **options):
+        from zosoma.engines.ops import Ops
+        from zosoma.strategies import make_strategy
+        from zosoma.strategies.settings import resolve
+
+        if options.get("optimizer") == "eggroll":
+            raise ConfigError("EGGROLL perturbs an LSTM's matrices at low rank: use sgd, momentum, adam or es here")
+        _, self.cfg = resolve(None, options)
+        self.d, self.ops = int(d), Ops()
+        self.strategy = make_strategy(self.cfg)
+        self.state = self.strategy.init(self.ops, self.d)
+        self.shaping = self.strategy.shaping.init()
+
+    def ask(self, theta, step: int) -> np.ndarray:
+        """(2P, d) float32: rows 2k and 2k+1 are theta + eps delta_k and theta - eps delta_k, the
+        step's members (regenerated from (seed, step, k), never stored)."""
+        from zosoma.engines.ops import perturbed
+        return perturbed(self._theta(theta), self.strategy.ask(0, step), range(self.cfg.perturbations))
+
+    def tell(self, theta, step: int, losses) -> np.ndarray:
+        """The parameters after the step, from one loss per member of ask(theta, step)."""
+        from zosoma.runs.trainer import apply_update
+        from zosoma.strategies.base import learning_rate
+
+        losses = np.asarray(losses, np.float64).reshape(-1)
+        if losses.size != 2 * self.cfg.perturbations:
+            raise ConfigError(f"tell needs {2 * self.cfg.perturbations} losses (one per member), got {losses.size}")
+        coeffs, _ = self.strategy.coefficients(losses[0::2], losses[1::2])
+        coeffs, self.shaping, _ = self.strategy.shaping(coeffs, self.shaping)
+        lr = learning_rate(step, self.cfg.lr, self.cfg.steps, self.cfg.warmup, self.cfg.schedule)
+        new, self.state, _ = apply_update(self.strategy, self.ops, None, self._theta(theta), self.state, coeffs,
+                                          self.strategy.ask(0, step), lr)
+        return new
+
+    def _theta(self, theta) -> np.ndarray:
+        theta = np.ascontiguousarray(theta, np.float32).reshape(-1)
+        if theta.size != self.d:
+            raise ConfigError(f"theta has {theta.size} values, the optimizer {self.d}")
+        return theta
