@@ -69,7 +69,8 @@ def corpus():
 def test_a_diverging_run_stops_with_a_checkpoint_and_a_resume_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(g, "WINDOW", 20)
     monkeypatch.setattr(g, "WARMUP", 5)
-    cfg = TrainConfig(steps=400, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000)
+    cfg = TrainConfig(steps=400, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
+                      on_divergence="stop")
     sampler = BatchSampler(corpus(), cfg.seq_len + 1)
     trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
     records = list(train(trainer))

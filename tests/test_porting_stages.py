@@ -87,7 +87,8 @@ def test_the_kits_training_loop_is_the_trainers(kit, layout, tmp_path, monkeypat
     f = load(kit, "train")
     cfg = TrainConfig(steps=int(f["steps"]), batch=int(f["B"]), seq_len=int(f["T"]), perturbations=int(f["P"]),
                       eps=float(f["eps"]), lr=float(f["lr"]), warmup=int(f["warmup"]),
-                      weight_decay=float(f["weight_decay"]), seed=int(f["seed"]), checkpoint_every=1000)
+                      weight_decay=float(f["weight_decay"]), seed=int(f["seed"]), checkpoint_every=1000,
+                      shaping=())  # the stage is plain SPSA (its settings say so)
     trainer = Trainer(tmp_path / "run", layout.config, cfg, BatchSampler(porting_port._corpus(f), cfg.seq_len + 1),
                       RunState(f["theta"].copy(), {}), expert=int(f["stream"]))
     losses = trainer.ops.perturbed_losses

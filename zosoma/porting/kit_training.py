@@ -492,6 +492,7 @@ def train_stage(theta, layout: Layout, seed: int) -> Stage:
     return Stage("train", f"{N} steps of training: batches, schedule, noise counters, a skipped step, weight "
                           "decay; theta at the end", inputs, outputs,
                  settings={"optimizer": ("sgd", "ZO-SGD"), "noise": ("rademacher", ""),
+                           "shaping": ("none", "plain scalars (the shaping stage checks clip and normalize)"),
                            "schedule": ("cosine", ""), "restarts": (0, "none: stream = expert")},
                  misreadings=misreadings)
 

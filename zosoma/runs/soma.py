@@ -126,9 +126,6 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
     strategy.check(Layout(model))  # before anything is written
     if loss == "summed":
         Summed([strategy])  # refuses strategies whose scalars do not add up
-        if cfg.on_divergence == "restart":
-            raise ConfigError("--on-divergence restart rolls one expert back on its own, but the summed ablation's "
-                              "experts move in lockstep: use stop or continue")
     if chunk_size < cfg.seq_len + 1:
         raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
     train_corpus, _ = load_data(train_paths, heldout_paths)  # the held-out files are checked here too
@@ -280,6 +277,8 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
     """The summed-loss ablation: every expert updated with the shared scalars of the summed loss
     (zosoma.strategies.summed); records as `train` yields them."""
     summed = Summed([t.strategy for t in trainers])
+    for t in trainers:
+        t.couple()  # a restart would roll one expert back alone: coupled experts stop together
     while not trainers[0].done:
         if should_stop():
             for t in trainers:

@@ -108,6 +108,7 @@ class Trainer:
         self.events = EventLog(self.folder.path, since=state.step)  # TensorBoard's view of metrics.jsonl
         self.verdict = None  # the guard's verdict on the latest step
         # a run resumed after its guard stopped it goes on: resuming says "continue"
+        self.on_divergence = cfg.on_divergence  # "stop" for experts that move in lockstep (couple)
         self.stop_on_divergence = cfg.on_divergence == "stop" and state.divergence is None
         # a rollback needs a checkpoint from before the guard's window: keep enough of them
         self.keep = 2 + math.ceil(self.guard.window / cfg.checkpoint_every) if cfg.on_divergence == "restart" else 2
@@ -164,7 +165,7 @@ class Trainer:
         state.metrics.append(record)
         self._pop = None
         self.verdict = self.guard.observe(loss, skipped)
-        if self.verdict and state.divergence is None and cfg.on_divergence != "restart":
+        if self.verdict and state.divergence is None and self.on_divergence != "restart":
             state.divergence = {"step": state.step, "verdict": self.verdict}
         self.folder.append_metrics(record)
         self.events.step(record, self.guard)
@@ -206,7 +207,14 @@ class Trainer:
     @property
     def restarting(self) -> bool:
         """The guard found divergence and the run's action is to restart (or drop) the model."""
-        return self.cfg.on_divergence == "restart" and self.verdict is not None and self.state.dropped is None
+        return self.on_divergence == "restart" and self.verdict is not None and self.state.dropped is None
+
+    def couple(self) -> None:
+        """This model moves in lockstep with others (the summed ablation): one of them cannot
+        be rolled back alone, so a restart on divergence is a stop, for all of them."""
+        if self.on_divergence == "restart":
+            self.on_divergence = "stop"
+            self.stop_on_divergence = self.state.divergence is None
 
     def restart(self) -> Restarted | Dropped:
         """Roll back to the newest checkpoint from before the guard's window began, with the rate

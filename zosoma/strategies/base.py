@@ -44,7 +44,8 @@ class Strategy:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.shaping = Chain(cfg)  # the scalars' shaping pieces (none unless the strategy reads cfg.shaping)
+        # the scalars' shaping pieces: none unless the strategy reads cfg.shaping
+        self.shaping = Chain(cfg if "shaping" in self.options else dataclasses.replace(cfg, shaping=()))
 
     def check(self, layout: Layout) -> None:
         """A ConfigError when this strategy's settings cannot train the model of `layout`."""
@@ -69,11 +70,13 @@ class Strategy:
 def check_options(strategy: Strategy, cfg: TrainConfig, given=()) -> None:
     """A ConfigError naming the first TrainConfig field that `strategy` does not read although it
     was given (`given`: the names someone set, zosoma.strategies.settings.resolve) or differs from
-    its default (with the strategy's own defaults applied)."""
-    default = dataclasses.replace(TrainConfig(), **strategy.defaults)
+    its defaults (TrainConfig's, or the strategy's own: an unread field at either changes
+    nothing)."""
+    plain, own = TrainConfig(), dataclasses.replace(TrainConfig(), **strategy.defaults)
     for f in dataclasses.fields(TrainConfig):
-        if f.name not in COMMON | strategy.options and (f.name in given or
-                                                         getattr(cfg, f.name) != getattr(default, f.name)):
+        value = getattr(cfg, f.name)
+        if f.name not in COMMON | strategy.options and (
+                f.name in given or value not in (getattr(plain, f.name), getattr(own, f.name))):
             raise UnusedOption(unused_option(strategy, f.name))
 
 
