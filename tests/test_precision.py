@@ -46,6 +46,17 @@ def test_bf16_rounding_matches_torch_and_the_kernel():
     assert np.array_equal(got, want)
 
 
+def test_bf16_rounding_keeps_every_nan():
+    # NaNs whose payload sits in the low 16 bits: rounding's carry would make them inf or +0
+    bits = np.array([0x7F800001, 0x7F80FFFF, 0xFFFFFFFF, 0xFF800001, 0x7FC00000, 0x7F800000], np.uint32)
+    x = bits.view(np.float32)
+    want = np.array([0x7FC00000, 0x7FC00000, 0xFFFF0000, 0xFFC00000, 0x7FC00000, 0x7F800000], np.uint32)
+    assert np.array_equal(number_formats.round_to(x, "bf16").view(np.uint32), want)
+    got = x.copy()
+    precision_kernels.round_array(got, precision_kernels.BF16)
+    assert np.array_equal(got.view(np.uint32), want)
+
+
 def test_fp16_rounding_matches_ieee_and_the_kernel():
     x = _values()
     with np.errstate(over="ignore"):

@@ -79,7 +79,8 @@ def round_to(x, fmt: str) -> np.ndarray:
             return x.astype(np.float16).astype(np.float32)
     if fmt == "bf16":
         u = np.ascontiguousarray(x).view(np.uint32).astype(np.uint64)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        nan = (u & 0x7FFFFFFF) > 0x7F800000  # a NaN stays one: quiet, its payload cut (the carry would
+        u = np.where(nan, u | 0x400000, u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000  # make some inf or 0)
         return u.astype(np.uint32).view(np.float32).reshape(x.shape)
     if fmt == "fp32":
         return x

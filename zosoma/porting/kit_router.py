@@ -110,12 +110,14 @@ def router_stage(seed: int) -> Stage:
         "distances": Out(out["distances"], "distances", ("embeddings (kit's)", "centroids"), "|e - c_i|^2, (S, N)"),
         "experts": Out(out["experts"], "experts", ("distances (kit's)", "top_k"),
                        f"the K nearest, {order}; a zero embedding: the K centroids nearest the origin"),
-        "weights": Out(out["weights"], "weights", ("distances (kit's)", "experts (kit's)", "temperature"),
+        "weights": Out(out["weights"], "weights", ("distances (kit's)", "experts (kit's)", "temperature",
+                                                   "embeddings (kit's)"),
                        "softmax(-d / tau) over the K chosen, in the experts' order; a zero embedding: 1/K each"),
         "experts_dropped": Out(gone["experts"], "experts", ("distances (kit's)", "top_k", "dropped"),
                                f"the K nearest among the experts not dropped, {order}"),
         "weights_dropped": Out(gone["weights"], "weights", ("distances (kit's)", "experts_dropped (kit's)",
-                                                            "temperature"), "softmax over the K chosen"),
+                                                            "temperature", "embeddings (kit's)"),
+                                   "softmax over the K chosen; a zero embedding: 1/K each"),
     }
     every = _route(counts, *args, lambda c: 1.0 + np.log(np.maximum(np.asarray(c, np.float64), 1)), TOP_K)
     misreadings = {"experts": [("experts in index order, not nearest first", np.sort(out["experts"], axis=1))],

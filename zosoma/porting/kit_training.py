@@ -507,7 +507,7 @@ def _replay_coupled(theta, scalars, deltas, rates, wd, P) -> np.ndarray:
 
 # --- coefficient shaping -----------------------------------------------------------------------------
 
-SHAPING = dict(clip_at=3.0, normalize_window=5, nan_row=14, outlier_row=20, rows=30)
+SHAPING = dict(clip_at=3.0, normalize_window=5, nan_row=14, outlier_row=20, first_clipped_row=4, rows=30)
 STATE_IN = {"clip": {"steps": 6, "median": 0.8}, "normalize": {"steps": 3, "sum": 4.2}}
 
 
@@ -515,8 +515,10 @@ def shaping_stage(rng) -> Stage:
     S, P = SHAPING["rows"], 4
     scalars = rng.normal(0.0, 1.0, (S, P)) * np.exp(rng.normal(0.0, 0.3, (S, 1)))
     scalars[SHAPING["outlier_row"], 1] *= 40.0
+    scalars[SHAPING["first_clipped_row"], 0] = 12.0  # clip's steps reach 10 here: the bound must bind
     scalars[SHAPING["nan_row"], 2] = np.nan
-    outputs, inputs = {}, {"scalars": (scalars, "(S, P) float64 each step's scalars (row 14 has a NaN: a skipped step)"),
+    outputs, inputs = {}, {"scalars": (scalars, "(S, P) float64 each step's scalars (row 14 has a NaN: a skipped step; rows 4, "
+                                      "the first clipped, and 20 an outlier)"),
                            "clip_at": (np.float64(SHAPING["clip_at"]), "the bound in running medians"),
                            "normalize_window": (np.int64(SHAPING["normalize_window"]), "W"),
                            "clip_state": (np.array([STATE_IN["clip"]["steps"], STATE_IN["clip"]["median"]]),
@@ -600,7 +602,8 @@ def _normalize_variant(scalars) -> np.ndarray:
 
 def _scenarios(rng) -> list[dict]:
     """Guard histories: a rising loss (restart), a run of non-finite steps (restart, second time), the
-    same with no checkpoint before the window (the course's oldest), and one past max_restarts (drop)."""
+    same with no checkpoint before the window (the course's oldest), one past max_restarts (drop), and
+    the non-finite run with a checkpoint at the step just before the window (it is the one)."""
     def decay(n):
         return 3.0 + 2.5 * np.exp(-np.arange(n) / 40.0) + rng.normal(0.0, 0.03, n)
 
@@ -616,10 +619,22 @@ def _scenarios(rng) -> list[dict]:
             dict(losses=b, skipped=skipped_b, run_steps=400, restarts=1, expert=2, checkpoints=[100, 125, 150, 175]),
             dict(losses=b, skipped=skipped_b, run_steps=400, restarts=1, expert=2, checkpoints=[175]),
             dict(losses=a, skipped=np.zeros(300, bool), run_steps=400, restarts=3, expert=0,
-                 checkpoints=[100, 150, 200, 250])]
+                 checkpoints=[100, 150, 200, 250]),
+            dict(losses=b, skipped=skipped_b, run_steps=400, restarts=0, expert=3, checkpoints=[150, 160])]
 
 
 RESTART = dict(max_restarts=3, factor=0.5, lr=0.1, warmup=20, after=3)
+
+
+def _rollback_variant(scen, out) -> np.ndarray:
+    """rollback_to with the window's start misread one step early."""
+    rows = []
+    for s, start, to, healthy in zip(scen, out["window_start"], out["rollback_to"], out["healthy"]):
+        if to < 0:
+            rows.append(to)
+            continue
+        rows.append(s["checkpoints"][rollback_index(s["checkpoints"], start - 1, lambda c: bool(healthy[c]))])
+    return np.array(rows)
 
 
 def restart_stage(seed: int) -> Stage:
@@ -668,8 +683,9 @@ def restart_stage(seed: int) -> Stage:
             [learning_rate(t, RESTART["lr"], s["run_steps"], RESTART["warmup"], "cosine") * scale for t in steps_after]))
         out["philox_after"].append(np.zeros(4, np.uint32) if dropped else np.array(
             philox4x32_10(0, 0, to, stream_, *stream_key(run_seed)), np.uint32))
-    assert out["action"] == ["restart", "restart", "restart", "drop"] and out["verdict"][0] == "rising"
+    assert out["action"] == ["restart", "restart", "restart", "drop", "restart"] and out["verdict"][0] == "rising"
     assert out["verdict"][1] == "non-finite" and out["rollback_to"][0] == 150 and out["rollback_to"][2] == 175
+    assert out["window_start"][4] == 161 and out["rollback_to"][4] == 160
     pad = lambda rows, fill: np.array([list(r) + [fill] * (max(map(len, rows)) - len(r)) for r in rows])  # noqa: E731
     inputs = {"losses": (pad([s["losses"] for s in scen], np.nan), "(n, S) each step's loss (the guard's input: "
                                                                     "the mean of the 2P members), padded with NaN"),
@@ -686,7 +702,8 @@ def restart_stage(seed: int) -> Stage:
               **_text_inputs(corpus), "T": (np.int64(T_LOOP), "a window is T + 1 bytes"),
               "B": (np.int64(B_LOOP), "windows per batch"),
               "seed": (np.uint64(run_seed), "the run's seed"), "lr": (np.float64(RESTART["lr"]), "the peak rate"),
-              "warmup": (np.int64(RESTART["warmup"]), "warm-up steps"), "after": (np.int64(RESTART["after"]),
+              "warmup": (np.int64(RESTART["warmup"]), "warm-up steps"),
+              "schedule": (np.str_("cosine"), "the schedule (stage 4)"), "after": (np.int64(RESTART["after"]),
                                                                      "steps checked after the rollback")}
     guard = ("losses", "skipped", "length", "run_steps")
     outputs = {
@@ -700,8 +717,8 @@ def restart_stage(seed: int) -> Stage:
         "window_start": Out(np.array(out["window_start"]), "exact", guard,
                             "steps observed - max(steps above, skipped in a row) + 1"),
         "healthy": Out(np.stack(out["healthy"]), "exact", guard,
-                       "healthy[s]: after step s the smoothed loss was within 1.25 of its best and the step not in a "
-                       "run of skipped steps; step 0 is healthy"),
+                       "healthy[s], indexed like a checkpoint's step: after the first s records the smoothed loss was "
+                       "within 1.25 of its best and no skipped run was open; healthy[0] is True"),
         "action": Out(np.array(out["action"]), "exact", ("restarts", "max_restarts"),
                       "'drop' when restarts (before this one) >= max_restarts, else 'restart'"),
         "rollback_to": Out(np.array(out["rollback_to"]), "exact", ("checkpoints", "window_start (kit's)",
@@ -717,7 +734,7 @@ def restart_stage(seed: int) -> Stage:
                                                                        "offsets", "T", "B", "seed"),
                              "batches of steps rollback_to, +1, +2 from the new stream (zeros when dropped)"),
         "rates_after": Out(np.stack(out["rates_after"]), "rate", ("rollback_to (kit's)", "lr_scale (kit's)", "lr",
-                                                                  "warmup", "run_steps"),
+                                                                  "warmup", "run_steps", "schedule"),
                            "the schedule at the step counter (rolled back), times lr_scale"),
         "philox_after": Out(np.stack(out["philox_after"]), "bits", ("rollback_to (kit's)", "stream (kit's)", "seed"),
                             "Philox block 0 of member 0 at (step rollback_to, expert word = the new stream)"),
@@ -725,7 +742,14 @@ def restart_stage(seed: int) -> Stage:
     stream_misread = [(np.array(philox4x32_10(0, 0, to, s["expert"] + s["restarts"] + 1, *stream_key(run_seed)),
                                 np.uint32) if a == "restart" else np.zeros(4, np.uint32))
                       for s, to, a in zip(scen, out["rollback_to"], out["action"])]
+    healthy = np.stack(out["healthy"])  # misread: healthy[s] as the state after 0-based step s (s + 1 records)
+    zero_based = np.concatenate([np.ones((len(scen), 1), bool), healthy[:, 2:], np.zeros((len(scen), 1), bool)],
+                                axis=1)
     misreadings = {"philox_after": [("the stream offset by restarts, not 65536 x restarts", np.stack(stream_misread))],
+                   "healthy": [("healthy[s] as after the 0-based step s, not after the first s records (a "
+                                "checkpoint's step)", zero_based)],
+                   "rollback_to": [("a checkpoint eligible only when its step < window_start - 1 (it may be the step "
+                                    "just before the window)", _rollback_variant(scen, out))],
                    "lr_scale": [("the factor applied once, not once per restart",
                                  np.array([RESTART["factor"] if a == "restart" else RESTART["factor"] ** s["restarts"]
                                            for s, a in zip(scen, out["action"])]))]}

@@ -48,7 +48,10 @@ def round_array(a, code):
     if code == BF16:
         for k in range(flat.size):
             v = np.uint64(u[k])
-            u[k] = np.uint32((v + np.uint64(0x7FFF) + ((v >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFF0000))
+            if (v & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000):  # NaN: quiet, payload cut (the carry would not)
+                u[k] = np.uint32((v | np.uint64(0x400000)) & np.uint64(0xFFFF0000))
+            else:
+                u[k] = np.uint32((v + np.uint64(0x7FFF) + ((v >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFF0000))
         return
     for k in range(flat.size):  # written as selects, so that the loop vectorizes
         x = flat[k]
