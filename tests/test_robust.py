@@ -14,10 +14,12 @@ from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.errors import ConfigError
 from zosoma.runs.executor import Inline, LocalProcesses
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Dropped, Evaluated, Finished, Restarted, Step
+from zosoma.runs.records import Diverged, Dropped, Evaluated, Finished, Restarted, Step
 from zosoma.runs.soma import create_soma, load_ensemble, resume_soma
 from zosoma.runs.trainer import RESTART_STREAM, Trainer, from_checkpoint, new_state, train
 from zosoma.strategies import make_strategy
+from zosoma.strategies.base import check_options
+from zosoma.strategies.es import OpenES
 from zosoma.strategies.shaping import Chain, spread
 from zosoma.strategies.shaping.clip import WARMUP
 
@@ -88,7 +90,11 @@ def test_shaping_passes_a_skipped_step_through():
 
 def test_shaping_is_an_spsa_option_and_its_names_are_checked():
     with pytest.raises(ConfigError, match="--shaping is not used by --optimizer es"):
-        make_strategy(TrainConfig(optimizer="es", eps=0.02, lr=0.005, shaping=("normalize",)))
+        make_strategy(TrainConfig(optimizer="es", eps=0.02, lr=0.005, shaping=("clip",)))
+    with pytest.raises(ConfigError, match="--shaping is not used by --optimizer es"):  # named by the user
+        check_options(OpenES(TrainConfig(optimizer="es")), TrainConfig(optimizer="es"), given={"shaping"})
+    es = make_strategy(TrainConfig(optimizer="es", eps=0.02, lr=0.005))  # the SPSA default: not its option
+    assert "shaping" not in es.options and not es.shaping.pieces
     with pytest.raises(ConfigError, match="unknown shaping 'rank'"):
         make_strategy(TrainConfig(shaping=("rank",)))
     cfg = TrainConfig(shaping=["clip", "normalize"])  # as JSON or TOML give it
@@ -232,10 +238,18 @@ def test_a_restart_decision_survives_sigkill_and_resume(tmp_path):
     assert a.extra["restarts"] == b.extra["restarts"] and a.extra["dropped"] == b.extra["dropped"]
 
 
-def test_restart_is_refused_where_it_cannot_work(tmp_path):
+def test_the_summed_ablations_experts_stop_together_where_one_would_restart(tmp_path):
+    # a restart would roll one expert back alone, out of the lockstep: coupled experts stop
     text = text_corpus(tmp_path)
-    with pytest.raises(ConfigError, match="summed ablation's experts move in lockstep"):
-        create_soma(tmp_path / "summed", MODEL, RESTART, 2, loss="summed", chunk_size=256, train_paths=[str(text)])
+    cfg = dataclasses.replace(RESTART, lr=400.0)
+    create_soma(tmp_path / "summed", MODEL, cfg, 2, loss="summed", chunk_size=256, train_paths=[str(text)],
+                heldout_paths=[str(text)])
+    records = list(resume_soma(tmp_path / "summed", Inline()))
+    assert not any(isinstance(r, (Restarted, Dropped)) for r in records)
+    stopped = [r for r in records if isinstance(r, Diverged)]
+    assert stopped and all(r.step == stopped[0].step for r in stopped)
+    ckpts = [RunFolder(tmp_path / "summed").expert(i).read_checkpoint() for i in range(2)]
+    assert ckpts[0].step == ckpts[1].step < cfg.steps
     assert RESTART_STREAM == 1 << 16
 
 
