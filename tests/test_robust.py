@@ -99,6 +99,22 @@ def test_shaping_is_an_spsa_option_and_its_names_are_checked():
         make_strategy(TrainConfig(shaping=("rank",)))
     cfg = TrainConfig(shaping=["clip", "normalize"])  # as JSON or TOML give it
     assert cfg.shaping == ("clip", "normalize") and from_json(to_json(cfg))["TrainConfig"] == cfg
+    assert TrainConfig(shaping="none").shaping == () and TrainConfig().shaping == ("normalize",)
+    with pytest.raises(ConfigError, match="shaping none is plain SPSA: it takes no other piece"):
+        TrainConfig(shaping=("none", "clip"))
+
+
+def test_plain_spsa_is_named_on_the_command_line(tmp_path):
+    from click.testing import CliRunner
+    from zosoma.cli.main import cli
+    text = text_corpus(tmp_path)
+    for name, extra in (("default", []), ("plain", ["--shaping", "none"])):
+        args = ["train", "--data", str(text), "--heldout", str(text), "--steps", "3", "--embed", "8", "--hidden", "16",
+                "-P", "2", "--run-dir", str(tmp_path / name), "--quiet", *extra]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+    assert RunFolder(tmp_path / "default").read_checkpoint().train.shaping == ("normalize",)
+    assert RunFolder(tmp_path / "plain").read_checkpoint().train.shaping == ()
 
 
 def test_a_checkpoint_from_before_shaping_existed_trains_without_it():

@@ -109,6 +109,10 @@ class TrainConfig:
         if self.on_divergence not in ON_DIVERGENCE:
             raise ConfigError(f"on_divergence must be one of {', '.join(ON_DIVERGENCE)}, got {self.on_divergence!r}")
         shaping = (self.shaping,) if isinstance(self.shaping, str) else tuple(self.shaping)
+        if "none" in shaping:  # plain SPSA, by name (--shaping none, shaping = "none")
+            if shaping != ("none",):
+                raise ConfigError("shaping none is plain SPSA: it takes no other piece")
+            shaping = ()
         object.__setattr__(self, "shaping", shaping)  # a list read from JSON or TOML
         if not 0 < self.restart_lr_factor <= 1 or not math.isfinite(self.clip_at) or self.clip_at <= 0:
             raise ConfigError("restart_lr_factor must lie in (0, 1] and clip_at be a positive number")
