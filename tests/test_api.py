@@ -19,6 +19,7 @@ def readme_example() -> str:
     return block.group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_notes.txt").write_text("Some notes of my own, in plain text.\n" * 200)

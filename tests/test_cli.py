@@ -102,6 +102,8 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
     assert "no checkpoint.h5" in one_line_error(run(["train", "--resume", str(tmp_path / "nothing")]))
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_files):
     """A run killed with SIGKILL and resumed ends with the same parameters as an uninterrupted run."""
     args = ["train", "--data", str(text_files / "a.txt"), "--steps", "300", "--checkpoint-every", "5",
@@ -133,6 +135,7 @@ def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_file
     assert all(np.array_equal(a.optimizer[k], b.optimizer[k]) for k in a.optimizer)
 
 
+@pytest.mark.subprocess
 def test_subprocess_ctrl_c_saves_and_exits(tmp_path, text_files):
     run_dir = tmp_path / "run"
     args = ["train", "--data", str(text_files / "a.txt"), "--steps", "100000", "--run-dir", str(run_dir)] + TINY
@@ -150,12 +153,14 @@ def test_subprocess_ctrl_c_saves_and_exits(tmp_path, text_files):
     assert "Traceback" not in err
 
 
+@pytest.mark.subprocess
 def test_console_script_installed():
     exe = Path(sys.executable).parent / "zosoma"
     result = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "zosoma" in result.stdout
 
 
+@pytest.mark.slow
 def test_soma_commands(tmp_path, text_files):
     """train --experts, eval with routing options, sample, cluster, variance, and their errors."""
     data = ["--data", str(text_files / "a.txt"), "--data", str(text_files / "b.txt")]

@@ -449,6 +449,7 @@ def shipped():
     return chunks, clustering, labels
 
 
+@pytest.mark.slow
 @needs_jit
 def test_shipped_corpus_recovers_domains(shipped):
     chunks, _, labels = shipped
@@ -470,6 +471,7 @@ def test_shipped_corpus_clusters_are_balanced(shipped):
     assert sizes.max() / sizes.min() <= (-(-M // 8)) / (M // 8)
 
 
+@pytest.mark.slow
 @needs_jit
 def test_shipped_corpus_fit_is_deterministic(shipped):
     chunks, clustering, labels = shipped
@@ -479,6 +481,7 @@ def test_shipped_corpus_fit_is_deterministic(shipped):
     assert np.array_equal(labels2, labels)
 
 
+@pytest.mark.slow
 @needs_jit
 def test_shipped_corpus_embed_reproduces_fit(shipped):
     chunks, clustering, labels = shipped

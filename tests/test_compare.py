@@ -188,6 +188,7 @@ class _StopAfter:
         return self.polls > self.n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1])
 def test_a_run_resumed_midway_equals_an_uninterrupted_one(mini, tmp_path, which):
     method = mini.methods[which]
@@ -207,6 +208,7 @@ def test_a_run_resumed_midway_equals_an_uninterrupted_one(mini, tmp_path, which)
                                      "dictionary", "multilingual", "overall"}
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_not_repeated(mini, tmp_path):
     job = Job("run", mini.methods[1], 0, mini)
     first = run_job(job, tmp_path / "run")
@@ -223,6 +225,7 @@ def test_a_changed_config_is_refused(mini, tmp_path):
         run_job(Job("run", other.methods[1], 0, other), tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_a_soma_run_with_another_expert_count_is_refused(mini, tmp_path):
     Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[0], 0, mini).spec)
     other = load_comparison_text(tmp_path, MINI.replace("experts = 2\nmodel", "experts = 3\nmodel", 1))
@@ -254,6 +257,7 @@ def compare_cli(*args):
     return run_cli(["compare", "my.toml", "--out", "out", "--jobs", "1", *args])
 
 
+@pytest.mark.slow
 def test_a_comparison_folder_is_bound_to_its_config(tmp_path, restore_sigint):
     """A rerun with a changed lr, budget or evaluation setting is refused in one line naming what
     changed (and --plan says so), never answered with the old runs, which stay as they were."""
@@ -304,6 +308,7 @@ def test_an_unfinished_run_of_another_config_is_refused_before_any_run_trains(tm
     assert not (tmp_path / "out" / "runs" / wide.name).exists()
 
 
+@pytest.mark.slow
 def test_an_unfinished_soma_run_of_another_config_is_refused(mini, tmp_path):
     """A SOMA run's description and every expert's checkpoint are checked before anything trains."""
     soma = jobs(mini)[0]
@@ -324,6 +329,7 @@ def load_comparison_text(tmp_path, text):
     return load_comparison(path)
 
 
+@pytest.mark.slow
 def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
     runs = [Run(RunFolder(tmp_path / m.loss), Job(m.loss, m, 0, mini, False).spec) for m in mini.ablation]
     for a, b in zip(runs[0].trainers, runs[1].trainers):
@@ -332,6 +338,8 @@ def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
         np.testing.assert_array_equal(a.losses()[0], b.losses()[0])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_compare_command_end_to_end(tmp_path):
     """Writes the table, CSV and plots; a second invocation repeats nothing."""
     pytest.importorskip("matplotlib", reason="plots need matplotlib (the plots extra)")
@@ -354,6 +362,7 @@ def test_compare_command_end_to_end(tmp_path):
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "missing.toml" in bad.stderr
 
 
+@pytest.mark.slow
 def test_es_is_a_comparison_method(tmp_path):
     """A strategy added through the registry is available to `zosoma compare` as it is."""
     path = tmp_path / "es.toml"
@@ -369,6 +378,7 @@ train = {optimizer = "es", perturbations = 2, eps = 0.02, lr = 0.002}
     assert result["steps"] == cmp.methods[0].train.steps and 0 < result["heldout"]["overall"] < 6
 
 
+@pytest.mark.slow
 def test_a_toml_es_method_without_eps_and_lr_trains_with_es_defaults(tmp_path):
     """The comparison resolves its methods as the command line does: a strategy's own defaults
     (ES: eps 0.02, lr 0.005) under what the method and the shared table give."""
@@ -386,6 +396,7 @@ train = {optimizer = "es", perturbations = 2}
     assert RunFolder(tmp_path / "run").read_checkpoint().train.eps == 0.02
 
 
+@pytest.mark.slow
 def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_path):
     """[tuning]: every method at each lr factor (and sigma factor for ES/EGGROLL), seed 0, the full
     budget, scored on the validation split; the main runs then use the winner."""
@@ -406,6 +417,7 @@ def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_pa
     assert "## Tuning" in text and text.count("**yes**") == 1
 
 
+@pytest.mark.slow
 def test_tuning_only_the_methods_named(mini, tmp_path):
     """[tuning] methods = [...]: only those are swept; the others run every seed as configured."""
     from zosoma.experiments.compare import Tuning, run_comparison, tuning_jobs

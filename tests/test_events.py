@@ -67,6 +67,7 @@ def test_a_resumed_run_shows_one_course(text, tmp_path):
     assert [s for s, _ in shown] == list(range(1, 21))
 
 
+@pytest.mark.slow
 def test_a_soma_run_shows_each_expert_and_the_ensemble(text, tmp_path):
     run = tmp_path / "runs" / "soma"
     assert run_cli(["train", "--data", text, "--heldout", text, *TINY, "--steps", "6", "--experts", "2",

@@ -32,6 +32,7 @@ def soma_run(tmp_path, data, **kw):
     return records_of(start_soma(tmp_path, MODEL, args.pop("cfg", CFG), **args))
 
 
+@pytest.mark.slow
 def test_soma_clusters_trains_and_evaluates(tmp_path, two_domains):
     records = soma_run(tmp_path, two_domains)
     clusters = next(r for r in records if isinstance(r, Clusters))
@@ -46,6 +47,7 @@ def test_soma_clusters_trains_and_evaluates(tmp_path, two_domains):
     assert json.loads((tmp_path / SOMA).read_text())["experts"] == 2
 
 
+@pytest.mark.slow
 def test_trained_experts_learn_and_specialise(tmp_path, two_domains):
     """After training, each domain's best expert is the one trained on its cluster, and routing
     sends each domain's text to it: the routed mixture beats the other expert by a margin."""
@@ -89,6 +91,7 @@ def counters(monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_summed_and_independent_share_perturbations_and_batches(tmp_path, two_domains, monkeypatch):
     seen = {}
     for loss in ("independent", "summed"):
@@ -105,6 +108,7 @@ def test_summed_and_independent_share_perturbations_and_batches(tmp_path, two_do
         assert not np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_worker_processes_match_in_process_training(tmp_path, two_domains):
     soma_run(tmp_path / "serial", two_domains, executor=Inline())
     soma_run(tmp_path / "pool", two_domains, executor=LocalProcesses(2))
@@ -114,6 +118,7 @@ def test_worker_processes_match_in_process_training(tmp_path, two_domains):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_soma_errors(tmp_path, two_domains):
     with pytest.raises(ConfigError, match="cannot make 500 clusters"):
         soma_run(tmp_path / "a", two_domains, n_experts=500)

@@ -145,6 +145,7 @@ def test_split_covers_the_range():
 
 # --- the PyTorch peers of `zosoma bench spsa` compute the same model ---------------------------------
 
+@pytest.mark.slow
 def test_torch_peers_compute_the_reference_loss():
     pytest.importorskip("torch")
     from zosoma.experiments import torch_peers
@@ -157,6 +158,7 @@ def test_torch_peers_compute_the_reference_loss():
         assert_close(step(0), want, rtol=1e-5, name=name)  # mean of L(theta +/- eps z), eps^2 away
 
 
+@pytest.mark.slow
 def test_bench_spsa_reports_peers_and_the_split():
     pytest.importorskip("torch")
     from zosoma.experiments.bench_spsa import bench_spsa, format_spsa

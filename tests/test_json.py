@@ -49,6 +49,7 @@ def test_eval_and_info_as_json(runs):
     assert info["kind"] == "soma" and [e["step"] for e in info["experts_status"]] == [6, 6]
 
 
+@pytest.mark.slow
 def test_data_show_cluster_and_bench_as_json(tmp_path):
     shown = parsed(["data", "show"], "data-show")
     assert shown["baselines"]["trigram"] == pytest.approx(2.2206, abs=1e-4)
@@ -62,6 +63,8 @@ def test_data_show_cluster_and_bench_as_json(tmp_path):
     assert [r["name"] for r in forward["results"] if (r["tokens_per_s"] or 0) > 0]  # the skipped ones: null
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_progress_without_a_terminal_is_plain_lines(runs, tmp_path):
     _, text = runs
     args = ["train", "--data", str(text), "--heldout", str(text), *TINY, "--steps", "40", "--run-dir",

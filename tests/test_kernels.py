@@ -62,6 +62,8 @@ NLL_ATOL = 1e-4  # per-position nats and log-probabilities
 
 # --- 1. the sources compile for the GPU ---------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("file", gpu.KERNEL_FILES)
 def test_kernel_compiles_with_nvcc(file, tmp_path):
     nvcc = shutil.which("nvcc")
@@ -142,7 +144,7 @@ def emulated_libs(tmp_path_factory):
 
 
 # The CUDA runtime joins the parametrisation only where CuPy finds a device.
-RUNTIMES = ["emulated"] + (["cuda"] if backend.cuda_device_count() else [])
+RUNTIMES = ["emulated"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if backend.cuda_device_count() else [])
 _cuda_runtime = []
 
 @pytest.fixture(params=RUNTIMES)
@@ -658,6 +660,7 @@ def test_only_the_backend_imports_cupy():
 
 # --- the device check script ----------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_gpu_check_dry_run():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run([sys.executable, str(ROOT / "studies" / "gpu_check.py"), "--dry-run"],

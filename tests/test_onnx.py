@@ -123,6 +123,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_export_a_single_model_and_an_expert(runs, tmp_path):
     for src in (runs / "single", runs / "soma" / "expert1"):
         out = tmp_path / f"{src.name}.onnx"
@@ -199,6 +200,8 @@ def test_torch_export_to_a_missing_folder_is_one_line(runs, tmp_path):
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_torch_export_to_a_read_only_folder_is_one_line(runs, tmp_path):
     seed = tmp_path / "seed"
     seed.mkdir()
@@ -213,6 +216,8 @@ def test_torch_export_to_a_read_only_folder_is_one_line(runs, tmp_path):
         assert snapshot(disk) == snapshot(seed)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("what", ["torch", "soma onnx"])
 def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(runs, tmp_path, what):
     out = tmp_path / "disk" / "out"

@@ -109,6 +109,7 @@ def text(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_train_records_its_engine_and_a_resume_keeps_it(text, tmp_path):
     run_dir = tmp_path / "run"
     args = ["train", "--data", str(text), "--heldout", str(text), "--run-dir", str(run_dir), *TINY]
@@ -141,6 +142,7 @@ def test_an_engine_that_is_not_installed_is_one_line(text, tmp_path, monkeypatch
              "--run-dir", str(tmp_path / "r2"), *TINY]))
 
 
+@pytest.mark.slow
 def test_bench_forward_reports_onnxruntime_beside_numba():
     result = run(["bench", "forward", "--engine", "onnxruntime", "--embed", "8", "--hidden", "8", "--layers", "1",
                   "--batch", "2", "--seq-len", "8", "--repeats", "1", "--no-numpy"])

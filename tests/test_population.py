@@ -88,6 +88,7 @@ def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):
     assert np.array_equal(theta(tmp_path / "w2"), theta(tmp_path / "one"))
 
 
+@pytest.mark.slow
 def test_summed_ablation_through_the_scalar_exchange(tmp_path, two_domains):
     kw = dict(n_experts=2, loss="summed", chunk_size=256, executor=Inline(), top_k=2,
               train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])

@@ -45,6 +45,7 @@ def test_the_checker_imports_nothing_of_zosoma():
     assert not [m for m in modules if m and m.startswith("zosoma")], modules
 
 
+@pytest.mark.subprocess
 def test_the_kit_accepts_its_own_outputs(kit):
     result = subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(kit), "--strict"],
                             capture_output=True, text=True, cwd=kit.parent)
@@ -77,6 +78,7 @@ def test_a_float32_box_muller_needs_the_gaussian_tolerance(kit):
     assert 2e-4 < worst < 5e-4
 
 
+@pytest.mark.subprocess
 def test_a_perturbed_output_is_rejected(kit, tmp_path):
     port = tmp_path / "port"
     port.mkdir()
@@ -122,6 +124,7 @@ def test_nan_or_inf_from_the_port_fails_at_any_tolerance(bad):
     assert check_port.compare("x", np.array([1.0, np.inf]), np.array([1.0, np.inf]), 0, 0)[0]  # the kit's own inf
 
 
+@pytest.mark.subprocess
 def test_a_nan_in_the_port_is_reported_with_its_sides(kit, tmp_path):
     port = tmp_path / "port"
     port.mkdir()
@@ -152,6 +155,7 @@ def _damage(path: Path, how: str, member: str) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("side", ["kit", "port"])
 @pytest.mark.parametrize("how", ["truncated", "bit flip"])
 def test_a_damaged_npz_is_one_line(kit, tmp_path, side, how):
@@ -256,6 +260,8 @@ def test_a_failure_half_way_leaves_the_old_kit(tmp_path, monkeypatch, when):
     assert leftovers(tmp_path, out) == []
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_full_disk_is_one_line_and_leaves_the_old_kit_or_nothing(tmp_path):
     seed = tmp_path / "seed"
     users_files(seed / "kit")
@@ -276,6 +282,7 @@ def test_a_full_disk_is_one_line_and_leaves_the_old_kit_or_nothing(tmp_path):
             assert list(disk.iterdir()) == []  # no .kit.tmp, no half a kit
 
 
+@pytest.mark.subprocess
 def test_a_read_only_folder_is_one_line(tmp_path):
     seed = tmp_path / "seed"
     users_files(seed / "kit")

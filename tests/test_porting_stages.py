@@ -366,6 +366,7 @@ def test_a_wrong_reading_fails_its_stage_with_its_hint(kit, good, layout, tmp_pa
         assert "NaN or inf from the port" in text and "an all-zero x stays zero" in text
 
 
+@pytest.mark.subprocess
 def test_the_checker_takes_a_stage_and_refuses_an_unknown_one(kit, good):
     run = lambda *a: subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(good[0]), *a],  # noqa
                                     capture_output=True, text=True)

@@ -230,6 +230,7 @@ def test_precision_study_plan():
     assert bad.exit_code == 2 and "comma-separated numbers" in bad.output
 
 
+@pytest.mark.slow
 def test_bench_forward_times_the_emulated_formats_beside_fp32():
     from helpers import run_cli
 
@@ -257,6 +258,7 @@ def test_bench_forward_of_an_emulated_engine_is_a_cpu_benchmark(monkeypatch):
     assert "cuda" not in records[0]["threads"]  # the peak: the CPU's
 
 
+@pytest.mark.slow
 def test_bench_spsa_times_an_emulated_step_beside_fp32():
     from helpers import run_cli
 
@@ -285,6 +287,7 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
     assert run_job(job, tmp_path)["steps"] == 10  # the same job: its record, not retrained
 
 
+@pytest.mark.slow
 def test_a_soma_run_stopped_between_its_experts_is_stopped_not_failed(tmp_path):
     from zosoma.experiments.precision import Study, jobs
     from zosoma.experiments.study import run_job

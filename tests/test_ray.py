@@ -49,7 +49,7 @@ CFG = TrainConfig(steps=12, batch=2, seq_len=16, perturbations=4, lr=0.5, checkp
 TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16"]
 
 
-pytestmark = pytest.mark.usefixtures("scratch_cwd")
+pytestmark = [pytest.mark.usefixtures("scratch_cwd"), pytest.mark.ray, pytest.mark.slow]  # Ray takes seconds to start
 
 
 @dataclass(frozen=True)

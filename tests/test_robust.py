@@ -170,6 +170,7 @@ def faulty_soma(run_dir, text, cfg, bad_lr=None):
 RESTART = dataclasses.replace(CFG, on_divergence="restart", max_restarts=2)
 
 
+@pytest.mark.slow
 def test_a_diverging_expert_restarts_while_the_other_trains_untouched(tmp_path):
     text = text_corpus(tmp_path)
     faulty_soma(tmp_path / "clean", text, RESTART)
@@ -190,6 +191,7 @@ def test_a_diverging_expert_restarts_while_the_other_trains_untouched(tmp_path):
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
 
 
+@pytest.mark.slow
 def test_a_dropped_expert_is_left_out_of_routing_and_said(tmp_path):
     text = text_corpus(tmp_path)
     cfg = dataclasses.replace(RESTART, max_restarts=1)
@@ -213,6 +215,7 @@ def test_a_dropped_expert_is_left_out_of_routing_and_said(tmp_path):
     assert not any(isinstance(r, Step) for r in again)
 
 
+@pytest.mark.slow
 def test_restarts_are_the_same_inline_and_in_processes(tmp_path):
     text = text_corpus(tmp_path)
     for name, executor in (("inline", Inline()), ("processes", LocalProcesses(2))):
@@ -224,6 +227,8 @@ def test_restarts_are_the_same_inline_and_in_processes(tmp_path):
         assert np.array_equal(a.theta, b.theta) and a.extra.get("restarts") == b.extra.get("restarts")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_restart_decision_survives_sigkill_and_resume(tmp_path):
     text = text_corpus(tmp_path)
     args = ["train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",

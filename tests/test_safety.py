@@ -83,6 +83,8 @@ def alive(pid: int) -> bool:
 
 # --- 1. workers never outlive their parent ---------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_a_soma_run_kills_its_workers_and_the_resume_has_one_writer(text, tmp_path, sig):
     run = tmp_path / "soma"
@@ -111,6 +113,7 @@ def test_killing_a_soma_run_kills_its_workers_and_the_resume_has_one_writer(text
 
 # --- 2. a folder that holds anything is never written into by a new run -----------------------------
 
+@pytest.mark.slow
 def test_run_dir_that_holds_anything_is_refused_and_left_untouched(text, tmp_path):
     soma = tmp_path / "soma"
     assert invoke(train_args(text, soma, 2, "--experts", "2", "--chunk-size", "256")).exit_code == 0
@@ -200,6 +203,8 @@ def on_a_small_disk(tmp_path, argv, size="160k"):
     return None
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("checkpoint_every", ["10", "100000"])  # the checkpoint / the metrics append fills it
 def test_a_full_disk_is_one_line_and_the_run_resumes(text, tmp_path, checkpoint_every):
     args = [str(a) for a in train_args(text, tmp_path / "disk" / "run", 3000, "--checkpoint-every", checkpoint_every)]
@@ -234,6 +239,8 @@ def test_a_failed_append_leaves_whole_lines(tmp_path, monkeypatch):
 
 # --- 5. one writer per folder -------------------------------------------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_trainers_on_one_folder(text, tmp_path):
     run = tmp_path / "run"
     args = [str(a) for a in train_args(text, run, 100000)]
@@ -257,6 +264,7 @@ def test_two_trainers_on_one_folder(text, tmp_path):
                 pass
 
 
+@pytest.mark.subprocess
 def test_a_dead_owners_lock_is_taken_over(tmp_path):
     folder = RunFolder(tmp_path / "run")
     code = f"from zosoma.runs.folder import RunFolder; import os; RunFolder({str(folder.path)!r}).lock().__enter__(); os._exit(0)"
@@ -294,6 +302,8 @@ def test_an_unwritable_run_dir_is_one_line(text, tmp_path):
     assert line.startswith("Error: cannot create run folder") or line.startswith("Error: cannot lock")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_prompt_is_bytes(text, tmp_path):
     run = tmp_path / "soma"
     assert invoke(train_args(text, run, 2, "--experts", "2", "--chunk-size", "256")).exit_code == 0
@@ -332,6 +342,7 @@ def test_a_signal_cannot_fall_between_the_renames(tmp_path, monkeypatch):
     assert folder.read_checkpoint().step == 2
 
 
+@pytest.mark.slow
 def test_small_things(text, tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -354,6 +365,8 @@ def test_small_things(text, tmp_path, monkeypatch):
 
 # --- 10. SIGTERM saves as Ctrl-C does; a second signal aborts ----------------------------------------
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("soma", [False, True], ids=["single", "soma"])
 def test_sigterm_saves_and_exits_like_ctrl_c(text, tmp_path, soma):
     run = tmp_path / "run"
@@ -394,6 +407,7 @@ def test_a_second_signal_aborts_with_its_code(text, tmp_path, monkeypatch):
     assert result.exit_code == 130 and result.output.strip().splitlines()[-1] == "aborted"
 
 
+@pytest.mark.subprocess
 def test_a_killed_soma_parent_leaves_no_warnings(text, tmp_path):
     run = tmp_path / "soma"
     args = train_args(text, run, 100000, "--experts", "2", "--workers", "2", "--chunk-size", "256")
