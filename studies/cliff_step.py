@@ -67,7 +67,8 @@ def main():
     p.add_argument("--dir", type=Path, default=Path("runs/cliff"))
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    _, cfg = resolve("tiny", {"engine": a.engine, "seed": a.seed, "on_divergence": "continue"})
+    # the run the replay took apart: plain SPSA (then the default), each shaping only replayed on top
+    _, cfg = resolve("tiny", {"engine": a.engine, "seed": a.seed, "on_divergence": "continue", "shaping": ()})
     base_run = a.dir / f"{a.engine}-seed{a.seed}-to{a.step - 1}"
     record = base_run.with_suffix(".scalars.npy")
     if not record.exists():
