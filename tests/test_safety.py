@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from helpers import zosoma_cmd
 from zosoma import atomic
 from zosoma.cli.main import cli
-from zosoma.errors import WriteError
+from zosoma.errors import ConfigError, WriteError
 from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder, RunInUse
 
 TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
@@ -512,3 +512,21 @@ def test_default_run_folders_are_unique(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     made = [new_run_dir("tiny-") for _ in range(3)]  # within one second
     assert len(set(made)) == 3 and all(p.is_dir() for p in made)
+
+
+# --- 14. a damaged results record is one line saying how to write it again ---------------------------
+
+def test_a_damaged_results_record_is_one_line_and_a_resume_writes_it_again(text, tmp_path):
+    import zosoma
+    run = tmp_path / "run"
+    assert CliRunner().invoke(cli, [str(a) for a in train_args(text, run, 3, "--quiet")]).exit_code == 0
+    good = (run / "results.json").read_text()
+    (run / "results.json").write_text(good[: len(good) // 2])  # cut short, as a full disk or an editor leaves it
+    (tmp_path / "result.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"results.json is damaged \(.*\): delete it; zosoma train --resume"):
+        zosoma.open_run(run).results
+    with pytest.raises(ConfigError, match=r"result.json is damaged .*: delete it; run the same command again"):
+        RunFolder(tmp_path).read_result()
+    (run / "results.json").unlink()
+    assert CliRunner().invoke(cli, ["train", "--resume", str(run), "--quiet"]).exit_code == 0
+    assert json.loads((run / "results.json").read_text()) == json.loads(good)

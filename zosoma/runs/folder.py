@@ -326,8 +326,8 @@ class RunFolder:
 
     def read_results(self) -> dict | None:
         """The final evaluation (results.json), or None before the run finished."""
-        path = self.path / RESULTS
-        return json.loads(path.read_text()) if path.exists() else None
+        return _read_record(self.path / RESULTS, f"zosoma train --resume {self.path} evaluates the finished run "
+                                                 "again")
 
     def write_results(self, results: dict) -> None:
         write_json(self.path / RESULTS, results, "results")
@@ -347,8 +347,8 @@ class RunFolder:
 
     def read_result(self) -> dict | None:
         """A finished comparison run's record, or None."""
-        path = self.path / RESULT
-        return json.loads(path.read_text()) if path.exists() else None
+        return _read_record(self.path / RESULT, "run the same command again: it scores the run again from its "
+                                                "checkpoints")
 
     def write_result(self, result: dict) -> None:
         write_json(self.path / RESULT, result, "result")
@@ -515,3 +515,14 @@ def _plain(obj):
 def write_json(path: Path, obj, what: str = "file") -> None:
     """Atomically write obj as indented JSON."""
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True), what)
+
+
+def _read_record(path: Path, redo: str) -> dict | None:
+    """A JSON record zosoma wrote, or None when there is none; a damaged one (cut short, edited)
+    is one line saying how to write it again."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is damaged ({e}): delete it; {redo}") from None
