@@ -292,6 +292,41 @@ def wrong_clip_bound(kit, good, layout):
     return dict(good["shaping"], clip_scalars=np.array(rows))
 
 
+def wrong_clip_start(kit, good, layout):
+    """The clip bound applied from steps > 10, one step late (row 4 is the first it binds)."""
+    f = load(kit, "shaping")
+    steps, m = int(f["clip_state"][0]), float(f["clip_state"][1])
+    rows = []
+    for g in f["scalars"]:
+        if np.all(np.isfinite(g)):
+            if steps > 10:
+                g = np.clip(g, -f["clip_at"] * m, f["clip_at"] * m)
+            m = 0.98 * m + 0.02 * float(np.median(np.abs(g)))
+            steps += 1
+        rows.append(g)
+    return dict(good["shaping"], clip_scalars=np.array(rows))
+
+
+def wrong_healthy_index(kit, good, layout):
+    """healthy[s] read as the state after the 0-based step s (s + 1 records)."""
+    h = good["restart"]["healthy"]
+    return dict(good["restart"], healthy=np.concatenate([h[:, :1] | True, h[:, 2:], h[:, :1] & False], axis=1))
+
+
+def wrong_rollback_boundary(kit, good, layout):
+    """A checkpoint eligible only when its step < window_start - 1."""
+    f, out = load(kit, "restart"), good["restart"]
+    to = []
+    for n in range(len(f["length"])):
+        course = [int(c) for c in f["checkpoints"][n] if c >= 0]
+        if out["rollback_to"][n] < 0:
+            to.append(-1)
+            continue
+        ok = [c for c in course if c < out["window_start"][n] - 1 and out["healthy"][n][c]]
+        to.append(ok[-1] if ok else course[0])
+    return dict(out, rollback_to=np.array(to))
+
+
 def _half_up(x):
     return np.floor(np.asarray(x, np.float64) + 0.5)
 
@@ -342,6 +377,9 @@ WRONG = [  # (stage, output, the wrong port, what the checker should say it look
     ("adam", "theta_new", wrong_adam_bias_correction, "t = step (not step + 1)"),
     ("momentum", "m_new", wrong_momentum_dampening, "dampened"),
     ("shaping", "clip_scalars", wrong_clip_bound, "this step's median"),
+    ("shaping", "clip_scalars", wrong_clip_start, "one step late"),
+    ("restart", "healthy", wrong_healthy_index, "after the 0-based step s"),
+    ("restart", "rollback_to", wrong_rollback_boundary, "window_start - 1"),
     ("int8", "edge_q", wrong_int8_rounding, "round half up"),
     ("fp16", "edge_rounded", wrong_fp16_flush, "subnormals flushed"),
     ("bf16", "edge_wide_rounded", wrong_bf16_direct, "skipping fp32"),

@@ -539,7 +539,9 @@ def shaping_stage(rng) -> Stage:
                 "each row's state after it: clip [steps, median EMA], normalize [steps, sum of spreads]; a "
                 "skipped row leaves it as it was")
     misreadings = {"clip_scalars": [("bound from this step's median (not the steps' before)",
-                                     _clip_variant(scalars, "current"))],
+                                     _clip_variant(scalars, "current")),
+                                    ("the bound applied from steps > 10, one step late (steps >= 10)",
+                                     _clip_variant(scalars, "late"))],
                    "clip_clip_states": [("median EMA updated from the unclipped scalars",
                                          _clip_variant(scalars, "unclipped"))],
                    "normalize_scalars": [("the reference spread includes this step",
@@ -562,7 +564,7 @@ def _shape(chain, scalars, clip_at, window) -> tuple:
 
 
 def _clip_variant(scalars, how: str) -> np.ndarray:
-    """Clip alone under a misreading: returns the scalars ("current") or the states ("unclipped")."""
+    """Clip alone under a misreading: returns the scalars ("current", "late") or the states ("unclipped")."""
     steps, m = STATE_IN["clip"]["steps"], STATE_IN["clip"]["median"]
     out, states = [], []
     for g in scalars:
@@ -571,7 +573,7 @@ def _clip_variant(scalars, how: str) -> np.ndarray:
             states.append([steps, m])
             continue
         raw = g
-        if steps >= 10:
+        if steps >= 10 + (how == "late"):
             ref = (0.98 * m + 0.02 * float(np.median(np.abs(g)))) if how == "current" else m
             g = np.clip(g, -SHAPING["clip_at"] * ref, SHAPING["clip_at"] * ref)
         med = float(np.median(np.abs(raw if how == "unclipped" else g)))
@@ -579,7 +581,7 @@ def _clip_variant(scalars, how: str) -> np.ndarray:
         steps += 1
         out.append(g)
         states.append([steps, m])
-    return np.array(out) if how == "current" else np.array(states)
+    return np.array(states) if how == "unclipped" else np.array(out)
 
 
 def _normalize_variant(scalars) -> np.ndarray:
