@@ -277,14 +277,15 @@ def wrong_momentum_dampening(kit, good, layout):
     return dict(good["momentum"], m_new=b * f["m"] + (1 - b) * good["momentum"]["ghat"])
 
 
-def wrong_clip_bound(kit, good, layout):
+def _misclipped(kit, good, start: int, reference):
+    """Clip alone with a misread rule: bounded from `start` steps on, at clip_at x reference(m, g)."""
     f = load(kit, "shaping")
     steps, m = int(f["clip_state"][0]), float(f["clip_state"][1])
     rows = []
     for g in f["scalars"]:
         if np.all(np.isfinite(g)):
-            if steps >= 10:  # bounded with this step's median folded in first
-                ref = 0.98 * m + 0.02 * float(np.median(np.abs(g)))
+            if steps >= start:
+                ref = reference(m, g)
                 g = np.clip(g, -f["clip_at"] * ref, f["clip_at"] * ref)
             m = 0.98 * m + 0.02 * float(np.median(np.abs(g)))
             steps += 1
@@ -292,19 +293,14 @@ def wrong_clip_bound(kit, good, layout):
     return dict(good["shaping"], clip_scalars=np.array(rows))
 
 
+def wrong_clip_bound(kit, good, layout):
+    """Bounded with this step's median folded in first."""
+    return _misclipped(kit, good, 10, lambda m, g: 0.98 * m + 0.02 * float(np.median(np.abs(g))))
+
+
 def wrong_clip_start(kit, good, layout):
     """The clip bound applied from steps > 10, one step late (row 4 is the first it binds)."""
-    f = load(kit, "shaping")
-    steps, m = int(f["clip_state"][0]), float(f["clip_state"][1])
-    rows = []
-    for g in f["scalars"]:
-        if np.all(np.isfinite(g)):
-            if steps > 10:
-                g = np.clip(g, -f["clip_at"] * m, f["clip_at"] * m)
-            m = 0.98 * m + 0.02 * float(np.median(np.abs(g)))
-            steps += 1
-        rows.append(g)
-    return dict(good["shaping"], clip_scalars=np.array(rows))
+    return _misclipped(kit, good, 11, lambda m, g: m)
 
 
 def wrong_healthy_index(kit, good, layout):
