@@ -260,7 +260,7 @@ def port_restart(kit):
                   np.zeros((after, B, int(f["T"]) + 1), np.uint8) if drop else
                   np.stack([sampler.batch(seed, st, t, B) for t in steps]),
                   np.zeros(after) if drop else [learning_rate(t, float(f["lr"]), int(f["run_steps"][n]),
-                                                              int(f["warmup"]), "cosine") * scale for t in steps],
+                                                              int(f["warmup"]), str(f["schedule"])) * scale for t in steps],
                   np.zeros(4, np.uint32) if drop else np.array(philox4x32_10(0, 0, to, st, *stream_key(seed)),
                                                                np.uint32))
         for k, v in zip(keys, values):

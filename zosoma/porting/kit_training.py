@@ -625,7 +625,7 @@ def _scenarios(rng) -> list[dict]:
             dict(losses=b, skipped=skipped_b, run_steps=400, restarts=0, expert=3, checkpoints=[150, 160])]
 
 
-RESTART = dict(max_restarts=3, factor=0.5, lr=0.1, warmup=20, after=3)
+RESTART = dict(max_restarts=3, factor=0.5, lr=0.1, warmup=20, schedule="cosine", after=3)
 
 
 def _rollback_variant(scen, out) -> np.ndarray:
@@ -682,7 +682,8 @@ def restart_stage(seed: int) -> Stage:
         out["batches_after"].append(np.zeros((RESTART["after"], B_LOOP, T_LOOP + 1), np.uint8) if dropped else
                                     np.stack([sampler.batch(run_seed, stream_, t, B_LOOP) for t in steps_after]))
         out["rates_after"].append(np.zeros(RESTART["after"]) if dropped else np.array(
-            [learning_rate(t, RESTART["lr"], s["run_steps"], RESTART["warmup"], "cosine") * scale for t in steps_after]))
+            [learning_rate(t, RESTART["lr"], s["run_steps"], RESTART["warmup"], RESTART["schedule"]) * scale
+             for t in steps_after]))
         out["philox_after"].append(np.zeros(4, np.uint32) if dropped else np.array(
             philox4x32_10(0, 0, to, stream_, *stream_key(run_seed)), np.uint32))
     assert out["action"] == ["restart", "restart", "restart", "drop", "restart"] and out["verdict"][0] == "rising"
@@ -705,7 +706,7 @@ def restart_stage(seed: int) -> Stage:
               "B": (np.int64(B_LOOP), "windows per batch"),
               "seed": (np.uint64(run_seed), "the run's seed"), "lr": (np.float64(RESTART["lr"]), "the peak rate"),
               "warmup": (np.int64(RESTART["warmup"]), "warm-up steps"),
-              "schedule": (np.str_("cosine"), "the schedule (stage 4)"), "after": (np.int64(RESTART["after"]),
+              "schedule": (np.str_(RESTART["schedule"]), "the schedule (stage 4)"), "after": (np.int64(RESTART["after"]),
                                                                      "steps checked after the rollback")}
     guard = ("losses", "skipped", "length", "run_steps")
     outputs = {
