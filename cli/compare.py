@@ -79,5 +79,5 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     except Stopped as e:
         click.echo(str(e), err=True)
         sys.exit(stop.exit_code)
-    for p in paths.values():
-        click.echo(f"wrote {p}")
+    for name, p in paths.items():
+        click.echo(f"wrote {p}" if p else f"skipped {name}: plots need matplotlib (pip install 'zosoma[plots]')")

@@ -178,6 +178,19 @@ def test_plots_without_matplotlib(results, tmp_path, monkeypatch):
         plot_curves(results, tmp_path / "f.png", tmp_path / "w.png")
 
 
+def test_a_report_without_matplotlib_keeps_its_tables(results, tmp_path, monkeypatch):
+    """An N-curve that trained for hours still gets results.md and results.csv when the plots
+    extra is missing (the n-curve plot once raised ImportError before results.md was written)."""
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    for r in results:
+        r.update(series=["equal params"], experts=2 if r["kind"] == "soma" else 1,
+                 heldout_by_k={"1": r["heldout"]["overall"]})
+    paths = write_report(results, [], tmp_path, "synthetic")
+    assert {name for name, p in paths.items() if p is None} == {"n_curve.png", "nats_vs_flops.png", "nats_vs_wall.png"}
+    assert "## SOMA's curve in N" in paths["results.md"].read_text()
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["results.csv", "results.md"]
+
+
 def test_ablation():
     ind, summed = [2.40, 2.35, 2.50], [2.45, 2.40, 2.48]
     pairs = [{"seed": s, "independent": {"heldout": i, "wikitext103": i + 0.2 if s else None},

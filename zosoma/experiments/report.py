@@ -174,17 +174,26 @@ def _mean_curve(runs):
     return column("flops").mean(1), column("wall_s").mean(1), y.mean(1), y.min(1), y.max(1)
 
 
+class NoPlots(ConfigError):
+    """matplotlib is not installed (it is the plots extra)."""
+
+
+def _matplotlib():
+    """(Figure, FigureCanvasAgg): a figure drawn with no global state and no display backend."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise NoPlots("plots need matplotlib: pip install 'zosoma[plots]'") from err
+    return Figure, FigureCanvasAgg
+
+
 def plot_curves(results, path_flops, path_wall, title=None):
     """Two PNGs: held-out nats/byte against forward FLOPs (log x) and against wall-clock seconds.
 
     One line per method (mean over seeds) with a band from the best to the worst seed. Returns
     what was drawn: {path: {method: (x, y) of its line}}, read back from the figure."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ConfigError("plots need matplotlib: pip install 'zosoma[plots]'") from err
-
+    Figure, FigureCanvasAgg = _matplotlib()
     curves = {method: _mean_curve(runs) for method, runs in _by_method(results).items()}
     curves = {method: curve for method, curve in curves.items() if curve is not None}
     axes = ((path_flops, "forward FLOPs", True),
@@ -301,9 +310,7 @@ def plot_n_curve(rows, path, title=None):
     """Held-out nats/byte against N (log2 x), one line per series and top-k, each point the mean
     over the seeds that did not diverge, annotated where some did. Returns what was drawn:
     {label: (x, y)}, read back from the figure."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    Figure, FigureCanvasAgg = _matplotlib()
     fig = Figure(figsize=(7, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -332,7 +339,8 @@ def plot_n_curve(rows, path, title=None):
 
 def write_report(results, ablation_pairs, out_dir, title, tuning=None):
     """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir (and
-    n_curve.png when runs belong to series); returns their paths."""
+    n_curve.png when runs belong to series); returns their paths, a plot's None where matplotlib
+    is missing (the tables come first: hours of runs are never lost to a missing plot library)."""
     if not results:
         raise ConfigError("no finished runs to report")
     out_dir = Path(out_dir)
@@ -351,11 +359,15 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None):
     if curve:
         text += f"\n## SOMA's curve in N (held-out nats/byte, routed top-k)\n\n{n_curve_markdown(curve)}\n"
         paths["n_curve.png"] = out_dir / "n_curve.png"
-        plot_n_curve(curve, paths["n_curve.png"], title=title)
     if ablation_pairs:
         text += ("\n## Ablation: independent minus summed experts (negative: independent is better)\n\n"
                  f"{ablation_markdown(ablation_summary(ablation_pairs))}\n")
     atomic_write(paths["results.md"], text, "report")
     write_csv(results, paths["results.csv"])
-    plot_curves(results, paths["nats_vs_flops.png"], paths["nats_vs_wall.png"], title=title)
+    try:
+        if curve:
+            plot_n_curve(curve, paths["n_curve.png"], title=title)
+        plot_curves(results, paths["nats_vs_flops.png"], paths["nats_vs_wall.png"], title=title)
+    except NoPlots:
+        paths.update({name: None for name in paths if name.endswith(".png")})
     return paths
