@@ -68,6 +68,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
                        + (" (diverged)" if result.get("divergence") else ""))
 
+    from zosoma.experiments.report import PLOTS_NEED
     from zosoma.runs.placement import Placement, study_executor
 
     stop = StopRequest()
@@ -80,4 +81,4 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
         click.echo(str(e), err=True)
         sys.exit(stop.exit_code)
     for name, p in paths.items():
-        click.echo(f"wrote {p}" if p else f"skipped {name}: plots need matplotlib (pip install 'zosoma[plots]')")
+        click.echo(f"wrote {p}" if p else f"skipped {name}: {PLOTS_NEED}")

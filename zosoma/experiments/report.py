@@ -174,6 +174,9 @@ def _mean_curve(runs):
     return column("flops").mean(1), column("wall_s").mean(1), y.mean(1), y.min(1), y.max(1)
 
 
+PLOTS_NEED = "plots need matplotlib: pip install 'zosoma[plots]'"
+
+
 class NoPlots(ConfigError):
     """matplotlib is not installed (it is the plots extra)."""
 
@@ -184,7 +187,7 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise NoPlots("plots need matplotlib: pip install 'zosoma[plots]'") from err
+        raise NoPlots(PLOTS_NEED) from err
     return Figure, FigureCanvasAgg
 
 
