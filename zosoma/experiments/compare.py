@@ -76,6 +76,7 @@ from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import Corpus, load_corpus, load_text
 from zosoma.download import find_wikitext103
 from zosoma.errors import ConfigError
+from zosoma.experiments.report import lost
 from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.runs.events import EventLog
 from zosoma.strategies.settings import MODEL_KEYS, TRAIN_KEYS, resolve
@@ -404,9 +405,9 @@ def _best(method: Method, tuning: Tuning, results: list[dict], rows: list[dict])
     one tuning-table row per setting, the winner's marked chosen."""
     best = None
     for (label, v), r in zip(variants(method, tuning), results):
-        score = math.inf if r.get("divergence") else r["validation"]
+        score = math.inf if lost(r) else r["validation"]
         rows.append({"method": method.name, "setting": label, "lr": v.train.lr, "eps": v.train.eps,
-                     "validation": r["validation"], "diverged": bool(r.get("divergence")),
+                     "validation": r["validation"], "diverged": lost(r),
                      "final_train_loss": r.get("final_train_loss"), "chosen": False})
         if best is None or score < best[0]:
             best = (score, v, len(rows) - 1)

@@ -38,6 +38,12 @@ def _by_method(results):
     return groups
 
 
+def lost(run: dict) -> bool:
+    """A run that did not train: its guard stopped it, or every one of its models was dropped
+    after its restarts (a single model's drop ends its run on the weights that ran away)."""
+    return bool(run.get("divergence")) or len(run.get("dropped") or ()) >= run.get("experts", 1)
+
+
 def _domains(runs):
     return sorted({d for run in runs for d in run["heldout"] if d != "overall"})
 
@@ -60,7 +66,7 @@ def summarise(results):
             "domains": {d: _mean_std([r["heldout"][d] for r in runs if d in r["heldout"]])[0]
                         for d in _domains(runs)},
             "skipped_steps": sum(r.get("skipped_steps", 0) for r in runs),
-            "diverged": sum(bool(r.get("divergence")) for r in runs),
+            "diverged": sum(lost(r) for r in runs),
             "restarts": sum(len(r.get("restarts") or ()) for r in runs),
             "dropped": sum(len(r.get("dropped") or ()) for r in runs),
             "final_train_loss": _mean_std([r["final_train_loss"] for r in runs
@@ -285,7 +291,7 @@ def n_curve(results):
     rows = []
     for (series, N), runs in sorted(groups.items()):
         ks = sorted({int(k) for r in runs for k in r.get("heldout_by_k", {})})
-        trained = [r for r in runs if not r.get("divergence")]
+        trained = [r for r in runs if not lost(r)]
         rows.append({"series": series, "N": N, "n_params": runs[0]["n_params"], "seeds": len(runs),
                      "diverged": len(runs) - len(trained),
                      "restarts": sum(len(r.get("restarts") or ()) for r in runs),
