@@ -55,20 +55,21 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     if plan:
         return
 
+    from zosoma.experiments.report import PLOTS_NEED, lost
+
     def report(job, result, error):
         name = Path(job.name).name
         if error:
             click.echo(f"failed   {name}: {error}", err=True)
         elif "validation" in result:  # a tuning run
             click.echo(f"tuned    {name}: validation {result['validation']:.4f} nats/byte"
-                       + (" (diverged)" if result.get("divergence") else "") + f", {result['wall_s']:.0f} s training")
+                       + (" (diverged)" if lost(result) else "") + f", {result['wall_s']:.0f} s training")
         else:
             wiki = result["wikitext103"]
             click.echo(f"finished {name}: held-out {result['heldout']['overall']:.4f} nats/byte, WikiText-103 "
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
-                       + (" (diverged)" if result.get("divergence") else ""))
+                       + (" (diverged)" if lost(result) else ""))
 
-    from zosoma.experiments.report import PLOTS_NEED
     from zosoma.runs.placement import Placement, study_executor
 
     stop = StopRequest()
