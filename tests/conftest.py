@@ -12,6 +12,19 @@ import pytest  # noqa: E402
 SHARED_WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "wikitext-103"
 if "ZOSOMA_WIKITEXT103" not in os.environ and (SHARED_WIKITEXT / "wiki.test.raw").is_file():
     os.environ["ZOSOMA_WIKITEXT103"] = str(SHARED_WIKITEXT)
+# The folder the tests that need the real files read (the download's checksums, an archive built
+# from them): the one named in $ZOSOMA_WIKITEXT103, where a user keeps them, or shared/'s.
+WIKITEXT_FILES = Path(os.environ.get("ZOSOMA_WIKITEXT103", SHARED_WIKITEXT))
+
+
+@pytest.fixture(scope="session")
+def wikitext_files():
+    """The folder holding WikiText-103's wiki.test.raw and wiki.valid.raw, or a skip that says how
+    to provide them."""
+    if not all((WIKITEXT_FILES / n).is_file() for n in ("wiki.test.raw", "wiki.valid.raw")):
+        pytest.skip("WikiText-103's wiki.test.raw and wiki.valid.raw not found: name their folder in "
+                    "ZOSOMA_WIKITEXT103 (zosoma data download wikitext-103 fetches them)")
+    return WIKITEXT_FILES
 
 
 @pytest.fixture(scope="session")

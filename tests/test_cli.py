@@ -192,12 +192,10 @@ def test_soma_commands(tmp_path, text_files):
     assert result.exit_code == 0 and "ratio" in result.output
 
 
-def test_data_show_and_download(tmp_path):
+def test_data_show_and_download(tmp_path, request):
     result = run(["data", "show"])
     assert result.exit_code == 0 and "drama" in result.output and "bigram" in result.output
-    shared = Path(__file__).resolve().parents[1].parent / "shared" / "wikitext-103"
-    if not (shared / "wiki.test.raw").exists():
-        pytest.skip("no local WikiText-103 files to build an archive from")
+    shared = request.getfixturevalue("wikitext_files")
     import zipfile
     archive = tmp_path / "wikitext-103-raw-v1.zip"
     with zipfile.ZipFile(archive, "w") as z:

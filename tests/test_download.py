@@ -3,7 +3,6 @@
 import hashlib
 import os
 import zipfile
-from pathlib import Path
 
 import pytest
 
@@ -15,16 +14,12 @@ from zosoma.download import (
 )
 from zosoma.errors import DataError
 
-# CI clones the repository into a folder with shared/ beside it.
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "wikitext-103"
 NAMES = ("wiki.test.raw", "wiki.valid.raw")
 
 
 @pytest.fixture(scope="module")
-def reference():
-    if not all((SHARED / n).is_file() for n in NAMES):
-        pytest.skip(f"reference WikiText-103 files not found in {SHARED}")
-    return {n: (SHARED / n).read_bytes() for n in NAMES}
+def reference(wikitext_files):
+    return {n: (wikitext_files / n).read_bytes() for n in NAMES}
 
 
 def make_zip(path, members):
