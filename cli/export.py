@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from zosoma.cli.options import positive, previous_option
@@ -13,7 +11,7 @@ from zosoma.cli.options import positive, previous_option
 @click.argument("checkpoint", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["torch", "onnx"]), default="torch", show_default=True)
 @click.option("--out", "out", type=click.Path(), required=True, help="Output file (model.pt, model.onnx), or a folder for a SOMA run as ONNX; an existing one is not overwritten without --force.")
-@click.option("--force", is_flag=True, help="Overwrite --out if it exists. A SOMA run's folder: only the files an earlier export wrote there (its manifest.json lists them) are replaced; anything else in it is left alone, and a file of the user's with a name the export uses stops it before anything changes.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists (never a run's own files: a checkpoint, metrics.jsonl, results.json, ... in a run folder). A SOMA run's folder: only the files an earlier export wrote there (its manifest.json lists them) are replaced; anything else in it is left alone, and a file of the user's with a name the export uses stops it before anything changes.")
 @click.option("--unrolled", is_flag=True, help="ONNX: the cell as MatMul/Add/Sigmoid/Tanh/Mul, unrolled over --seq-len steps, for runtimes without an LSTM operator.")
 @click.option("--seq-len", type=int, callback=positive, help="ONNX --unrolled: the time steps of the graph.  [default: 64]")
 @previous_option
@@ -23,29 +21,16 @@ def export(checkpoint, fmt, out, force, unrolled, seq_len, previous):
     standard LSTM operator with h0/c0 in and hT/cT out, for a single model, one SOMA expert
     (RUN/expertI), or a whole SOMA run (a folder: one graph per expert, router.npz, manifest.json;
     see PORTING.md)."""
-    from zosoma.formats.checkpoint import load_checkpoint
-    from zosoma.formats.torch_state import export_torch
-    from zosoma.model.params import Layout
-    from zosoma.runs.folder import RunFolder, checkpoint_path
+    from zosoma.porting.export_run import export_run, export_torch_run
 
-    if Path(out).exists() and not force:
-        raise click.ClickException(f"{out} exists; pass --force to overwrite it")
     if fmt != "onnx" and (unrolled or seq_len):
         raise click.UsageError("--unrolled and --seq-len are options of --format onnx")
     if seq_len and not unrolled:
         raise click.UsageError("--seq-len sets the steps of an --unrolled graph (the LSTM operator takes any length)")
     if fmt == "onnx":
-        from zosoma.porting.export_run import export_run
-        for line in export_run(checkpoint, out, "unrolled" if unrolled else "lstm", (seq_len or 64) if unrolled else None,
-                               force=force, fallback=previous):
-            click.echo(line)
-        return
-    if RunFolder(checkpoint).is_soma:
-        n = RunFolder(checkpoint).read_soma()["experts"]
-        raise click.ClickException(f"{checkpoint} is a SOMA run: export one expert, "
-                                   f"{Path(checkpoint) / 'expert0'} .. expert{n - 1}")
-    ckpt = load_checkpoint(checkpoint_path(checkpoint, fallback=previous))
-    export_torch(ckpt.theta, Layout(ckpt.model), out)
-    m = ckpt.model
-    click.echo(f"wrote {out}: torch state_dict for Embedding(256, {m.embed}), "
-               f"LSTM({m.embed}, {m.hidden}, num_layers={m.layers}, batch_first=True), Linear({m.hidden}, 256)")
+        lines = export_run(checkpoint, out, "unrolled" if unrolled else "lstm", (seq_len or 64) if unrolled else None,
+                           force=force, fallback=previous)
+    else:
+        lines = export_torch_run(checkpoint, out, force=force, fallback=previous)
+    for line in lines:
+        click.echo(line)

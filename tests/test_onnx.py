@@ -193,6 +193,118 @@ def test_export_force_replaces_the_export_and_nothing_else(runs, tmp_path):
     assert snapshot(clash) == before
 
 
+RUN_FILES = [("single", "single/checkpoint.h5"), ("single", "single/checkpoint.prev.h5"),
+             ("single", "single/metrics.jsonl"), ("single", "single/results.json"),
+             ("single", "single/events.out.tfevents.*"), ("soma/expert0", "soma/expert1/checkpoint.h5"),
+             ("single", "soma/router.h5"), ("single", "soma/soma.json"), ("single", "study/settings.json")]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "onnx"])
+@pytest.mark.parametrize("source, target", RUN_FILES + [("soma", "soma"), ("soma", "soma/expert0")],
+                         ids=[t for _, t in RUN_FILES] + ["soma run folder", "expert folder"])
+def test_force_never_writes_over_a_runs_own_files(runs, tmp_path, fmt, source, target):
+    import shutil
+    from zosoma.runs.folder import RunFolder
+    for name in ("single", "soma"):  # copies: the module's runs stay whole even where the guard fails
+        shutil.copytree(runs / name, tmp_path / name)
+    RunFolder(tmp_path / "study").bind("comparison", {"steps": 2})  # a folder of runs' settings.json
+    (out,) = tmp_path.glob(target)
+    before = snapshot(tmp_path)
+    line = one_line_error(run(["export", tmp_path / source, "--format", fmt, "--out", out, "--force"]))
+    assert line.endswith("nothing was changed") and str(out) in line, line
+    assert snapshot(tmp_path) == before  # every file of both runs, byte for byte, and nothing new
+
+
+@pytest.fixture(scope="module")
+def dropped(tmp_path_factory):
+    """SOMA N=2 runs trained with restarts: "one" whose expert 1 diverged until it was dropped,
+    "all" whose both experts were; and their text."""
+    import dataclasses
+    import warnings
+
+    from test_robust import MODEL, RESTART, text_corpus
+    from zosoma.errors import ConfigError
+    from zosoma.runs.executor import Inline
+    from zosoma.runs.folder import RunFolder
+    from zosoma.runs.soma import DroppedExperts, create_soma, resume_soma
+
+    root = tmp_path_factory.mktemp("dropped")
+    text = text_corpus(root)
+    cfg = dataclasses.replace(RESTART, max_restarts=1)
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.delenv("ZOSOMA_WIKITEXT103", raising=False)  # held-out text only: quick
+        warnings.simplefilter("ignore", DroppedExperts)  # "routing top-1 instead of top-2": tested elsewhere
+        for name, bad in (("one", [1]), ("all", [0, 1])):
+            create_soma(root / name, MODEL, cfg, 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])
+            for i in bad:  # a rate that diverges whatever the restarts
+                folder = RunFolder(root / name).expert(i)
+                ckpt = folder.read_checkpoint()
+                ckpt.train = dataclasses.replace(ckpt.train, lr=400.0)
+                folder.write_checkpoint(ckpt)
+            if name == "one":
+                list(resume_soma(root / name, Inline()))
+            else:
+                with pytest.raises(ConfigError, match="every expert was dropped"):
+                    list(resume_soma(root / name, Inline()))
+    return root, text
+
+
+@pytest.mark.slow
+def test_a_soma_export_routes_around_a_dropped_expert_as_eval_does(dropped, tmp_path, monkeypatch):
+    from zosoma.engines import get_ops
+    from zosoma.mixture.cluster import ClusterConfig, Clustering
+    from zosoma.mixture.routing import Ensemble, Router, evaluate_routed_corpus
+    from zosoma.corpus import load_corpus
+    from zosoma.runs.folder import RunFolder
+
+    monkeypatch.delenv("ZOSOMA_WIKITEXT103", raising=False)
+    root, text = dropped
+    out = tmp_path / "export"
+    result = run(["export", root / "one", "--format", "onnx", "--out", out])
+    assert result.exit_code == 0 and "top-1, experts [1] dropped" in result.output, result.output
+    evaluated = run(["eval", root / "one", "--data", text, "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    routed = json.loads(evaluated.stdout)["heldout"]["overall"]["routed"]
+    # route as the export says: router.npz and the manifest, nothing of the run but the experts' weights
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and [e["dropped"] for e in manifest["experts"]] == [False, True]
+    with np.load(out / "router.npz") as f:
+        clustering = Clustering(ClusterConfig.from_json(str(f["config"])), f["idf"], f["projection"], f["centroids"])
+        top_k, temperature, gone = int(f["top_k"]), float(f["temperature"]), f["dropped"].tolist()
+    assert (top_k, temperature, gone) == (1, 0.1, [1])  # eval's: top-2 falls to the one expert left
+    assert (manifest["top_k"], manifest["temperature"], manifest["dropped"]) == (top_k, temperature, gone)
+    experts = [RunFolder(root / "one").expert(i).read_checkpoint() for i in range(2)]
+    heldout = load_corpus([str(text)], split="heldout")
+    ops = get_ops("cpu")
+
+    def nats(router):
+        ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in experts), router)
+        return evaluate_routed_corpus(ensemble, heldout, ops)["overall"]["routed"].nats_per_byte
+
+    assert nats(Router(clustering, top_k, temperature, gone)) == pytest.approx(routed, rel=1e-12)
+    assert nats(Router(clustering, 2, temperature)) > routed + 0.3  # the routing a version 1 export described
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "onnx"])
+def test_a_run_whose_every_expert_was_dropped_is_not_exported(dropped, tmp_path, fmt):
+    root, _ = dropped
+    out = tmp_path / "export"
+    line = one_line_error(run(["export", root / "all", "--format", fmt, "--out", out]))
+    assert "every expert was dropped" in line and not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_dropped_expert_is_named_by_the_torch_export(dropped, tmp_path):
+    root, _ = dropped
+    line = one_line_error(run(["export", root / "one", "--out", tmp_path / "m.pt"]))
+    assert "export one expert" in line and line.endswith("(expert1 dropped: routing leaves it out)")
+    for fmt, name in (("torch", "m.pt"), ("onnx", "m.onnx")):  # alone, it is exported, and said to be dropped
+        result = run(["export", root / "one" / "expert1", "--format", fmt, "--out", tmp_path / name])
+        assert result.exit_code == 0 and "was dropped at step" in result.stderr, result.output
+
+
 def test_torch_export_to_a_missing_folder_is_one_line(runs, tmp_path):
     out = tmp_path / "no" / "such" / "model.pt"
     line = one_line_error(run(["export", str(runs / "single"), "--out", str(out)]))

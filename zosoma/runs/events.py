@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from zosoma.atomic import reason
+from zosoma.runs.folder import EVENTS
 
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "spread": "train/spread",
              "normalize_scale": "train/normalize_scale", "clip_count": "train/clip_count",
@@ -87,7 +88,8 @@ class EventLog:
         self._buffer, self._size, self._flushed = [], 0, time.monotonic()
         try:
             if self._file is None:
-                self._file = self.path / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+                stamp = f"{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+                self._file = self.path / EVENTS.format(stamp=stamp)
                 data = _record(_proto().Event(wall_time=time.time(), file_version="brain.Event:2")) + data
             with open(self._file, "ab") as f:
                 f.write(data)

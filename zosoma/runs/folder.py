@@ -25,6 +25,10 @@ curve.jsonl (the held-out curve); OUT/settings.json records the settings the who
 made with (RunFolder.bind), those that change results without being part of any run's
 configuration.
 
+Every run folder also holds TensorBoard event files, RUN/events.out.tfevents.<stamp>
+(zosoma.runs.events). All of these names are the run's: a tool writing its own outputs (an export)
+never writes over one of them, --force or not (refuse_run_files).
+
 A run driven on a cluster (zosoma.runs.ray_executor) holds RUN/.token, a random token the driver
 writes and every worker reads back, so a worker that does not see the driver's folder says so.
 
@@ -46,6 +50,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import fnmatch
 import json
 import os
 import re
@@ -80,6 +85,12 @@ TOKEN = ".token"
 PLACEMENT = "placement.json"
 SETTINGS = "settings.json"
 DAMAGED = "checkpoint.damaged-{time}.h5"
+EVENTS = "events.out.tfevents.{stamp}"
+EXPERT = "expert{i}"
+# Every name above, as a glob: the files a run folder (or a study's) holds that are the run's.
+RUN_FILES = (CHECKPOINT, PREVIOUS, NEXT, OLDER.format(n="[0-9]*"), METRICS, RESULTS, SOMA, ROUTER, CURVE, RESULT,
+             LOCK, SCALARS, TOKEN, PLACEMENT, SETTINGS, DAMAGED.format(time="*"), EVENTS.format(stamp="*"),
+             EXPERT.format(i="[0-9]*"))
 
 
 class CheckpointFallback(UserWarning):
@@ -134,7 +145,7 @@ class RunFolder:
         return self.is_soma or self.has_checkpoint
 
     def expert(self, i: int) -> "RunFolder":
-        return RunFolder(self.path / f"expert{i}")
+        return RunFolder(self.path / EXPERT.format(i=i))
 
     @property
     def soma_run(self) -> "RunFolder | None":
@@ -436,6 +447,20 @@ class RunFolder:
             return (self.path / TOKEN).read_text()
         except OSError:
             return None
+
+
+def refuse_run_files(path, what: str) -> None:
+    """Refuse (ConfigError) to write `what` at `path` when it is a run folder, or names one of a
+    run's own files in a folder that holds a run or a study (RUN_FILES): --force replaces a tool's
+    own outputs, never a run's checkpoints, records or results."""
+    path = Path(path)
+    if RunFolder(path).holds_run:
+        raise ConfigError(f"{path} is a run folder: write the {what} elsewhere; nothing was changed")
+    parent = RunFolder(path.parent)
+    if (parent.holds_run or (parent.path / SETTINGS).is_file()) and \
+            any(fnmatch.fnmatchcase(path.name, name) for name in RUN_FILES):
+        raise ConfigError(f"{path} is a file of the run in {parent.path}: write the {what} elsewhere; nothing "
+                          "was changed")
 
 
 def new_run_dir(prefix: str) -> Path:

@@ -333,7 +333,7 @@ def _evaluation_events(run: SomaRun, ckpts, results: dict) -> None:
 def router_of(folder: RunFolder, ckpts, top_k: int, temperature: float = 0.1) -> Router:
     """The run's router over the experts it did not drop; top-k falls to the experts left (with a
     warning) when fewer than k are."""
-    dropped = [i for i, c in enumerate(ckpts) if c.extra.get("dropped")]
+    dropped = dropped_of(ckpts)
     live = len(ckpts) - len(dropped)
     if live == 0:
         raise ConfigError(f"{folder}: every expert was dropped (they all diverged): nothing to route to")
@@ -343,8 +343,14 @@ def router_of(folder: RunFolder, ckpts, top_k: int, temperature: float = 0.1) ->
     return Router(load_clustering(folder.router), min(top_k, live), temperature, dropped)
 
 
+def dropped_of(ckpts) -> list[int]:
+    """The experts whose training gave up on them (zosoma.runs.trainer): routing never chooses them."""
+    return [i for i, c in enumerate(ckpts) if c.extra.get("dropped")]
+
+
 class DroppedExperts(UserWarning):
-    """A SOMA run routes over fewer experts than asked, because some were dropped."""
+    """A SOMA run routes over fewer experts than asked, because some were dropped; or a dropped
+    model is used alone (exported)."""
 
 
 def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool = False) -> Ensemble:
