@@ -52,8 +52,25 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
     show("forward", records, format_records)
 
 
+def parse_shapes(ctx, param, value):
+    """--shapes "16x20,8x12" -> [(16, 20), (8, 12)]: E x H of each model."""
+    if value is None:
+        return None
+    shapes = []
+    for item in value.split(","):
+        e, x, h = item.strip().partition("x")
+        if not (x and e.isdigit() and h.isdigit() and int(e) > 0 and int(h) > 0):
+            raise click.BadParameter(f"expected ExH pairs such as 16x20,8x12, got {item.strip()!r}")
+        shapes.append((int(e), int(h)))
+    return shapes
+
+
 @bench.command("spsa")
 @click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="paper", show_default=True)
+@click.option("--embed", type=int, callback=positive, help="E. Default: the preset's (tiny 32; small 128; paper 508).")
+@click.option("--hidden", type=int, callback=positive, help="H. Default: the preset's (tiny 64; small 256; paper 496).")
+@click.option("--layers", type=int, callback=positive, help="L. Default: the preset's (tiny 1; small, paper 2).")
+@click.option("--shapes", callback=parse_shapes, metavar="ExH,...", help="Several models, one after another, e.g. 16x20,8x12,32x64,20x40 (L: --layers or the preset's), and a table of them last.")
 @click.option("--perturbations", "-P", type=int, callback=positive, help="Default: the preset's (tiny, small 32; paper 64).")
 @click.option("--batch", type=int, callback=positive, help="Default: the preset's (8).")
 @click.option("--seq-len", type=int, callback=positive, help="Default: the preset's (tiny 32; small, paper 128).")
@@ -63,22 +80,49 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
 @click.option("--forward-precision", "precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True, help="Time the step with its forwards emulated in this format (CPU), beside the fp32 step in the same run.")
 @device_option
 @json_option
-def bench_spsa_cmd(preset, perturbations, batch, seq_len, steps, noise, peers, precision, device, as_json):
+def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, seq_len, steps, noise, peers, precision,
+                   device, as_json):
     """SPSA step throughput split into data, forward passes, noise and the update, beside the same
     step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
-    matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak."""
-    from zosoma.engines import get_ops
-    from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
-    shape = dict(preset=preset, perturbations=perturbations, batch=batch, seq_len=seq_len, steps=steps, noise=noise)
-    if precision == "fp32":
-        show("spsa", bench_spsa(**shape, ops=device_ops(device), peers=peers), format_spsa)
+    matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak; on
+    the CPU in fp32, the step's roofline: FLOPs and exps per token against one core's GEMM peak
+    and exp cost measured in the same run, and what bounds the step. With --shapes, --json's
+    results are a list, one object per shape."""
+    from zosoma.experiments.roofline import format_shapes
+    if shapes and (embed or hidden):
+        raise click.UsageError("--shapes sets E and H: give it without --embed and --hidden")
+    ops = device_ops(device)
+    run = dict(preset=preset, perturbations=perturbations, batch=batch, seq_len=seq_len, steps=steps, noise=noise,
+               layers=layers, ops=ops, peers=peers, precision=precision, device=device)
+    if shapes is None:
+        show("spsa", _bench_spsa_shape(embed=embed, hidden=hidden, **run), _format_spsa_shape)
         return
+    results = []
+    for e, h in shapes:
+        results.append(_bench_spsa_shape(embed=e, hidden=h, **run))
+        if not as_json:
+            click.echo(_format_spsa_shape(results[-1]) + "\n")
+    show("spsa", results, format_shapes)
+
+
+def _bench_spsa_shape(precision: str, device: str, ops, peers: bool, **shape) -> dict:
+    """bench_spsa at one shape; with an emulated precision, that step beside the fp32 one."""
+    from zosoma.engines import get_ops
+    from zosoma.experiments.bench_spsa import bench_spsa
+    if precision == "fp32":
+        return bench_spsa(**shape, ops=ops, peers=peers)
     emulated_ops = get_ops(device, precision=precision)  # before any timing: a GPU device is a one-line error
-    fp32 = bench_spsa(**shape, ops=device_ops(device), peers=False)
-    emulated = bench_spsa(**shape, ops=emulated_ops, peers=peers)
-    show("spsa", {**emulated, "fp32_step_s": fp32["step_s"]},
-         lambda r: format_spsa(emulated) + f"\n{precision} step {r['step_s']:.4f} s, the fp32 step "
-         f"{r['fp32_step_s']:.4f} s in the same run: {r['step_s'] / r['fp32_step_s']:.2f}x")
+    fp32 = bench_spsa(**shape, ops=ops, peers=False)
+    return {**bench_spsa(**shape, ops=emulated_ops, peers=peers), "fp32_step_s": fp32["step_s"], "precision": precision}
+
+
+def _format_spsa_shape(r: dict) -> str:
+    from zosoma.experiments.bench_spsa import format_spsa
+    text = format_spsa(r)
+    if "fp32_step_s" in r:
+        text += (f"\n{r['precision']} step {r['step_s']:.4f} s, the fp32 step {r['fp32_step_s']:.4f} s in the same run: "
+                 f"{r['step_s'] / r['fp32_step_s']:.2f}x")
+    return text
 
 
 @bench.command("route")

@@ -4,6 +4,7 @@ executor options, and asking the context which options were given."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 
@@ -109,6 +110,8 @@ def json_option(f):
 def emit_json(kind: str, obj) -> None:
     """One JSON object, {"schema": "zosoma.KIND/1", ...}; non-finite numbers as null (strict JSON)."""
     def plain(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):  # a config: its fields
+            x = dataclasses.asdict(x)
         if isinstance(x, dict):
             return {str(k): plain(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):

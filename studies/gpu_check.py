@@ -21,6 +21,9 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    its per-member speed-up over the dense forward; then the SPSA step (population build + forward +
    fused update) at P = 64, 256, 1024. Everything in fp32: TF32 is off for torch, and CuPy uses
    fp32 GEMMs unless CUPY_TF32 is set.
+   Then the same step at the expert sizes SOMA trains best (SOMA_SHAPES: E x H, L = 1; P = 64,
+   B = 8, T = 32), where it is bound by kernel launches (docs/gpu.md): each row also counts its
+   launches per step, zosoma's raw kernels and its batched GEMMs.
 3. Routed top-4 inference (zosoma.experiments.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
    same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
@@ -64,6 +67,8 @@ PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 NOISE_KEYS = [(0, 0, 0, 0), (2**40 + 12345, 1, 99, 17), (2**63 + 5, 7, 3, 1023)]
+SOMA_SHAPES = ((16, 20), (8, 12), (32, 64), (20, 40))  # E x H of SOMA's best experts (L = 1)
+SOMA_STEP = dict(P=64, B=8, T=32)  # the step they train with
 
 
 class Checks:
@@ -346,6 +351,36 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
     for P in perturbations:
         rows.append(device_step(cp, config, P, B, T, sync))
     rows.append(device_step(cp, config, 64, B, T, sync, optimizer="eggroll"))
+    rows.append((f"SOMA's expert sizes, L=1, P={SOMA_STEP['P']} B={SOMA_STEP['B']} T={SOMA_STEP['T']}:", None, None, None))
+    for E, H in SOMA_SHAPES:
+        rows.append(device_step(cp, ModelConfig(embed=E, hidden=H, layers=1), **SOMA_STEP, sync=sync, steps=10,
+                                name=f"E={E} H={H}"))
+
+
+class Launches:
+    """Counts zosoma's kernel launches while active: its raw kernels (cuda_ops._launch) and its
+    GEMMs (xp.matmul: one cuBLAS batched GEMM each). CuPy's own small kernels (contiguous copies
+    of the members' weights, fills, the loss sum) are not counted."""
+
+    def __init__(self, xp):
+        self.xp, self.kernels, self.gemms = xp, 0, 0
+
+    def __enter__(self):
+        self._launch, self._matmul = gpu._launch, self.xp.matmul
+
+        def launch(*args, **kwargs):
+            self.kernels += 1
+            return self._launch(*args, **kwargs)
+
+        def matmul(*args, **kwargs):
+            self.gemms += 1
+            return self._matmul(*args, **kwargs)
+
+        gpu._launch, self.xp.matmul = launch, matmul
+        return self
+
+    def __exit__(self, *exc):
+        gpu._launch, self.xp.matmul = self._launch, self._matmul
 
 
 class Transfers:
@@ -376,17 +411,19 @@ class Transfers:
         self.cp.asarray, gpu.to_numpy = self._asarray, self._to_numpy
 
 
-def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3):
+def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
     """The trainer's own step on the CUDA engine (zosoma.runs.trainer, theta resident on the
     device): seconds split into data, forward (the perturbed population, its noise built by the
     perturb kernel inside), update (the fused regenerate-and-apply kernel, synchronised), and the
-    host <-> device copies of one step, counted. The noise alone is timed separately."""
+    host <-> device copies and kernel launches of one step, counted. The noise alone is timed
+    separately. `name` (default: the optimizer) begins the row's label."""
     import tempfile
 
     from zosoma.corpus import BatchSampler, Corpus
     from zosoma.runs.trainer import Trainer, new_state
 
-    print(f"timing: {optimizer} training step on the device, P={P}", flush=True)
+    name = name or optimizer
+    print(f"timing: {name} training step on the device, P={P}", flush=True)
     text = np.random.default_rng(3).integers(0, VOCAB, 1 << 20, dtype=np.uint8)
     extra = {"eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {"lr": 1e-4}
     cfg = TrainConfig(steps=1000, batch=B, seq_len=T, perturbations=P, optimizer=optimizer,
@@ -396,16 +433,16 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3):
                           new_state(config, cfg), ops=gpu.CudaOps())
         split = []
         for i in range(steps + 1):  # the first step is a warm-up
-            with Transfers(cp) as copies:
+            with Transfers(cp) as copies, Launches(cp) as launches:
                 plus, minus = trainer.losses()
                 t0 = time.perf_counter()
                 trainer.update(*trainer.coefficients(plus, minus))
                 sync()
                 update = time.perf_counter() - t0
             if i:
-                split.append((trainer.timings["data"], trainer.timings["forward"], update, copies))
+                split.append((trainer.timings["data"], trainer.timings["forward"], update, copies, launches))
     data, fwd, upd = (float(np.median([s[k] for s in split])) for k in range(3))
-    c = split[-1][3]
+    c, n = split[-1][3:]
     noise = 0.0
     if optimizer == "sgd":
         theta = trainer.state.theta
@@ -414,9 +451,9 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3):
     total = data + fwd + upd
     tokens = 2 * P * B * T
     what = "fused SGD" if optimizer == "sgd" else "low-rank"
-    return (f"{optimizer} step P={P}: data {data * 1e3:.1f} ms, forward {fwd * 1e3:.0f} ms (noise ~{noise * 1e3:.1f}), "
-            f"{what} update {upd * 1e3:.1f} ms; copies/step {c.up} up {c.up_bytes:,} B, {c.down} down {c.down_bytes:,} B",
-            tokens / total, total, None)
+    return (f"{name} step P={P}: data {data * 1e3:.1f} ms, forward {fwd * 1e3:.1f} ms (noise ~{noise * 1e3:.1f}), "
+            f"{what} update {upd * 1e3:.1f} ms; copies/step {c.up} up {c.up_bytes:,} B, {c.down} down {c.down_bytes:,} B; "
+            f"launches/step {n.kernels} kernels + {n.gemms} GEMMs", tokens / total, total, None)
 
 
 def routed_timing(checks: Checks) -> str:

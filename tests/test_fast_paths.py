@@ -1,5 +1,5 @@
 """The CPU step's fast paths against their references: members built inside the forward, the fused
-update, member-parallel threads, the PyTorch peers of `zosoma bench spsa`.
+update, member-parallel threads, the PyTorch peers of `zosoma bench spsa` and its roofline.
 
 Shapes stay tiny so the file passes in seconds (and with NUMBA_DISABLE_JIT=1)."""
 
@@ -169,3 +169,81 @@ def test_bench_spsa_reports_peers_and_the_split():
     assert len(r["peers"]) == 2
     text = format_spsa(r)
     assert "zosoma SPSA step" in text and "torch MeZO loop" in text and "outside the forward passes" in text
+
+
+# --- the roofline of `zosoma bench spsa` at any shape (no timing asserted) -------------------------
+
+def test_token_work_is_the_hand_count():
+    from zosoma.config import ModelConfig
+    from zosoma.experiments.roofline import token_work
+
+    # E=3, H=2, L=2: layer 0 2*4*2*(3+2) = 80, layer 1 2*4*2*(2+2) = 64, output 2*2*256 = 1024;
+    # exps: 256 (log-softmax) + 5 gate nonlinearities x 2 units x 2 layers = 20
+    assert token_work(ModelConfig(embed=3, hidden=2, layers=2)) == {
+        "gemm_flops": 1168, "lstm_flops": 144, "output_flops": 1024, "exps": 276, "softmax_exps": 256, "gate_exps": 20}
+    # the issue's best expert: 16k FLOPs per token, 10k of them the output layer
+    work = token_work(ModelConfig(embed=16, hidden=20, layers=1))
+    assert (work["gemm_flops"], work["output_flops"], work["exps"]) == (16_000, 10_240, 356)
+
+
+SHORT = ["--preset", "tiny", "-P", "2", "--batch", "2", "--seq-len", "4", "--steps", "1", "--no-peers"]
+
+
+def _bench_json(monkeypatch, args):
+    import json
+
+    from helpers import run_cli
+    from zosoma.experiments import bench_spsa
+
+    monkeypatch.setattr(bench_spsa, "PEAK_N", 64)  # a short measurement
+    monkeypatch.setattr(bench_spsa, "_PAUSE_S", 0.0)
+    result = run_cli(["bench", "spsa", *SHORT, *args, "--json"])
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.output)
+    assert obj["schema"] == "zosoma.bench-spsa/1"
+    return obj["results"]
+
+
+@pytest.mark.slow
+def test_bench_spsa_at_a_shape_reports_its_roofline(monkeypatch):
+    from zosoma.config import ModelConfig
+    from zosoma.experiments.roofline import token_work
+
+    r = _bench_json(monkeypatch, ["--embed", "4", "--hidden", "6", "--layers", "2"])
+    assert r["model"] == {"embed": 4, "hidden": 6, "layers": 2} and r["n_params"] == ModelConfig(4, 6, 2).n_params()
+    roof = r["roofline"]
+    assert roof["per_token"] == token_work(ModelConfig(4, 6, 2)) and roof["tokens"] == 2 * 2 * 2 * 4
+    assert roof["step_s"] == r["step_s"] and roof["threads"] == r["threads"]
+    assert sum(roof["parts_s"].values()) == pytest.approx(r["step_s"])
+    assert roof["compute_bound_s"] == pytest.approx(roof["parts_s"]["gemm"] + roof["parts_s"]["exps"])
+    assert roof["bound"] == max(roof["parts_s"], key=roof["parts_s"].get)
+    assert roof["gflops"] == pytest.approx(r["tokens_per_s"] * roof["per_token"]["gemm_flops"] / 1e9)
+    assert roof["fraction_of_peak"] == pytest.approx(roof["gflops"] / (roof["threads"] * roof["core_peak_gflops"]))
+    assert roof["core_peak_gflops"] > 0 and roof["np_exp_ns"] > 0 and roof["forward_exp_ns"] > 0
+    assert roof["blas"] and all(b["internal_api"] and b["filepath"] for b in roof["blas"])
+
+
+@pytest.mark.slow
+def test_bench_spsa_runs_several_shapes_in_one_command(monkeypatch):
+    from helpers import run_cli
+
+    results = _bench_json(monkeypatch, ["--shapes", "4x6,3x5"])
+    assert [(r["model"]["embed"], r["model"]["hidden"], r["model"]["layers"]) for r in results] == [(4, 6, 1), (3, 5, 1)]
+    assert all(r["roofline"]["per_token"]["exps"] == 256 + 5 * r["model"]["hidden"] for r in results)
+    text = run_cli(["bench", "spsa", *SHORT, "--shapes", "4x6,3x5", "--layers", "2"]).output
+    assert text.count("\nroofline\n  per token") == 2
+    table = text[text.index("shapes at P=2 B=2 T=4"):].splitlines()
+    assert [line.split()[:3] for line in table[2:]] == [["E=4", "H=6", "L=2"], ["E=3", "H=5", "L=2"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shapes", "16x"], "expected ExH pairs such as 16x20,8x12, got '16x'"),
+    (["--shapes", "0x20"], "got '0x20'"),
+    (["--shapes", "16x20", "--embed", "8"], "--shapes sets E and H: give it without --embed and --hidden"),
+    (["--hidden", "0"], "must be at least 1, got 0"),
+])
+def test_bench_spsa_refuses_a_bad_shape(args, message):
+    from helpers import run_cli
+
+    result = run_cli(["bench", "spsa", *SHORT, *args])
+    assert result.exit_code == 2 and message in result.output

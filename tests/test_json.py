@@ -61,6 +61,9 @@ def test_data_show_cluster_and_bench_as_json(tmp_path):
     forward = parsed(["bench", "forward", "--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2",
                       "--seq-len", "8", "--repeats", "1", "--no-numpy"], "bench-forward")
     assert [r["name"] for r in forward["results"] if (r["tokens_per_s"] or 0) > 0]  # the skipped ones: null
+    spsa = parsed(["bench", "spsa", "--preset", "tiny", "-P", "2", "--batch", "2", "--seq-len", "4", "--steps", "1",
+                   "--no-peers"], "bench-spsa")  # its model config was once not serialisable
+    assert spsa["results"]["model"] == {"embed": 32, "hidden": 64, "layers": 1} and spsa["results"]["step_s"] > 0
 
 
 @pytest.mark.slow

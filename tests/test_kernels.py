@@ -670,6 +670,25 @@ def test_gpu_check_dry_run():
         assert "no CUDA device" in result.stdout
 
 
+def test_gpu_check_times_the_step_at_soma_sizes_and_counts_its_launches(rt):
+    """The device check's step at SOMA's expert sizes (studies/gpu_check.py, SOMA_SHAPES) runs the
+    trainer's step on the device runtime and counts its launches as docs/gpu.md does: per step one
+    perturb, one cell kernel per timestep, one log-softmax, one fused update (T + 3 kernels); one
+    recurrent GEMM per timestep, the layer-0 table and the logits (T + 2 GEMMs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "studies" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert (16, 20) in check.SOMA_SHAPES and check.SOMA_STEP == dict(P=64, B=8, T=32)
+    sync = (lambda: None) if rt.xp is np else rt.xp.cuda.runtime.deviceSynchronize
+    T = 5
+    name, tokens_per_s, seconds, _ = check.device_step(rt.xp, ModelConfig(embed=16, hidden=20, layers=1), P=2, B=2,
+                                                       T=T, sync=sync, steps=1, name="E=16 H=20")
+    assert name.startswith("E=16 H=20 step P=2") and tokens_per_s > 0 and seconds > 0
+    assert f"launches/step {T + 3} kernels + {T + 2} GEMMs" in name, name
+
+
 def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     """--device cuda: the Trainer's population losses (SPSA and EGGROLL) and streaming evaluation
     run on the device (here the runtime of the `rt` fixture) and agree with the CPU path."""

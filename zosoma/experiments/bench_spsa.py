@@ -18,6 +18,10 @@ threads 10x slower than 1); then the fp32 matmul peak (`peak_gflops`). FLOP rate
     executed  what zosoma's forward executes: layer 0's input projection is the table
               embed @ w_ih over the batch's U distinct bytes (2 x U x E x 4H per member) instead
               of a GEMM over the B x T bytes
+
+Last, on the CPU engine in fp32, the step's roofline (zosoma.experiments.roofline): its work per
+token against one core's GEMM peak and exp cost measured in the same run, and what bounds it.
+The model is the preset's, or any shape (embed, hidden, layers).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 
 from zosoma.config import ModelConfig
 from zosoma.corpus import BatchSampler, load_corpus
+from zosoma.experiments import roofline
 from zosoma.experiments.bench_forward import peak_gflops
 from zosoma.engines.cpu import noise_kernels, threads
 from zosoma.model import noise as noise_mod
@@ -36,6 +41,7 @@ from zosoma.runs.trainer import Trainer, new_state
 from zosoma.strategies.settings import resolve
 
 PARTS = ("forward", "noise", "data", "update")
+PEAK_N = 2048  # n of the n^3 GEMMs that measure the peaks
 _PAUSE_S = 0.3  # between paths: the previous path's BLAS/OpenMP threads stop spinning
 # After the pause every path runs one untimed step before its timed one: training runs its steps
 # back to back, and a step straight after a sleep ran 30% slower (cores and caches still cold).
@@ -71,16 +77,19 @@ def _noise_in_forward(theta: np.ndarray, pop) -> callable:
 
 def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: int | None = None,
                seq_len: int | None = None, steps: int = 2, noise: str = "rademacher", seed: int = 0,
-               ops=None, peers: bool = True, peak_n: int = 2048) -> dict:
+               ops=None, peers: bool = True, peak_n: int | None = None, embed: int | None = None,
+               hidden: int | None = None, layers: int | None = None) -> dict:
     """Median per-step seconds of each part of zosoma's step over `steps` timed steps (after one
-    warm-up step), the same for each PyTorch peer, and the fp32 peak; P, B, T default to the
-    preset's training values."""
+    warm-up step), the same for each PyTorch peer, the fp32 peak and the step's roofline; P, B,
+    T and the model's E, H, L default to the preset's."""
     defaults = step_defaults(preset)
+    peak_n = peak_n or PEAK_N
     P = perturbations or defaults["perturbations"]
     B = batch or defaults["batch"]
     T = seq_len or defaults["seq_len"]
+    shape = {k: v for k, v in (("embed", embed), ("hidden", hidden), ("layers", layers)) if v is not None}
     model, cfg = resolve(preset, {"perturbations": P, "batch": B, "seq_len": T, "steps": 2 * steps + 1, "noise": noise,
-                                  "seed": seed, "checkpoint_every": 10**9})
+                                  "seed": seed, "checkpoint_every": 10**9, **shape})
     sampler = BatchSampler(load_corpus(None, "train"), T + 1)
     n_threads = threads.n_threads()
     per_step, in_forward = [], []
@@ -126,6 +135,8 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     parts = {k: float(np.median([t.get(k, 0.0) for t in per_step])) for k in PARTS}
     total = sum(parts.values())
     tokens = 2 * P * B * T
+    roof = (roofline.roofline(model, roofline.measure(model, peak_n), tokens, total, n_threads)
+            if fp32_on_host else None)
     nominal = model.flops_per_token() * tokens
     executed = 2 * P * np.mean([executed_flops_per_member(model, sampler.batch(seed, 0, s, B))
                                 for s in range(1, steps + 1)])  # the timed steps' batches
@@ -142,7 +153,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
             "gflops_nominal": nominal / total / 1e9, "gflops_executed": executed / total / 1e9,
             "peak_gflops": peak, "peak_how": peak_how, "threads": n_threads, "peers": list(best.values()),
             "peers_skipped": _peers_skipped(peers, fp32_on_host, trainer.ops.name),
-            "model": model, "device": trainer.ops.name}
+            "model": model, "device": trainer.ops.name, "roofline": roof}
 
 
 def _peers_skipped(wanted: bool, fp32_on_host: bool, engine: str) -> str | None:
@@ -183,4 +194,6 @@ def format_spsa(r: dict) -> str:
         lines.append(f"  (PyTorch peers: {r['peers_skipped']})")
     lines.append("  tokens/s: forward tokens (2P x B x T per step); GFLOP/s nominal (ModelConfig.flops_per_token), "
                  "'executed': zosoma's layer-0 table instead of its input GEMM")
+    if r["roofline"] is not None:
+        lines += ["", roofline.format_roofline(r["roofline"])]
     return "\n".join(lines)
