@@ -29,6 +29,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
     from zosoma.runs.folder import RunFolder
+    from zosoma.yardsticks import lookup
 
     soma = RunFolder(checkpoint).is_soma
     if soma:
@@ -45,7 +46,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
             emit_json("eval", {"run": str(checkpoint), "kind": "soma", "n_params": ensemble.n_params,
                                "dropped": list(ensemble.router.dropped), **r})
         else:
-            click.echo(render.results(r))
+            click.echo(render.results(r, lookup(corpus, wikitext, segment, context)))
         return
     from zosoma.formats.checkpoint import load_checkpoint
     from zosoma.model.params import Layout
@@ -60,4 +61,4 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
                            "n_params": ckpt.model.n_params(), **r})
         return
     click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
-    click.echo(render.results(r))
+    click.echo(render.results(r, {} if streams else lookup(corpus, wikitext, segment, context)))

@@ -164,7 +164,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
             (next(iter(bars.values())).write if bars else click.echo)(f"warning: {r.message}", file=sys.stderr)
         elif isinstance(r, Evaluated):
             close(bars)
-            click.echo(results(r.results))
+            click.echo(results(r.results, r.yardsticks))
             evaluated = True
     close(bars)
     for line in failed:
@@ -183,8 +183,9 @@ def close(bars):
     bars.clear()
 
 
-def results(r) -> str:
-    """A run's evaluation (zosoma.runs.single.evaluate_run, zosoma.runs.soma.evaluate_soma) as text."""
+def results(r, yardsticks: dict | None = None) -> str:
+    """A run's evaluation (zosoma.runs.single.evaluate_run, zosoma.runs.soma.evaluate_soma) as text,
+    with the yardsticks measured on the same texts (zosoma.yardsticks.lookup) under it."""
     lines = []
     if "tokens" in r:
         lines.append(f"compute: {r['tokens']:,} forward tokens, {r['flops']:.3g} forward FLOPs, "
@@ -204,4 +205,32 @@ def results(r) -> str:
             lines.append(f"WikiText-103 test nats/byte: {wiki:.4f}  ({r['wikitext103_path']})")
     if wiki is None:
         lines.append("WikiText-103: not found (zosoma data download wikitext-103, or --wikitext PATH)")
+    where = {"heldout": "held-out", "wikitext103": "WikiText-103"}
+    lines += [yardstick_line(where[key], y) for key, y in (yardsticks or {}).items()]
+    return "\n".join(lines)
+
+
+def yardstick_line(where: str, y) -> str:
+    """One line of a zosoma.yardsticks.Yardsticks' overall figures, for beside a model's."""
+    from zosoma.yardsticks import label
+
+    kn = [k for k in y.nats if k.startswith("kneser-ney-")]
+    grams = ", ".join(f"{k.rsplit('-', 1)[1]}-gram {y.overall(k):.3f}" for k in kn)
+    return (f"yardsticks, {where} (zosoma data yardsticks): Witten-Bell 3-gram {y.overall('witten-bell-3'):.3f}; "
+            f"Kneser-Ney {grams}; best compressor {label(y.best_compressor)} {y.overall(y.best_compressor):.3f}")
+
+
+def yardsticks_table(held, wiki=None) -> str:
+    """zosoma data yardsticks: a row per domain, overall and WikiText-103; a column per yardstick."""
+    from zosoma.yardsticks import label
+
+    keys = list(held.nats)
+    short = {k: label(k).replace("Witten-Bell ", "WB ").replace("Kneser-Ney ", "KN ") for k in keys}
+    lines = [f"  {'':<14}" + "".join(f"{short[k]:>11}" for k in keys)]
+    rows = [(name, {k: held.nats[k][name] for k in keys}) for name in held.nats[keys[0]]]
+    if wiki is not None:
+        rows.append(("WikiText-103", {k: wiki.overall(k) for k in keys}))
+    lines += [f"  {name:<14}" + "".join(f"{v[k]:>11.3f}" for k in keys) for name, v in rows]
+    lines.append("WB: Witten-Bell, KN: interpolated modified Kneser-Ney (Chen & Goodman 1998); a compressor's "
+                 "segment costs 8 (len C(context + segment) - len C(context)) bits")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from zosoma.config import ModelConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import DataError
 from zosoma.engines.ops import Ops
-from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus, ngram_baselines, stream_batches
+from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus, stream_batches
 from zosoma.model.params import Layout, init_params
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=2)
@@ -57,19 +57,3 @@ def test_corpus_pools_names_and_overall():
     with pytest.raises(DataError):
         evaluate_bytes(theta, layout, docs[0][:1], Ops())
 
-
-def test_ngram_baselines():
-    train = Corpus(("t",), (np.frombuffer(b"abababab", np.uint8),))
-    held = Corpus(("h",), (np.frombuffer(b"abab", np.uint8),))
-    base = ngram_baselines(train, held)
-    # unigram: a and b each counted 4 (+1 smoothing) out of 8 + 256
-    assert base["unigram"] == pytest.approx(-math.log(5 / 264))
-    # bigram: a->b seen 4 times (+1) of 4 + 256; b->a seen 3 times (+1) of 3 + 256
-    expected = -(2 * math.log(5 / 260) + math.log(4 / 259)) / 3
-    assert base["bigram"] == pytest.approx(expected)
-    # trigram (Witten-Bell): after "ab", a seen 3 times (one distinct byte); after "ba", b 3 times;
-    # each backs off to the Witten-Bell bigram, which backs off to the add-one unigram
-    p_a, p_b = 5 / 264, 5 / 264
-    a_after_b, b_after_a = (3 + p_a) / 4, (4 + p_b) / 5
-    expected = -(math.log(p_b) + math.log((3 + a_after_b) / 4) + math.log((3 + b_after_a) / 4)) / 3
-    assert base["trigram"] == pytest.approx(expected)

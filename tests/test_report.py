@@ -235,3 +235,23 @@ def test_write_report(results, tmp_path):
     assert "same segment protocol" in text and "| SPSA P=128 |" in text
     assert "| 0 | 2.400 | 2.500 | -0.100 |" in text and "WikiText-103 independent" not in text
     assert paths["nats_vs_wall.png"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_yardsticks_follow_the_method_table(results, tmp_path, monkeypatch):
+    from zosoma.yardsticks import Yardsticks
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # tables only, quickly
+    nats = {"witten-bell-3": {"code": 2.0, "legal": 2.1, "prose": 2.2, "overall": 2.15},
+            "kneser-ney-8": {"code": 1.2, "legal": 1.3, "prose": 1.4, "overall": 1.35},
+            "zlib-9": {"code": 2.4, "legal": 2.5, "prose": 2.6, "overall": 2.55}}
+    held = Yardsticks(nats, 256, 512, (8,), "train")
+    wiki = Yardsticks({k: {"WikiText-103": v["overall"] + 1, "overall": v["overall"] + 1} for k, v in nats.items()},
+                      256, 512, (8,), "train")
+    text = write_report(results, [], tmp_path, "t", yardsticks={"heldout": held, "wikitext103": wiki})[
+        "results.md"].read_text(encoding="utf-8")
+    table = text[text.index("## Yardsticks"):]
+    assert "| yardstick | held-out nats/byte | WikiText-103 nats/byte | code | legal | prose |" in table
+    assert "| Kneser-Ney 8-gram | 1.350 | 2.350 | 1.200 | 1.300 | 1.400 |" in table
+    assert "| zlib -9 | 2.550 | 3.550 |" in table
+    text = write_report(results, [], tmp_path, "t", yardsticks={"heldout": held})["results.md"].read_text()
+    assert "| Witten-Bell 3-gram | 2.150 | n/a | 2.000 |" in text
+    assert "## Yardsticks" not in write_report(results, [], tmp_path, "t")["results.md"].read_text()

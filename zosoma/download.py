@@ -38,10 +38,14 @@ _BLOCK = 1 << 20
 Progress = Callable[[int, Optional[int]], None]
 
 
+def cache_root() -> Path:
+    """zosoma's cache folder: $XDG_CACHE_HOME/zosoma (~/.cache if unset)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zosoma"
+
+
 def wikitext103_cache_dir() -> Path:
-    """Where downloads go by default: $XDG_CACHE_HOME/zosoma/wikitext-103 (~/.cache if unset)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "zosoma" / "wikitext-103"
+    """Where downloads go by default: cache_root()/wikitext-103."""
+    return cache_root() / "wikitext-103"
 
 
 def download_wikitext103(

@@ -475,6 +475,7 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
     the report's paths; raises ZosomaError when a job failed (the others still run to the end,
     and the report is written from the finished ones)."""
     from zosoma.experiments.report import write_report
+    from zosoma.yardsticks import lookup
 
     out_dir = Path(out_dir)
     folder = study_folder(cmp, out_dir)
@@ -497,7 +498,8 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
                       "same command resumes the rest")
     main = [results[j.name] for j in todo if j.curve and j.name in results]
     pairs = ablation_pairs([results[j.name] for j in todo if not j.curve and j.name in results])
-    paths = write_report(main, pairs, out_dir, cmp.title, tuning=rows) if main else {}
+    yardsticks = lookup(load_corpus(None, "heldout"), wikitext, cmp.segment, cmp.context)
+    paths = write_report(main, pairs, out_dir, cmp.title, tuning=rows, yardsticks=yardsticks) if main else {}
     if errors:
         raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
     return paths

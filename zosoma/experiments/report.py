@@ -346,10 +346,25 @@ def plot_n_curve(rows, path, title=None):
     return {line.get_label(): (np.asarray(line.get_xdata()), np.asarray(line.get_ydata())) for line in ax.get_lines()}
 
 
-def write_report(results, ablation_pairs, out_dir, title, tuning=None):
+def yardsticks_markdown(yardsticks):
+    """The yardsticks beside the method table (zosoma.yardsticks.lookup's {"heldout": Yardsticks,
+    "wikitext103": ...}): a row per yardstick, its held-out, WikiText-103 and per-domain nats/byte."""
+    from zosoma.yardsticks import label
+
+    held, wiki = yardsticks["heldout"], yardsticks.get("wikitext103")
+    domains = sorted(d for d in held.nats["witten-bell-3"] if d != "overall")
+    header = ["yardstick", "held-out nats/byte", "WikiText-103 nats/byte", *domains]
+    body = [[label(k), _nats(held.overall(k)), _nats(wiki and wiki.overall(k)), *(_nats(v[d]) for d in domains)]
+            for k, v in held.nats.items()]
+    return _table(header, body)
+
+
+def write_report(results, ablation_pairs, out_dir, title, tuning=None, yardsticks=None):
     """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir (and
     n_curve.png when runs belong to series); returns their paths, a plot's None where matplotlib
-    is missing (the tables come first: hours of runs are never lost to a missing plot library)."""
+    is missing (the tables come first: hours of runs are never lost to a missing plot library).
+    With yardsticks (zosoma.yardsticks.lookup's, on the same held-out texts), their table follows
+    the method table."""
     if not results:
         raise ConfigError("no finished runs to report")
     out_dir = Path(out_dir)
@@ -361,6 +376,9 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None):
         text += (f"\nEqual compute, two views: every run has the same forward-FLOP budget (the table); the "
                  f"held-out at {at:.0f} s column reads each run's curve at the same training seconds (the "
                  f"shortest method's mean), summed over a run's experts.\n")
+    if yardsticks and "heldout" in yardsticks:
+        text += ("\n## Yardsticks: byte n-grams counted on the train split and compressors, on the same bytes and "
+                 f"segments (zosoma data yardsticks)\n\n{yardsticks_markdown(yardsticks)}\n")
     if tuning:
         text += ("\n## Tuning: each swept method at every setting, seed 0, full budget, scored on validation "
                  f"(a diverged run loses)\n\n{tuning_markdown(tuning)}\n")

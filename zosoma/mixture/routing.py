@@ -224,21 +224,29 @@ class Segments:
                    np.full(S, W - 1), tuple(windows[s, :context] for s in range(S)))
 
 
-def cut_segments(data: np.ndarray, segment: int = 256, context: int = 512) -> Segments:
-    """The segments of one file (uint8, at least 2 bytes), by the protocol of the module
-    docstring: segment s predicts positions [1 + s*segment, min(1 + (s+1)*segment, n))."""
-    data = np.asarray(data)
-    if data.dtype != np.uint8 or data.ndim != 1:
-        raise DataError(f"data must be 1-D uint8 bytes, got {data.dtype} {data.shape}")
+def segment_bounds(n: int, segment: int = 256, context: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(S,) int64 each: the first context byte c0, the first predicted position p0 and one past
+    the last p1 of the segments of a file of n bytes, by the protocol of the module docstring:
+    segment s predicts positions [1 + s*segment, min(1 + (s+1)*segment, n)) after the context
+    data[c0:p0]."""
     for name, value in (("segment", segment), ("context", context)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ConfigError(f"{name} must be a positive number of bytes, got {value!r}")
-    n = data.size
     if n < 2:
         raise DataError(f"need at least 2 bytes to evaluate, got {n}")
     p0 = np.arange(1, n, segment, dtype=np.int64)  # (S,) first predicted position
     p1 = np.minimum(p0 + segment, n)  # (S,) one past the last
     c0 = np.maximum(p0 - context, 0)  # (S,) first context byte
+    return c0, p0, p1
+
+
+def cut_segments(data: np.ndarray, segment: int = 256, context: int = 512) -> Segments:
+    """The segments of one file (uint8, at least 2 bytes): segment_bounds's, as batch rows."""
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise DataError(f"data must be 1-D uint8 bytes, got {data.dtype} {data.shape}")
+    n = data.size
+    c0, p0, p1 = segment_bounds(n, segment, context)
     start, stop = p0 - c0 - 1, p1 - c0 - 1  # scored columns of each row
     T = int(stop.max())
     cols = c0[:, None] + np.arange(T)  # (S, T) position of each input byte

@@ -74,38 +74,3 @@ def evaluate_corpus(theta: np.ndarray, layout: Layout, corpus: Corpus, ops, **kw
                                     sum(r.n_bytes for r in results.values()))
     return results
 
-
-def ngram_baselines(train: Corpus, heldout: Corpus) -> dict[str, float]:
-    """Held-out nats/byte of byte n-gram models counted on `train`: the yardsticks a trained
-    LSTM should beat (untrained: ln 256 = 5.545). Unigram and bigram add-one smoothed; the
-    trigram interpolated by Witten-Bell (Witten & Bell 1991): p(c | a b) = (n(abc) + t(ab)
-    p_wb(c | b)) / (n(ab.) + t(ab)), t(ab) the distinct bytes seen after ab, down to the
-    add-one unigram, so no trigram has probability 0."""
-    unigram = np.ones(256)
-    bigram = np.zeros((256, 256))
-    codes = []
-    for doc in train.docs:
-        d = doc.astype(np.int64)
-        unigram += np.bincount(d, minlength=256)
-        np.add.at(bigram, (d[:-1], d[1:]), 1)
-        codes.append((d[:-2] << 16) | (d[1:-1] << 8) | d[2:])
-    p1 = unigram / unigram.sum()
-    n2, t2 = bigram.sum(axis=1, keepdims=True), (bigram > 0).sum(axis=1, keepdims=True)
-    wb2 = np.where(n2 > 0, (bigram + t2 * p1) / np.maximum(n2 + t2, 1), p1)  # (256, 256) p_wb(c | b)
-    seen, counts = np.unique(np.concatenate(codes), return_counts=True)  # the trigrams of train
-    n3 = np.bincount(seen >> 8, weights=counts, minlength=1 << 16)  # per context ab
-    t3 = np.bincount(seen >> 8, minlength=1 << 16)
-    add_one = np.log((bigram + 1) / (bigram + 1).sum(axis=1, keepdims=True))
-    uni = bi = tri = 0.0
-    for doc in heldout.docs:
-        d = doc.astype(np.int64)
-        uni -= np.log(p1[d[1:]]).sum()
-        bi -= add_one[d[:-1], d[1:]].sum()
-        x = (d[:-2] << 16) | (d[1:-1] << 8) | d[2:]
-        at = np.minimum(np.searchsorted(seen, x), seen.size - 1)
-        c = np.where(seen[at] == x, counts[at], 0)
-        ab, back = x >> 8, wb2[d[1:-1], d[2:]]
-        p3 = np.where(n3[ab] > 0, (c + t3[ab] * back) / np.maximum(n3[ab] + t3[ab], 1), back)
-        tri -= np.log(p1[d[1]]) + np.log(p3).sum()  # the first predicted byte by the unigram
-    n = sum(d.size - 1 for d in heldout.docs)
-    return {"unigram": uni / n, "bigram": bi / n, "trigram": tri / n}

@@ -126,5 +126,7 @@ class Note:
 
 @dataclass(frozen=True)
 class Evaluated:
-    """The final evaluation, as written to results.json."""
+    """The final evaluation, as written to results.json, and the yardsticks measured on the same
+    texts (zosoma.yardsticks.lookup: {"heldout": Yardsticks, "wikitext103": ...}, those cached)."""
     results: dict = field(repr=False)
+    yardsticks: dict = field(default_factory=dict, repr=False)

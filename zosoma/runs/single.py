@@ -30,6 +30,7 @@ from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Sto
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.mixture.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
+from zosoma.yardsticks import lookup
 
 
 def fingerprint(corpus: Corpus) -> str:
@@ -191,7 +192,7 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     log = EventLog(trainer.folder.path)
     log.evaluation(state.step, held, results["wikitext103"])
     log.close()
-    yield Evaluated(results)
+    yield Evaluated(results, lookup(heldout, wikitext))
 
 
 def load_model(path, fallback: bool = False) -> Ensemble:

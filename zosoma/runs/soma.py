@@ -44,6 +44,7 @@ from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, 
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
 from zosoma.strategies.summed import Summed
+from zosoma.yardsticks import lookup
 
 LOSSES = ("independent", "summed")
 
@@ -315,7 +316,7 @@ def _evaluate(run: SomaRun, ops: Ops):
                    dropped=list(ensemble.router.dropped))
     run.folder.write_results(results)
     _evaluation_events(run, ckpts, results)
-    yield Evaluated(results)
+    yield Evaluated(results, lookup(run.heldout, run.soma["data"].get("wikitext")))
 
 
 def _evaluation_events(run: SomaRun, ckpts, results: dict) -> None:
