@@ -59,14 +59,16 @@ def _orders(ctx, param, value):
 @click.option("--segment", type=int, default=256, show_default=True, callback=positive, help="Bytes predicted per segment.")
 @click.option("--context", type=int, default=512, show_default=True, callback=positive, help="Bytes before each segment a yardstick may read.")
 @click.option("--no-cache", is_flag=True, help="Measure again, neither reading nor writing the cache.")
+@click.option("--ship", is_flag=True, help="Also write the records beside the shipped corpus (data/corpus/yardsticks/ in a source checkout), where every evaluation table finds them.")
 @json_option
-def data_yardsticks(orders, wikitext, segment, context, no_cache, as_json):
+def data_yardsticks(orders, wikitext, segment, context, no_cache, ship, as_json):
     """Held-out nats/byte of byte n-grams counted on the train split (Witten-Bell 3-gram,
     Kneser-Ney) and of zlib, bz2 and xz, by the segment protocol every results table uses, per
     domain and on WikiText-103. The first run takes about a minute; the figures are then cached
-    (~/.cache/zosoma/yardsticks), and `zosoma eval` and `zosoma train` print them under their tables."""
+    (~/.cache/zosoma/yardsticks; the shipped corpus's ship with it), and `zosoma eval` and
+    `zosoma train` print them under their tables."""
     from zosoma.yardsticks import shipped
-    found = shipped(orders, segment, context, wikitext, cache=not no_cache)
+    found = shipped(orders, segment, context, wikitext, cache=not no_cache, ship=ship)
     held, wiki = found["heldout"], found.get("wikitext103")
     if as_json:
         emit_json("data-yardsticks", {

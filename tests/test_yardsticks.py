@@ -285,3 +285,25 @@ def test_eval_prints_the_yardsticks_beside_its_table(small_shipped, tmp_path):
     assert shown("--streams", "1") == []  # another protocol: nothing to compare with
     assert shown("--segment", "128") == []
 
+
+
+def test_ship_writes_records_that_lookup_reads_without_a_cache(small_shipped, tmp_path, monkeypatch):
+    monkeypatch.setattr(yardsticks, "shipped_dir", lambda: tmp_path / "shipped")
+    result = CliRunner().invoke(cli, ["data", "yardsticks", "--orders", "2,3", "--ship", "--no-cache"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert len(list((tmp_path / "shipped").glob("*.json"))) == 2
+    assert not (tmp_path / "cache").exists()  # --no-cache: nothing cached, only shipped
+    found = lookup(small_shipped["heldout"], orders=(2, 3))
+    assert set(found) == {"heldout", "wikitext103"} and found["heldout"].orders == (2, 3)
+
+
+@pytest.mark.slow
+def test_the_shipped_corpus_ships_its_heldout_yardsticks(tmp_path, monkeypatch):
+    """Every machine's tables have the shipped corpus's yardsticks (no cache here), and they are
+    what measuring again gives."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    held = load_corpus(None, "heldout")
+    found = lookup(held)["heldout"]
+    assert found == measure(load_corpus(None, "train"), held, cache=False)
+    assert round(found.overall("kneser-ney-8"), 3) == 1.475

@@ -16,7 +16,9 @@ An n-gram reads only the last N - 1 bytes, so with context >= 7 the protocol giv
 it can use except near the start of a file; the compressors read the whole context.
 
 Results are cached under zosoma's cache folder, keyed by the bytes they were measured on, the
-protocol and the orders (measure); the evaluation tables print them from there (lookup).
+protocol and the orders (measure); the evaluation tables print them from there or, for the shipped
+corpus by the default protocol, from the records shipped beside it (data/corpus/yardsticks/, written
+by `zosoma data yardsticks --ship`), so every table has them without a minute of measuring (lookup).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from zosoma.atomic import atomic_write
-from zosoma.corpus import Corpus, describe, load_corpus, load_text
+from zosoma.corpus import Corpus, default_corpus_dir, describe, load_corpus, load_text
 from zosoma.download import cache_root, find_wikitext103
 from zosoma.errors import ConfigError, DataError, ZosomaError
 from zosoma.model.evaluate import EvalResult
@@ -318,8 +320,8 @@ def measure(train: Corpus, texts: Corpus, orders: Sequence[int] = ORDERS, segmen
         raise DataError("yardsticks need texts to score and a training text of at least 3 bytes")
     for doc in texts.docs:
         _segment_bounds(doc.size, segment, context)  # bad settings or a file too short: one line, now
-    path = _cache_path(train, texts, orders, segment, context)
-    if cache and (found := _read(path)) is not None:
+    entry = _key(train, texts, orders, segment, context)
+    if cache and (found := _find(entry)) is not None:
         return found
     wb, kn = _baseline_tables(train), KneserNey(train, orders)
     per_doc: dict[str, list[EvalResult]] = {}
@@ -333,18 +335,24 @@ def measure(train: Corpus, texts: Corpus, orders: Sequence[int] = ORDERS, segmen
             for key, results in per_doc.items()}
     record = Yardsticks(nats, segment, context, orders, describe(train))
     if cache:
-        _write(path, record)
+        _write(cache_root() / "yardsticks" / entry, record)
     return record
 
 
 def shipped(orders: Sequence[int] = ORDERS, segment: int = 256, context: int = 512, wikitext=None,
-            cache: bool = True) -> dict[str, Yardsticks]:
+            cache: bool = True, ship: bool = False) -> dict[str, Yardsticks]:
     """`measure` of the shipped training split on the shipped held-out split and on WikiText-103
     when found (zosoma.download.find_wikitext103: `wikitext`, $ZOSOMA_WIKITEXT103, the download
-    folder): {"heldout": ..., "wikitext103": ...}, the second only when found."""
+    folder): {"heldout": ..., "wikitext103": ...}, the second only when found. With `ship`, also
+    write the records into shipped_dir() (a source checkout's data/, for the repository)."""
     train, wiki = load_corpus(None, "train"), find_wikitext103(wikitext)
     texts = {"heldout": load_corpus(None, "heldout"), "wikitext103": wiki and wikitext_texts(wiki)}
-    return {key: measure(train, t, orders, segment, context, cache) for key, t in texts.items() if t is not None}
+    found = {key: measure(train, t, orders, segment, context, cache) for key, t in texts.items() if t is not None}
+    for name, record in found.items() if ship else ():
+        path = shipped_dir() / _key(train, texts[name], record.orders, segment, context)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(asdict(record), indent=1) + "\n", "shipped yardsticks")
+    return found
 
 
 def lookup(heldout: Corpus | None, wikitext=None, segment: int = 256, context: int = 512,
@@ -355,7 +363,7 @@ def lookup(heldout: Corpus | None, wikitext=None, segment: int = 256, context: i
     try:
         train, wiki = load_corpus(None, "train"), find_wikitext103(wikitext)
         texts = {"heldout": heldout, "wikitext103": wiki and wikitext_texts(wiki)}
-        found = {key: _read(_cache_path(train, t, check_orders(orders), segment, context))
+        found = {key: _find(_key(train, t, check_orders(orders), segment, context))
                  for key, t in texts.items() if t is not None}
     except ZosomaError:  # a damaged shipped corpus or a missing file: no yardsticks, not a failed evaluation
         return {}
@@ -376,14 +384,24 @@ def _pooled(names: Sequence[str], results: Sequence[EvalResult]) -> dict[str, Ev
     return pooled
 
 
-def _cache_path(train: Corpus, texts: Corpus, orders: tuple, segment: int, context: int):
+def shipped_dir():
+    """The folder of the records shipped with the corpus (lookup reads them before the cache)."""
+    return default_corpus_dir() / "yardsticks"
+
+
+def _find(key: str) -> Yardsticks | None:
+    """The record of `key`, shipped with the corpus or cached on this machine."""
+    return _read(shipped_dir() / key) or _read(cache_root() / "yardsticks" / key)
+
+
+def _key(train: Corpus, texts: Corpus, orders: tuple, segment: int, context: int) -> str:
     h = hashlib.sha256(json.dumps([CACHE_VERSION, list(orders), segment, context]).encode())
     for corpus in (train, texts):
         h.update(json.dumps(list(corpus.names)).encode())
         for doc in corpus.docs:
             h.update(doc.size.to_bytes(8, "little"))
             h.update(doc)
-    return cache_root() / "yardsticks" / f"{h.hexdigest()}.json"
+    return f"{h.hexdigest()}.json"
 
 
 def _read(path) -> Yardsticks | None:
