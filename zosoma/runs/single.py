@@ -161,6 +161,11 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
         run = open_run(run_dir)
         yield from fallbacks()
         data, ckpt = run.data, run.ckpt
+        dropped = ckpt.extra.get("dropped")
+        if dropped:  # it trains no further, whatever the resume: say so, and what can help
+            raise ConfigError(f"{run_dir}: the model was dropped at step {dropped['step']} after "
+                              f"{len(ckpt.extra.get('restarts') or ())} restart(s) ({dropped['verdict']}): "
+                              f"{after_drop(run_dir)}")
         if wikitext:
             data["wikitext"] = str(check_wikitext103(wikitext))
         else:
@@ -175,6 +180,13 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
         yield Started(str(run_dir), ckpt.model, cfg, describe(run.train_corpus), steps=(ckpt.step,),
                       device=trainer.ops.name)
         yield from _train_and_evaluate(trainer, run.heldout, data.get("wikitext"), should_stop)
+
+
+def after_drop(run_dir) -> str:
+    """What can help a single model that training gave up on (its restarts spent): not a resume,
+    which can only find it dropped again, but a new run."""
+    return (f"training gave up on it, so resuming cannot help; start a new run with a lower --lr (or --shaping "
+            f"clip, or more --max-restarts); zosoma eval {run_dir} scores the model as it was dropped")
 
 
 def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):

@@ -288,6 +288,8 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
         shared, losses = summed.coefficients([t.losses() for t in trainers])
         for t, loss in zip(trainers, losses):
             yield t.update(shared, loss)
+            if said := t.went_on():
+                yield said
         if any(t.halted for t in trainers):  # coupled experts stop together
             for t in trainers:
                 if t.halted:
