@@ -23,7 +23,7 @@ from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
-from zosoma.runs.folder import RunFolder, noting_fallbacks
+from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
 from zosoma.runs.placement import Placement
 from zosoma.runs.population_workers import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Stopped
@@ -196,7 +196,8 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
             return
     state, model = trainer.state, trainer.model
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)
-    results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
+    results.update(step=state.step, checkpoint_steps=[state.step], tokens=state.tokens,
+                   flops=state.tokens * model.flops_per_token(),
                    wall_s=state.wall_s, n_params=model.n_params(), **trainer.summary())
     trainer.folder.write_results(results)
     held = results["heldout"]["overall"] if results["heldout"] else None
@@ -208,9 +209,10 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
 
 def load_model(path, fallback: bool = False) -> Ensemble:
     """A single model, from a checkpoint file or its run folder's newest checkpoint, as an ensemble
-    of one (what sampling and routed scoring take)."""
+    of one (what sampling and routed scoring take); a run still training is said (StillTraining)."""
     path = Path(path)
     ckpt = RunFolder(path).read_checkpoint(fallback=fallback) if path.is_dir() else load_checkpoint(path)
+    warn_if_training(path, [ckpt.step])
     return Ensemble(((ckpt.theta, Layout(ckpt.model)),), Whole())
 
 
