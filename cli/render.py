@@ -146,9 +146,9 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
             bars[r.expert].write(f"{'expert %d' % r.expert if len(bars) > 1 else 'the model'} restarted at step "
                                  f"{r.step} ({r.verdict}): rolled back to step {r.to}, lr x{r.lr_scale:g}, fresh batches")
         elif isinstance(r, Continued):
-            bars[r.expert].write(f"{'expert %d' % r.expert if len(bars) > 1 else 'the model'} diverged at step {r.step} "
-                                 f"({r.verdict}); --on-divergence continue: it trains on regardless, and its results "
-                                 "say so")
+            who = f"expert {r.expert}" if len(bars) > 1 else "the model"
+            bars[r.expert].write(f"{who} diverged at step {r.step} ({r.verdict}); --on-divergence continue: it "
+                                 "trains on regardless, and its results say so")
         elif isinstance(r, Dropped):
             if lines is not None:
                 lines.dropped += 1

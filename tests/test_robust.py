@@ -334,7 +334,6 @@ def test_on_divergence_continue_says_its_verdict_once_and_trains_on(tmp_path):
     create_soma(tmp_path / "summed", MODEL, cfg, 2, loss="summed", chunk_size=256, train_paths=[str(text)],
                 heldout_paths=[str(text)])
     records = list(resume_soma(tmp_path / "summed", Inline()))
-    went_on = [r for r in records if isinstance(r, Continued)]
-    assert sorted(r.expert for r in went_on) == [0, 1] and isinstance(records[-1], Evaluated)
-    assert [t["divergence"]["step"] for t in records[-1].results["training"]] == [r.step for r in
-                                                                                  sorted(went_on, key=lambda r: r.expert)]
+    went_on = sorted((r for r in records if isinstance(r, Continued)), key=lambda r: r.expert)
+    assert [r.expert for r in went_on] == [0, 1] and isinstance(records[-1], Evaluated)
+    assert [t["divergence"]["step"] for t in records[-1].results["training"]] == [r.step for r in went_on]
