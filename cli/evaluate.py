@@ -8,7 +8,7 @@ import click
 
 from zosoma.cli import render
 from zosoma.cli.options import (device_ops, device_option, emit_json, json_option, positive, previous_option,
-                                refuse_given)
+                                refuse_given, warn_about_results)
 
 
 @click.command("eval")
@@ -28,7 +28,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
-    from zosoma.runs.folder import RunFolder
+    from zosoma.runs.folder import RunFolder, warn_if_training
     from zosoma.yardsticks import lookup
 
     soma = RunFolder(checkpoint).is_soma
@@ -41,6 +41,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     if soma:
         from zosoma.runs.soma import evaluate_soma, load_ensemble
         ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
+        warn_about_results(checkpoint)
         r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
         if as_json:
             emit_json("eval", {"run": str(checkpoint), "kind": "soma", "n_params": ensemble.n_params,
@@ -54,6 +55,8 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
 
     path = Path(checkpoint)
     ckpt = RunFolder(path).read_checkpoint(fallback=previous) if path.is_dir() else load_checkpoint(path)
+    warn_if_training(path, [ckpt.step])
+    warn_about_results(path)
     r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=segment, context=context,
                      streams=streams)
     if as_json:

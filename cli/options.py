@@ -101,6 +101,23 @@ def device_ops(device: str):
     return ops
 
 
+def warn_about_results(path) -> str | None:
+    """A run folder's results.json that is stale (the run trained on after it was evaluated) or
+    damaged, said in one warning line, which is returned; None when it is current or absent."""
+    from pathlib import Path
+
+    from zosoma.errors import ConfigError
+    from zosoma.runs.folder import RunFolder
+    if not Path(path).is_dir():
+        return None
+    try:
+        RunFolder(path).current_results()
+    except ConfigError as e:
+        click.echo(f"warning: {e}", err=True)
+        return str(e)
+    return None
+
+
 def json_option(f):
     """--json: one JSON object on stdout instead of text (its schema: docs/json.md)."""
     return click.option("--json", "as_json", is_flag=True,

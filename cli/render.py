@@ -101,10 +101,11 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
     failed."""
     from tqdm import tqdm
 
-    from zosoma.runs.records import (Clusters, Diverged, Dropped, Evaluated, Failed, Note, Restarted, Started, Step,
-                                     Stopped)
+    from zosoma.runs.records import (Clusters, Continued, Diverged, Dropped, Evaluated, Failed, Note, Restarted,
+                                     Started, Step, Stopped)
 
     bars, stopped, evaluated, failed, run_dir, lines = {}, False, False, [], "RUN", None
+    gave_up = False  # a single model was dropped: a resume cannot help
     for r in records:
         if isinstance(r, Step):
             bar = bars[r.expert]
@@ -144,6 +145,10 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                 lines.restarts += 1
             bars[r.expert].write(f"{'expert %d' % r.expert if len(bars) > 1 else 'the model'} restarted at step "
                                  f"{r.step} ({r.verdict}): rolled back to step {r.to}, lr x{r.lr_scale:g}, fresh batches")
+        elif isinstance(r, Continued):
+            who = f"expert {r.expert}" if len(bars) > 1 else "the model"
+            bars[r.expert].write(f"{who} diverged at step {r.step} ({r.verdict}); --on-divergence continue: it "
+                                 "trains on regardless, and its results say so")
         elif isinstance(r, Dropped):
             if lines is not None:
                 lines.dropped += 1
@@ -151,8 +156,10 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                 bars[r.expert].write(f"expert {r.expert} dropped at step {r.step} after {r.restarts} restart(s) "
                                      f"({r.verdict}): the others go on, and routing leaves it out")
             else:
-                failed.append(f"the model diverged again at step {r.step} after {r.restarts} restart(s) ({r.verdict}); "
-                              "training gave up on it")
+                from zosoma.runs.single import after_drop
+                failed.append(f"the model diverged again at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
+                              f"{after_drop(run_dir)}")
+                gave_up = True
         elif isinstance(r, Stopped):
             stopped = True
         elif isinstance(r, Failed):
@@ -170,7 +177,8 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
     for line in failed:
         click.echo(line, err=True)
     if failed:  # the failed experts keep their last checkpoint; the others were checkpointed
-        click.echo(f"stopped: fix the cause above, then continue with: zosoma train --resume {run_dir}", err=True)
+        if not gave_up:
+            click.echo(f"stopped: fix the cause above, then continue with: zosoma train --resume {run_dir}", err=True)
         sys.exit(1)
     if stopped or (stop() and not evaluated):  # a stop asked for: some unit may not have said so
         click.echo(f"stopped; checkpoints saved. Continue with: zosoma train --resume {run_dir}")

@@ -218,6 +218,41 @@ def test_a_finished_run_is_not_repeated(mini, tmp_path):
     assert ckpt.stat().st_mtime_ns == stamp
 
 
+WILD = """
+title = "wild"
+seeds = [0]
+flops = 4e8
+curve_points = 2
+curve_bytes = 256
+train = {batch = 2, seq_len = 8}
+
+[[method]]
+name = "SPSA wild"
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 1000.0, on_divergence = "stop"}
+"""
+
+
+@pytest.mark.slow
+def test_a_record_the_run_has_trained_past_is_scored_again_never_reused(tmp_path):
+    from zosoma.runs.single import resume_run
+    cmp = load_comparison_text(tmp_path, WILD)
+    job, run = Job("run", cmp.methods[0], 0, cmp), tmp_path / "run"
+    first = run_job(job, run)
+    assert first["divergence"] and first["checkpoint_steps"] == [first["step"]] < [cmp.methods[0].train.steps]
+    # `zosoma train --resume` goes on past the guard's stop; stopped part way, the record is stale
+    list(resume_run(run, should_stop=_StopAfter(30)))
+    now = RunFolder(run).read_checkpoint().step
+    assert now == first["step"] + 30
+    again = run_job(job, run)
+    assert again["step"] == now and again["checkpoint_steps"] == [now] and again["heldout"] != first["heldout"]
+    assert run_job(job, run) == again  # current: read back
+    # an extension changes the run's configuration: refused, not answered with the old record
+    list(resume_run(run, steps=cmp.methods[0].train.steps + 100, should_stop=_StopAfter(5)))
+    with pytest.raises(ConfigError, match="another configuration .*train.steps was"):
+        run_job(job, run)
+
+
 def test_a_changed_config_is_refused(mini, tmp_path):
     Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec).advance(1, lambda: False)
     other = load_comparison_text(tmp_path, MINI.replace("lr = 0.05", "lr = 0.07"))

@@ -286,3 +286,54 @@ def test_a_sharded_population_restarts_as_one_process_does(tmp_path):
         ends.append(RunFolder(tmp_path / name).read_checkpoint())
     assert np.array_equal(ends[0].theta, ends[1].theta)
     assert ends[0].extra["restarts"] == ends[1].extra["restarts"] and ends[0].step == ends[1].step
+
+
+# --- what a dropped model and --on-divergence continue say ------------------------------------------
+
+def cli_train(*args):
+    from click.testing import CliRunner
+    from zosoma.cli.main import cli
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.slow
+def test_a_dropped_single_model_is_said_on_resume_and_the_advice_is_a_new_run(tmp_path):
+    from helpers import one_line_error, snapshot
+    from zosoma.runs.folder import LOCK
+    text, run = text_corpus(tmp_path), tmp_path / "run"
+    done = cli_train("train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",
+                     "--seq-len", "16", "-P", "4", "--lr", "40", "--steps", "3000", "--checkpoint-every", "20",
+                     "--on-divergence", "restart", "--max-restarts", "1", "--run-dir", run, "--quiet")
+    assert done.exit_code == 1 and "training gave up on it, so resuming cannot help; start a new run with a " \
+                                   "lower --lr" in done.output, done.output
+    assert "--resume" not in done.output  # the advice is a new run, not a resume that cannot train it
+    dropped = RunFolder(run).read_checkpoint().extra["dropped"]
+    before = {k: v for k, v in snapshot(run).items() if k != LOCK}
+    for extra in ([], ["--steps", "6000"]):  # neither a plain resume nor an extension trains it
+        line = one_line_error(cli_train("train", "--resume", run, *extra), 1)
+        assert f"the model was dropped at step {dropped['step']} after 1 restart(s) ({dropped['verdict']})" in line
+        assert "resuming cannot help; start a new run with a lower --lr" in line
+    assert {k: v for k, v in snapshot(run).items() if k != LOCK} == before  # no results.json, nothing trained
+
+
+@pytest.mark.slow
+def test_on_divergence_continue_says_its_verdict_once_and_trains_on(tmp_path):
+    text, run = text_corpus(tmp_path), tmp_path / "run"
+    done = cli_train("train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",
+                     "--seq-len", "16", "-P", "4", "--lr", "400", "--steps", "300", "--on-divergence", "continue",
+                     "--run-dir", run, "--quiet")
+    assert done.exit_code == 0, done.output
+    verdict = json.loads((run / "results.json").read_text())["divergence"]
+    said = f"the model diverged at step {verdict['step']} ({verdict['verdict']}); --on-divergence continue: it " \
+           "trains on regardless"
+    assert done.output.count(said) == 1 and verdict["step"] < 300
+    assert RunFolder(run).read_checkpoint().step == 300
+    # the summed ablation's experts step in lockstep: each says its own verdict too
+    from zosoma.runs.records import Continued
+    cfg = dataclasses.replace(CFG, on_divergence="continue", lr=400.0)
+    create_soma(tmp_path / "summed", MODEL, cfg, 2, loss="summed", chunk_size=256, train_paths=[str(text)],
+                heldout_paths=[str(text)])
+    records = list(resume_soma(tmp_path / "summed", Inline()))
+    went_on = sorted((r for r in records if isinstance(r, Continued)), key=lambda r: r.expert)
+    assert [r.expert for r in went_on] == [0, 1] and isinstance(records[-1], Evaluated)
+    assert [t["divergence"]["step"] for t in records[-1].results["training"]] == [r.step for r in went_on]

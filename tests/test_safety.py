@@ -4,6 +4,7 @@ line and a resumable run. Real subprocesses and signals where the fault is a pro
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -530,3 +531,128 @@ def test_a_damaged_results_record_is_one_line_and_a_resume_writes_it_again(text,
     (run / "results.json").unlink()
     assert CliRunner().invoke(cli, ["train", "--resume", str(run), "--quiet"]).exit_code == 0
     assert json.loads((run / "results.json").read_text()) == json.loads(good)
+
+
+# --- 15. results say which checkpoint they are of: a stopped extension leaves them stale, said -------
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("soma", [False, True], ids=["single", "soma"])
+def test_results_of_a_run_extended_then_stopped_are_stale_everywhere_they_are_read(text, tmp_path, soma):
+    import zosoma
+    from zosoma.runs.folder import StaleResults
+    run = tmp_path / "run"
+    extra = ["--experts", "2", "--chunk-size", "256", "--executor", "inline"] if soma else []
+    assert invoke(train_args(text, run, 3, "--quiet", *extra)).exit_code == 0
+    folders = [run / f"expert{i}" for i in range(2)] if soma else [run]
+    results = zosoma.open_run(run).results
+    assert results["checkpoint_steps"] == [3] * len(folders)
+    # --steps extends the run; SIGTERM stops it part way, checkpointed
+    proc = subprocess.Popen(zosoma_cmd() + ["train", "--resume", str(run), "--steps", "3000", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert wait_for(lambda: all(len(steps_logged(f)) > 20 for f in folders))
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    now = [RunFolder(f).read_checkpoint().step for f in folders]
+    assert all(3 < s for s in now) and min(now) < 3000  # inline, expert 0 may have finished first
+    stale = f"results.json is of step {', '.join(['3'] * len(folders))}, but the newest checkpoint is at step " \
+            f"{', '.join(map(str, now))}: it is stale"
+    with pytest.raises(StaleResults, match=re.escape(stale)):
+        zosoma.open_run(run).results
+    info = subprocess.run(zosoma_cmd() + ["info", str(run), "--json"], capture_output=True, text=True)
+    described = json.loads(info.stdout)
+    assert stale in described["results_stale"] and f"warning: {run}/{stale}" in info.stderr
+    assert [e["step"] for e in described["experts_status"]] == now if soma else described["step"] == now[0]
+    scored = subprocess.run(zosoma_cmd() + ["eval", str(run), "--data", text, "--json"], capture_output=True,
+                            text=True)
+    assert scored.returncode == 0 and f"warning: {run}/{stale}" in scored.stderr
+    # a results.json an older zosoma wrote, without checkpoint_steps, is read, and judged all the same
+    older = {k: v for k, v in results.items() if k != "checkpoint_steps"}
+    (run / "results.json").write_text(json.dumps(older))
+    with pytest.raises(StaleResults, match="but the newest checkpoint is "):
+        zosoma.open_run(run).results
+    # the resume finishes the run and evaluates it: current again
+    assert invoke(["train", "--resume", run, "--quiet"]).exit_code == 0
+    assert zosoma.open_run(run).results["checkpoint_steps"] == [3000] * len(folders)
+
+
+def test_results_an_older_zosoma_wrote_without_checkpoint_steps_are_read(text, tmp_path):
+    import zosoma
+    run = tmp_path / "run"
+    assert invoke(train_args(text, run, 3, "--quiet")).exit_code == 0
+    older = {k: v for k, v in json.loads((run / "results.json").read_text()).items() if k != "checkpoint_steps"}
+    (run / "results.json").write_text(json.dumps(older))
+    assert zosoma.open_run(run).results == older
+    assert json.loads(invoke(["info", run, "--json"]).output)["results_stale"] is None
+
+
+# --- 16. eval, info and sample on a run still training say so, and which checkpoint they read --------
+
+def hold_lock(folder: Path):
+    """A process that owns `folder` (RunFolder.lock) until it is killed, started and holding it."""
+    code = ("import sys, time; from zosoma.runs.folder import RunFolder\n"
+            "with RunFolder(sys.argv[1]).lock():\n    print('held', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_commands_on_a_run_still_training_say_so_and_name_the_step_they_read(text, tmp_path):
+    import zosoma
+    from zosoma.runs.folder import StillTraining
+    run = tmp_path / "run"
+    # its only checkpoint is step 0's until it stops: what a command reads now is the untrained model
+    args = train_args(text, run, 100000, "--checkpoint-every", "100000", "--quiet")
+    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert wait_for(lambda: (run / METRICS).exists() and len(steps_logged(run)) > 20)
+        live = f"is still training (pid {proc.pid} on "
+        info = subprocess.run(zosoma_cmd() + ["info", str(run), "--json"], capture_output=True, text=True)
+        described = json.loads(info.stdout)
+        assert described["trained_by"].startswith(f"pid {proc.pid} on ") and described["step"] == 0
+        assert live in info.stderr and "this uses its checkpoint at step 0, not the finished model" in info.stderr
+        for args in (["eval", run, "--data", text, "--json"], ["sample", run, "--bytes", "5"]):
+            done = subprocess.run(zosoma_cmd() + [str(a) for a in args], capture_output=True, text=True,
+                                  errors="replace")  # sampled bytes
+            assert done.returncode == 0 and live in done.stderr, done.stderr
+            assert "this uses its checkpoint at step 0, not the finished model" in done.stderr
+        opened = zosoma.open_run(run)
+        assert opened.trained_by.startswith(f"pid {proc.pid} on ")
+        with pytest.warns(StillTraining, match=re.escape(live)):
+            opened.model()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert zosoma.open_run(run).trained_by is None
+    done = subprocess.run(zosoma_cmd() + ["info", str(run), "--json"], capture_output=True, text=True)
+    assert json.loads(done.stdout)["trained_by"] is None and "still training" not in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(text, tmp_path):
+    import zosoma
+    from zosoma.config import ModelConfig, TrainConfig
+    from zosoma.runs.folder import StillTraining
+    from zosoma.runs.soma import create_soma
+    run = tmp_path / "run"
+    create_soma(run, ModelConfig(embed=8, hidden=16, layers=1), TrainConfig(steps=5, batch=4, seq_len=16,
+                perturbations=2), 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])
+    holder = hold_lock(run)
+    try:
+        live = f"{run} is still training (pid {holder.pid} on "
+        with pytest.warns(StillTraining, match=re.escape(live) + ".*its experts' checkpoints at step 0, 0"):
+            zosoma.open_run(run).model()
+        done = subprocess.run(zosoma_cmd() + ["sample", str(run), "--bytes", "5"], capture_output=True, text=True,
+                              errors="replace")
+        assert done.returncode == 0 and live in done.stderr, done.stderr
+        done = subprocess.run(zosoma_cmd() + ["info", str(run / "expert1"), "--json"], capture_output=True, text=True)
+        assert json.loads(done.stdout)["trained_by"].startswith(f"pid {holder.pid} on ") and live in done.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert zosoma.open_run(run).trained_by is None

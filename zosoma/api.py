@@ -89,8 +89,22 @@ class Run:
 
     @property
     def results(self) -> dict | None:
-        """The final evaluation, as results.json holds it (None before the run finished)."""
-        return self.folder.read_results()
+        """The final evaluation, as results.json holds it (None before the run finished); a
+        results.json the run has trained past since (an extension stopped part way) raises
+        StaleResults instead of answering with old figures: evaluate() scores the checkpoint."""
+        return self.folder.current_results()
+
+    @property
+    def trained_by(self) -> str | None:
+        """'pid N on HOST' of the live process training this run now, or None. While it trains,
+        model(), evaluate() and sample() use its newest checkpoint so far (checkpoint_steps), and
+        say so in a StillTraining warning."""
+        return self.folder.trained_by()
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        """The step of each model's newest checkpoint: one for a single model, one per expert."""
+        return [c.step for c in self.folder.newest_checkpoints() or ()]
 
     def model(self, top_k: int = 2):
         """The run's model as a routed ensemble (zosoma.mixture.routing.Ensemble; one expert for

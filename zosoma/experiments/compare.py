@@ -41,7 +41,8 @@ Output folder:
                                   model's (`zosoma eval`, `zosoma info` and `zosoma train
                                   --resume` read both); plus curve.jsonl (the held-out curve)
                                   and result.json (the final evaluation: the run is finished and
-                                  is never repeated)
+                                  is never repeated, unless it trained on since: then its
+                                  record is stale, and it is scored again)
     OUT/runs/ablation-<loss>-seed<s>/
     OUT/results.md, results.csv, nats_vs_flops.png, nats_vs_wall.png     (zosoma.experiments.report)
     OUT/settings.json             what the results depend on besides each run's configuration:

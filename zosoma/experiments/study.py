@@ -16,7 +16,8 @@ and the runner does the rest, the same for every study:
     OUT/settings.json        the study's settings (RunFolder.bind): a folder that other settings,
                              or another kind of study, left is refused in one line naming what changed
     OUT/runs/<name>/         a single-model or SOMA run folder (zosoma.runs.single, zosoma.runs.soma)
-                             plus result.json, the finished job's record: read back, never repeated;
+                             plus result.json, the finished job's record: read back, never repeated
+                             while it is of the run's newest checkpoints (its checkpoint_steps);
                              a folder that holds another configuration (its record, else its
                              checkpoints) is refused before anything trains (check_job)
 
@@ -141,6 +142,8 @@ def check_job(job: Job, folder: RunFolder) -> dict | None:
 def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> dict | None:
     """Train one job's run in run_dir (resumed from its checkpoints) and score it; a finished run
     (result.json) of the same job is read back instead, and one of another configuration refused.
+    The record names the checkpoint step of each model it scored (checkpoint_steps): one the run
+    has trained past since is stale, and the run is scored again (RunFolder.read_result).
     Returns the job's record, or None when stopping() turned true first (the run is checkpointed
     where it was)."""
     folder = RunFolder(run_dir)
@@ -148,10 +151,11 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
         with folder.lock(wait=True):  # one writer per run folder (a killed study's worker may linger)
             if folder.read_result() is None:
                 check_job(job, folder)
-                result = job.score(Run(folder, job.spec, job.device), stopping)
+                run = Run(folder, job.spec, job.device)
+                result = job.score(run, stopping)
                 if result is None:
                     return None
-                folder.write_result(result)
+                folder.write_result({**result, "checkpoint_steps": [t.state.step for t in run.trainers]})
                 return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
     return check_job(job, folder)
 

@@ -7,7 +7,8 @@ A single model's run (or one SOMA expert's folder):
     RUN/checkpoint.prev2.h5  older ones, where a run that restarts on divergence keeps more
                              (TrainConfig.on_divergence "restart": zosoma.runs.trainer)
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
-    RUN/results.json         the final evaluation
+    RUN/results.json         the final evaluation, naming the checkpoint step it was computed from
+                             (checkpoint_steps): a run that went on since is seen to (RunFolder.stale)
     RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
     RUN/scalars.jsonl        a population sharded over workers (zosoma.runs.population_workers): each
                              step's P update scalars, so a lost worker is rebuilt by replay
@@ -17,7 +18,7 @@ A SOMA run:
     RUN/soma.json            what the run is: N, loss mode, chunking, data (written once, last)
     RUN/router.h5            the clustering the router needs
     RUN/expert{i}/           one single-model folder per expert
-    RUN/results.json         the routed evaluation
+    RUN/results.json         the routed evaluation (checkpoint_steps: each expert's step)
 
 A study (zosoma.experiments.study: the comparison, the precision study): OUT/runs/<name>/ is a
 single or SOMA run folder plus result.json (the finished run's record) and, for a comparison,
@@ -34,7 +35,8 @@ writes and every worker reads back, so a worker that does not see the driver's f
 
 One owner per folder: whoever trains in a folder holds its lock (RUN/.lock, an flock(2) lock that
 the kernel releases when the process dies, the file naming the owner's pid and host); a second
-writer is refused in one line, and a lock left by a dead process is simply taken over.
+writer is refused in one line, and a lock left by a dead process is simply taken over. A command
+that reads a run while its owner trains it says so (StillTraining: which checkpoint step it reads).
 
 Every write is atomic (zosoma.atomic): at every instant each file is complete, and at least one
 of checkpoint.h5, checkpoint.next.h5, checkpoint.prev.h5 holds a complete checkpoint. A damaged
@@ -114,8 +116,17 @@ def noting_fallbacks():
         yield notes
 
 
+class StillTraining(UserWarning):
+    """A run is read while a live process trains it: what is read is its newest checkpoint so far
+    (one line: who trains it, and the step)."""
+
+
 class RunInUse(ConfigError):
     """Another live process owns the run folder."""
+
+
+class StaleResults(ConfigError):
+    """A run's results are not of its newest checkpoint: it trained on after it was evaluated."""
 
 
 class RunFolder:
@@ -197,6 +208,12 @@ class RunFolder:
             return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
         finally:
             os.close(fd)
+
+    def trained_by(self) -> str | None:
+        """'pid N on HOST' of the live process training this run (the owner of this folder, or of
+        the SOMA run it is an expert of), or None."""
+        run = self.soma_run
+        return self.owner() or (run.owner() if run else None)
 
     @contextlib.contextmanager
     def lock(self, wait: bool = False):
@@ -320,6 +337,17 @@ class RunFolder:
                 return self.path / name
         raise CheckpointError(f"{self.path}: its checkpoint vanished while being read")
 
+    def newest_checkpoints(self) -> list[Checkpoint] | None:
+        """Each model's newest checkpoint: this folder's, or every expert's of a SOMA run; None
+        where one has none (a record kept without its checkpoints). A damaged newest one is passed
+        over in silence: the reader that uses the model says so."""
+        folders = [self.expert(i) for i in range(self.read_soma()["experts"])] if self.is_soma else [self]
+        if not all(f.has_checkpoint for f in folders):
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointFallback)
+            return [f.read_checkpoint() for f in folders]
+
     def _set_aside(self, name: str) -> None:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
         try:
@@ -336,12 +364,47 @@ class RunFolder:
         append_line(self.path / METRICS, json.dumps(record), "metrics")
 
     def read_results(self) -> dict | None:
-        """The final evaluation (results.json), or None before the run finished."""
+        """The final evaluation (results.json), or None before the run finished; whether it is
+        still of the run's newest checkpoint is stale()'s to say."""
         return _read_record(self.path / RESULTS, f"zosoma train --resume {self.path} evaluates the finished run "
                                                  "again")
 
     def write_results(self, results: dict) -> None:
         write_json(self.path / RESULTS, results, "results")
+
+    def current_results(self) -> dict | None:
+        """results.json when it is of the run's newest checkpoints, None before the run finished;
+        StaleResults (one line: of which step, and what makes it current) when the run trained on
+        after it was evaluated (an extension with --steps that was stopped, say)."""
+        results = self.read_results()
+        why = results and self.stale(results)
+        if why:
+            raise StaleResults(f"{why}; zosoma train --resume {self.path} finishes the run and evaluates it again, "
+                               f"zosoma eval {self.path} scores its checkpoint as it is")
+        return results
+
+    def stale(self, record: dict, name: str = RESULTS) -> str | None:
+        """One line saying that `record` (this folder's results.json, or a study's result.json:
+        `name`) is not of the run's newest checkpoints, or None when it is, or when there are
+        none to judge by. A record names the steps it was computed from (checkpoint_steps, one per
+        model); one an older zosoma wrote without them is judged by its "step" (a single model's;
+        a study's SOMA record: its slowest expert's), else by its forward "tokens" (an older SOMA
+        results.json), which every step adds to, a restart's too."""
+        ckpts = self.newest_checkpoints()
+        if ckpts is None:
+            return None
+        now, tokens = [c.step for c in ckpts], sum(int(c.extra.get("tokens", 0)) for c in ckpts)
+        was = record.get("checkpoint_steps")
+        if was is None and "step" in record:
+            was, now = [record["step"]], [min(now)]
+        if was is not None and list(was) != now:
+            why = f"is of step {_steps(was)}, but the newest checkpoint is at step {_steps(now)}"
+        elif "tokens" in record and record["tokens"] != tokens:
+            why = (f"is of {record['tokens']:,} forward tokens of training, but the newest checkpoint is of "
+                   f"{tokens:,}")
+        else:
+            return None
+        return f"{self.path / name} {why}: it is stale (the run trained on after it was evaluated)"
 
     # --- SOMA ---------------------------------------------------------------------------------
 
@@ -357,9 +420,11 @@ class RunFolder:
     # --- comparison runs ----------------------------------------------------------------------
 
     def read_result(self) -> dict | None:
-        """A finished comparison run's record, or None."""
-        return _read_record(self.path / RESULT, "run the same command again: it scores the run again from its "
-                                                "checkpoints")
+        """A finished comparison run's record, or None; None too for a stale one (stale(): the run
+        trained on since), which the study scores again from the checkpoints."""
+        result = _read_record(self.path / RESULT, "run the same command again: it scores the run again from its "
+                                                  "checkpoints")
+        return None if result is None or self.stale(result, RESULT) else result
 
     def write_result(self, result: dict) -> None:
         write_json(self.path / RESULT, result, "result")
@@ -492,6 +557,25 @@ def checkpoint_path(path, fallback: bool = True) -> Path:
     RunFolder.checkpoint_file)."""
     path = Path(path)
     return RunFolder(path).checkpoint_file(fallback) if path.is_dir() else path
+
+
+def warn_if_training(path, steps) -> str | None:
+    """Warn (StillTraining, one line) when a live process trains the run `path` belongs to (a run
+    folder, an expert's, or a checkpoint file in one): who, and `steps`, the step of each
+    checkpoint the caller read, so not the finished model. Returns who ('pid N on HOST'), or None."""
+    path = Path(path)
+    folder = RunFolder(path if path.is_dir() else path.parent)
+    owner = folder.trained_by()
+    if owner is not None:
+        what = "its experts' checkpoints" if len(steps) > 1 else "its checkpoint" if path.is_dir() else str(path)
+        warnings.warn(f"{folder.soma_run or folder} is still training ({owner}): this uses {what} at step "
+                      f"{_steps(steps)}, not the finished model", StillTraining, stacklevel=2)
+    return owner
+
+
+def _steps(steps) -> str:
+    """'300', or an expert per step: '300, 298'."""
+    return ", ".join(str(s) for s in steps)
 
 
 def _cause(err: CheckpointError) -> str:

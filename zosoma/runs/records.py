@@ -77,6 +77,15 @@ class Diverged:
 
 
 @dataclass(frozen=True)
+class Continued:
+    """An expert's guard found divergence at `step` and, as --on-divergence continue asks, it
+    trains on regardless (the verdict is in its results)."""
+    expert: int
+    step: int
+    verdict: str
+
+
+@dataclass(frozen=True)
 class Restarted:
     """An expert's guard fired at `step` and it restarted (zosoma.runs.trainer): rolled back to
     step `to`, its rate now `lr_scale` times the configured one."""

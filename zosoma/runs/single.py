@@ -23,7 +23,7 @@ from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
-from zosoma.runs.folder import RunFolder, noting_fallbacks
+from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
 from zosoma.runs.placement import Placement
 from zosoma.runs.population_workers import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Stopped
@@ -162,6 +162,11 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
         run = open_run(run_dir)
         yield from fallbacks()
         data, ckpt = run.data, run.ckpt
+        dropped = ckpt.extra.get("dropped")
+        if dropped:  # it trains no further, whatever the resume: say so, and what can help
+            raise ConfigError(f"{run_dir}: the model was dropped at step {dropped['step']} after "
+                              f"{len(ckpt.extra.get('restarts') or ())} restart(s) ({dropped['verdict']}): "
+                              f"{after_drop(run_dir)}")
         if wikitext:
             data["wikitext"] = str(check_wikitext103(wikitext))
         else:
@@ -178,6 +183,13 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
         yield from _train_and_evaluate(trainer, run.heldout, data.get("wikitext"), should_stop)
 
 
+def after_drop(run_dir) -> str:
+    """What can help a single model that training gave up on (its restarts spent): not a resume,
+    which can only find it dropped again, but a new run."""
+    return (f"training gave up on it, so resuming cannot help; start a new run with a lower --lr (or --shaping "
+            f"clip, or more --max-restarts); zosoma eval {run_dir} scores the model as it was dropped")
+
+
 def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     for record in train(trainer, should_stop):
         yield record
@@ -185,7 +197,8 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
             return
     state, model = trainer.state, trainer.model
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)
-    results.update(step=state.step, tokens=state.tokens, flops=state.tokens * model.flops_per_token(),
+    results.update(step=state.step, checkpoint_steps=[state.step], tokens=state.tokens,
+                   flops=state.tokens * model.flops_per_token(),
                    wall_s=state.wall_s, n_params=model.n_params(), **trainer.summary())
     trainer.folder.write_results(results)
     held = results["heldout"]["overall"] if results["heldout"] else None
@@ -197,9 +210,10 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
 
 def load_model(path, fallback: bool = False) -> Ensemble:
     """A single model, from a checkpoint file or its run folder's newest checkpoint, as an ensemble
-    of one (what sampling and routed scoring take)."""
+    of one (what sampling and routed scoring take); a run still training is said (StillTraining)."""
     path = Path(path)
     ckpt = RunFolder(path).read_checkpoint(fallback=fallback) if path.is_dir() else load_checkpoint(path)
+    warn_if_training(path, [ckpt.step])
     return Ensemble(((ckpt.theta, Layout(ckpt.model)),), Whole())
 
 

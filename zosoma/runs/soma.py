@@ -34,7 +34,8 @@ from zosoma.errors import CheckpointError, ConfigError
 from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
-from zosoma.runs.folder import CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks
+from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
+                                 warn_if_training)
 from zosoma.runs.population_workers import summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
@@ -175,9 +176,9 @@ def soma_description(run_dir, fallback: bool = False) -> dict:
             "experts_status": experts}
 
 
-def soma_summary(run_dir, fallback: bool = False) -> str:
-    """A few lines for `zosoma info RUN`: soma_description as text."""
-    d = soma_description(run_dir, fallback)
+def soma_summary(d: dict) -> str:
+    """A few lines for `zosoma info RUN`: a soma_description as text."""
+    run_dir = d["run"]
     lines = [f"SOMA run {run_dir}: {d['experts']} experts, {d['loss']} losses, chunks of "
              f"{d['chunk_size']} bytes, cluster sizes {d['cluster_sizes']}"]
     for e in d["experts_status"]:
@@ -289,6 +290,8 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
         shared, losses = summed.coefficients([t.losses() for t in trainers])
         for t, loss in zip(trainers, losses):
             yield t.update(shared, loss)
+            if said := t.went_on():
+                yield said
         if any(t.halted for t in trainers):  # coupled experts stop together
             for t in trainers:
                 if t.halted:
@@ -313,7 +316,7 @@ def _evaluate(run: SomaRun, ops: Ops):
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
                    wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts), training=training,
-                   dropped=list(ensemble.router.dropped))
+                   dropped=list(ensemble.router.dropped), checkpoint_steps=[c.step for c in ckpts])
     run.folder.write_results(results)
     _evaluation_events(run, ckpts, results)
     yield Evaluated(results, lookup(run.heldout, run.soma["data"].get("wikitext")))
@@ -359,7 +362,7 @@ def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool 
     clusters, the newest checkpoint of expert i. CheckpointError names the missing or damaged
     file (with `fallback`, an older intact checkpoint is used instead, with a CheckpointFallback
     warning); ConfigError for an impossible top-k or temperature (checked before reading
-    experts)."""
+    experts). A run still training is said (StillTraining: the steps of the checkpoints read)."""
     folder = RunFolder(run_dir)
     if not folder.path.is_dir():
         raise CheckpointError(f"{run_dir}: no such run folder")
@@ -375,6 +378,7 @@ def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool 
             raise CheckpointError(f"{expert}: no {CHECKPOINT} (the router has {N} clusters, so "
                                   f"the run needs expert0 .. expert{N - 1})")
         ckpts.append(expert.read_checkpoint(fallback=fallback))
+    warn_if_training(run_dir, [c.step for c in ckpts])
     return Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(folder, ckpts, top_k, temperature))
 
 

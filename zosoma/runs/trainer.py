@@ -33,7 +33,7 @@ from zosoma.model.params import Layout, init_params
 from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, window_for
-from zosoma.runs.records import Diverged, Dropped, Finished, Restarted, Step, Stopped
+from zosoma.runs.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.shaping import spread
@@ -204,6 +204,14 @@ class Trainer:
         self.stop_on_divergence = False
         return Diverged(self.expert, self.state.step, self.state.divergence["verdict"])
 
+    def went_on(self) -> Continued | None:
+        """The guard found divergence at this step and the run's action is to go on: the record
+        that says so (once, at the step of the verdict), else None."""
+        d = self.state.divergence
+        if self.on_divergence == "continue" and d is not None and d["step"] == self.state.step:
+            return Continued(self.expert, d["step"], d["verdict"])
+        return None
+
     @property
     def restarting(self) -> bool:
         """The guard found divergence and the run's action is to restart (or drop) the model."""
@@ -292,6 +300,8 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> 
                 yield Stopped(trainer.expert, trainer.state.step)
                 return
             yield trainer.update(*trainer.coefficients(*trainer.losses()))
+            if said := trainer.went_on():
+                yield said
             if trainer.halted:
                 yield trainer.halt()
                 return
