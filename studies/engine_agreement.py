@@ -75,7 +75,8 @@ def guard(r: dict) -> str:
 
 
 def losses(run_dir: Path) -> np.ndarray:
-    return np.array([r["loss"] for r in RunFolder(run_dir).read_checkpoint().metrics])
+    folder = RunFolder(run_dir)
+    return np.array([r["loss"] for r in folder.read_metrics(folder.read_checkpoint())])
 
 
 def scalar_noise(run_dir: Path, seed: int = 0) -> list[str]:

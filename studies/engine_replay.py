@@ -79,7 +79,7 @@ def replay(run_dir: Path, steps: int | None = None) -> Path:
                 if isinstance(record, (Finished, Stopped, Diverged)):
                     break  # before the final evaluation, which the replay does not need
             records.close()
-    losses = np.array([r["loss"] for r in ckpt.metrics])[:steps]
+    losses = np.array([r["loss"] for r in RunFolder(run_dir).read_metrics(ckpt)])[:steps]
     if not np.array_equal(np.array(replayed[:steps]), losses):
         raise SystemExit(f"{run_dir}: the replay's losses differ from the run's; nothing to compare")
     arrays = dict(own=np.array(own[:steps]), losses=losses, worst_step=worst["step"],

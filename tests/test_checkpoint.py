@@ -11,11 +11,12 @@ import pytest
 
 import zosoma
 from zosoma.model import reference
-from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, summary
+from zosoma.formats.checkpoint import Checkpoint, description, load_checkpoint, save_checkpoint, summary
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma import atomic
 from zosoma.errors import CheckpointError, WriteError
 from zosoma.model.params import Layout, init_params
+from zosoma.runs.folder import last_metrics
 
 from helpers import assert_close
 
@@ -35,8 +36,8 @@ def make_checkpoint(step=7, seed=0) -> Checkpoint:
         step=step,
         optimizer={"m": rng.standard_normal(d).astype(np.float32),
                    "v": rng.random(d).astype(np.float32)},
-        metrics=[{"step": 5, "loss": 5.4321, "lr": 1e-3}, {"step": 7, "loss": float("nan")}],
         extra={"seed": seed, "cursor": [3, 1, 4], "flops": 1.5e12, "expert": 1, "note": "é ✓"},
+        metrics_records=7, metrics_sha256="ab" * 32,
     )
 
 
@@ -71,7 +72,7 @@ def test_round_trip_is_bit_exact(saved):
         assert got.optimizer[name].dtype == values.dtype
         assert got.optimizer[name].tobytes() == values.tobytes()
     assert got.extra == ck.extra
-    assert json.dumps(got.metrics) == json.dumps(ck.metrics)  # NaN != NaN, so compare the text
+    assert (got.metrics_records, got.metrics_sha256, got.stored_metrics) == (7, "ab" * 32, None)
 
 
 def test_file_says_what_it_is(saved):
@@ -79,7 +80,9 @@ def test_file_says_what_it_is(saved):
     layout = Layout(MODEL)
     with h5py.File(path, "r") as f:
         assert f.attrs["format"] == b"zosoma-checkpoint"  # fixed-length text: no global heap
-        assert f.attrs["format_version"] == 2
+        assert f.attrs["format_version"] == 3
+        assert f.attrs["metrics_records"] == 7 and f.attrs["metrics_sha256"] == b"ab" * 32
+        assert sorted(f.keys()) == ["extra", "optimizer", "params"]  # the step records are in metrics.jsonl
         assert f.attrs["zosoma_version"].decode() == zosoma.__version__
         assert f.attrs["step"] == 7
         assert json.loads(f.attrs["config"])["ModelConfig"] == {"embed": 8, "hidden": 16, "layers": 2}
@@ -91,15 +94,15 @@ def test_file_says_what_it_is(saved):
             np.testing.assert_array_equal(ds[()], layout.view(ck.theta, e.name))
 
 
-def test_empty_optimizer_metrics_extra_and_numpy_scalars(tmp_path):
+def test_empty_optimizer_and_numpy_scalars(tmp_path):
     path = tmp_path / "plain.h5"
     ck = make_checkpoint(step=0)
-    ck.optimizer, ck.metrics = {}, [{"loss": np.float32(2.5), "step": np.int64(3)}]
-    ck.extra = {"seed": np.int64(9)}
+    ck.optimizer, ck.metrics_records = {}, np.int64(3)
+    ck.extra = {"seed": np.int64(9), "loss": np.float32(2.5)}
     save_checkpoint(path, ck)
     got = load_checkpoint(path)
     assert got.optimizer == {} and got.step == 0
-    assert got.metrics == [{"loss": 2.5, "step": 3}] and got.extra == {"seed": 9}
+    assert got.metrics_records == 3 and got.extra == {"seed": 9, "loss": 2.5}
 
 
 def test_overwrite_replaces_previous(saved):
@@ -153,7 +156,7 @@ def test_other_format(saved):
 def test_newer_format_version(saved):
     path, _ = saved
     with h5py.File(path, "r+") as f:
-        f.attrs["format_version"] = np.int64(3)
+        f.attrs["format_version"] = np.int64(4)
     assert_raises_naming(path, match="written by a newer zosoma")
 
 
@@ -164,6 +167,25 @@ def test_format_version_1_files_are_still_read():
     assert got.step == 3 and got.model == ModelConfig(embed=4, hidden=6, layers=1)
     np.testing.assert_array_equal(got.theta, init_params(got.model, 5))
     assert got.optimizer["m"].tolist() == [0.5] * got.theta.size and got.extra == {"seed": 5}
+
+
+def test_format_version_2_files_are_still_read():
+    """data/fixtures/checkpoint-v2.h5 was written by zosoma before the step records left the
+    checkpoint for metrics.jsonl (its /metrics dataset): they come back as stored_metrics."""
+    got = load_checkpoint(FIXTURES / "checkpoint-v2.h5")
+    assert got.step == 3 and got.model == ModelConfig(embed=4, hidden=6, layers=1)
+    np.testing.assert_array_equal(got.theta, init_params(got.model, 5))
+    assert got.optimizer["m"].tolist() == [0.5] * got.theta.size and got.extra == {"seed": 5}
+    assert got.metrics_records == 3 and [r["loss"] for r in got.stored_metrics][:2] == [5.5, 5.25]
+    assert description(FIXTURES / "checkpoint-v2.h5")["format_version"] == 2
+    assert last_metrics(FIXTURES / "checkpoint-v2.h5")["step"] == 3  # what `zosoma info` shows of it
+
+
+def test_changed_metrics_record_count_fails_checksum(saved):
+    path, _ = saved
+    with h5py.File(path, "r+") as f:
+        f.attrs["metrics_records"] = np.int64(6)
+    assert_raises_naming(path, match="checksum")
 
 
 def test_shape_mismatch_between_config_and_tensors(saved):
@@ -233,6 +255,11 @@ def test_bad_checkpoint_is_refused_before_touching_the_file(saved):
     bad_theta.theta = bad_theta.theta[:-1]
     with pytest.raises(ValueError, match="theta"):
         save_checkpoint(path, bad_theta)
+    for field, value in (("metrics_records", -1), ("metrics_sha256", "")):
+        bad = make_checkpoint()
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=field):
+            save_checkpoint(path, bad)
     not_json = make_checkpoint()
     not_json.extra = {"oops": object()}
     with pytest.raises(TypeError, match="JSON"):
@@ -249,15 +276,15 @@ def test_unwritable_directory(tmp_path):
 
 def test_summary(saved):
     path, ck = saved
-    text = summary(path)
+    text = summary(path, {"step": 7, "loss": float("nan")})
     n = Layout(MODEL).size
     assert n == MODEL.n_params() == 10112
     assert "step         7" in text
     assert f"{n} parameters" in text
     assert "lstm1.w_hh" in text and "(16, 64)" in text
-    assert "zosoma-checkpoint v2" in text and zosoma.__version__ in text
+    assert "zosoma-checkpoint v3" in text and zosoma.__version__ in text
     assert "m (10112,) float32" in text
-    assert "2 records" in text and "NaN" in text  # the last record
+    assert "7 records" in text and "NaN" in text  # the last record
     assert "cursor: [3, 1, 4]" in text
 
 

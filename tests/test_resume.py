@@ -3,20 +3,26 @@ the training loop, SOMA's experts (their own and the summed losses) on the inlin
 model's population over workers (stopped on 2, resumed on 4, against a run on none). Theta and the
 optimizer state bit for bit, and the metrics log holds each step once, with the same losses."""
 
+import hashlib
 import json
+import warnings
 
+import h5py
 import numpy as np
 import pytest
 
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import ModelConfig, TrainConfig, to_json
 from zosoma.corpus import BatchSampler, load_corpus
+from zosoma.formats.checkpoint import load_checkpoint
+from zosoma.formats.h5util import content_digest, text_array, text_attr
+from zosoma.model.params import Layout
 from zosoma.runs.executor import Inline
-from zosoma.runs.folder import METRICS, RunFolder
+from zosoma.runs.folder import METRICS, MetricsDamaged, RunFolder
 from zosoma.runs.population_workers import InProcess, Sharding
 from zosoma.runs.records import Stopped
 from zosoma.runs.single import resume_run, start_run
 from zosoma.runs.soma import resume_soma, start_soma
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.runs.trainer import Trainer, from_checkpoint, guard_of, new_state, train
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 BASE = dict(steps=12, batch=2, seq_len=16, perturbations=4, warmup=2, checkpoint_every=5)
@@ -122,3 +128,97 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, two_domains, optim
         assert logged(part) == logged(full) and [s for s, _ in logged(part)] == list(range(1, cfg.steps + 1))
     if run == "population-workers":  # the scalars every step exchanged, kept for a worker's replay
         assert sorted(RunFolder(tmp_path / "part").read_scalars()) == list(range(cfg.steps))
+
+
+# --- the step records live in metrics.jsonl, which a checkpoint counts and checksums ---------------
+
+def write_format_2(path, ckpt, records):
+    """`ckpt` written as zosoma wrote checkpoints before format version 3: the step records inside
+    (/metrics), no divergence guard in extra, no metrics_records or metrics_sha256."""
+    layout = Layout(ckpt.model)
+    extra = {k: v for k, v in ckpt.extra.items() if k != "guard"}
+    texts = {"format": "zosoma-checkpoint", "format_version": "2", "zosoma_version": "0.1.0",
+             "config": to_json(ckpt.model, ckpt.train), "created": "2026-12-01T00:00:00+00:00",
+             "step": str(ckpt.step), "extra": json.dumps(extra, sort_keys=True), "metrics": json.dumps(records),
+             "layout": json.dumps([[e.name, list(e.shape), e.offset] for e in layout.entries])}
+    params = [(e.name, layout.view(ckpt.theta, e.name)) for e in layout.entries]
+    optimizer = sorted(ckpt.optimizer.items())
+    checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
+                              [("optimizer/" + n, a) for n, a in optimizer])
+    with h5py.File(path, "w") as f:
+        for key in ("format", "zosoma_version", "config", "created"):
+            f.attrs[key] = text_attr(texts[key])
+        f.attrs["format_version"], f.attrs["step"] = np.int64(2), np.int64(ckpt.step)
+        f.attrs["checksum"] = text_attr(checksum)
+        f.create_dataset("extra", data=text_array(texts["extra"]))
+        group = f.create_group("params")
+        group.create_dataset("layout", data=text_array(texts["layout"]))
+        for (name, values), e in zip(params, layout.entries):
+            group.create_dataset(name, data=values).attrs["offset"] = np.int64(e.offset)
+        group = f.create_group("optimizer")
+        for name, values in optimizer:
+            group.create_dataset(name, data=values)
+        f.create_dataset("metrics", data=text_array(texts["metrics"]))
+
+
+def stopped_and_whole(tmp_path, two_domains):
+    """The loop's sgd run whole, and the same run stopped at step STOP (checkpoints at 5 and 7)."""
+    cfg = TrainConfig(optimizer="sgd", **BASE, **STRATEGY["sgd"])
+    runner = TrainingLoop(two_domains)
+    runner.start(tmp_path / "full", cfg, stop=False)
+    runner.start(tmp_path / "part", cfg, stop=True)
+    return runner, cfg, RunFolder(tmp_path / "full"), RunFolder(tmp_path / "part")
+
+
+def assert_same_run(full: RunFolder, part: RunFolder, cfg):
+    a, b = full.read_checkpoint(), part.read_checkpoint()
+    assert a.step == b.step == cfg.steps and np.array_equal(a.theta, b.theta)
+    assert b.extra["guard"] == a.extra["guard"]
+
+
+@pytest.mark.parametrize("log", ["kept", "short", "missing"])
+def test_a_checkpoint_of_format_version_2_resumes_bit_for_bit(tmp_path, two_domains, log):
+    """Checkpoints written before the step records left them still resume: their records are the
+    log (metrics.jsonl written anew from them) and the divergence guard is replayed over them."""
+    runner, cfg, full, part = stopped_and_whole(tmp_path, two_domains)
+    lines = (part.path / METRICS).read_text().splitlines(keepends=True)
+    for name in ("checkpoint.h5", "checkpoint.prev.h5"):
+        new = load_checkpoint(part.path / name)
+        write_format_2(part.path / name, new, [json.loads(x) for x in lines[:new.step]])
+        old = load_checkpoint(part.path / name)
+        assert old.stored_metrics is not None and guard_of(old) == guard_of(new)
+    if log == "short":
+        (part.path / METRICS).write_text("".join(lines[:3]))
+    elif log == "missing":
+        (part.path / METRICS).unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MetricsDamaged)  # the checkpoint's own records: nothing is damaged
+        runner.resume(part.path, cfg)
+    assert_same_run(full, part, cfg)
+    assert logged(part) == logged(full)
+    assert load_checkpoint(part.path / "checkpoint.prev.h5").step == 10  # rotation went on past the old files
+
+
+@pytest.mark.parametrize("how", ["edited", "truncated", "missing"])
+def test_a_damaged_metrics_log_is_said_and_set_aside_and_the_run_resumes_bit_for_bit(tmp_path, two_domains, how):
+    runner, cfg, full, part = stopped_and_whole(tmp_path, two_domains)
+    path = part.path / METRICS
+    lines = path.read_text().splitlines(keepends=True)
+    if how == "edited":  # one loss changed: the same number of lines, another checksum
+        lines[2] = json.dumps({**json.loads(lines[2]), "loss": 1.0}) + "\n"
+        path.write_text("".join(lines))
+    elif how == "truncated":
+        path.write_text("".join(lines[:4]))
+    else:
+        path.unlink()
+    damaged = path.read_bytes() if path.exists() else None
+    with pytest.warns(MetricsDamaged, match=f"{METRICS} does not hold the {STOP} records its checkpoint counts"):
+        runner.resume(part.path, cfg)
+    assert_same_run(full, part, cfg)  # training never reads the log back
+    aside = list(part.path.glob("metrics.damaged-*.jsonl"))
+    assert [p.read_bytes() for p in aside] == ([damaged] if damaged is not None else [])
+    assert logged(part) == logged(full)[STOP:]  # the log begins anew at the checkpoint
+    end = part.read_checkpoint()
+    assert end.metrics_records == cfg.steps - STOP
+    assert end.metrics_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert part.read_metrics(end) == [json.loads(x) for x in path.read_text().splitlines()]

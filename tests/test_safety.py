@@ -174,6 +174,24 @@ def test_a_damaged_latest_checkpoint_is_said_and_set_aside(text, tmp_path, how):
     assert steps_logged(run) == list(range(1, 13))
 
 
+def test_a_damaged_metrics_log_is_said_in_one_line_and_set_aside(text, tmp_path):
+    run = tmp_path / "run"
+    assert invoke(train_args(text, run, 12, "--checkpoint-every", "4")).exit_code == 0
+    last = json.loads(invoke(["info", run, "--json"]).stdout)["last_metrics"]
+    assert last == json.loads((run / METRICS).read_text().splitlines()[-1])  # read from the log
+    lines = (run / METRICS).read_text().splitlines(keepends=True)
+    (run / METRICS).write_text("".join(lines[:5]))  # cut short: the checkpoint counts 12 records
+    info = invoke(["info", run, "--json"])
+    assert info.exit_code == 0 and json.loads(info.stdout)["last_metrics"] is None
+    assert "warning: " in info.stderr and "does not hold the 12 records" in info.stderr
+    result = invoke(["train", "--resume", run, "--steps", "14"])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if METRICS in line]
+    assert len(said) == 1 and said[0].startswith("warning: ") and "does not hold the 12 records" in said[0], said
+    assert [p.read_text() for p in run.glob("metrics.damaged-*.jsonl")] == ["".join(lines[:5])]
+    assert steps_logged(run) == [13, 14]  # the log begins anew at the checkpoint
+
+
 def test_a_soma_run_with_a_damaged_expert_checkpoint(text, tmp_path):
     run = tmp_path / "soma"
     assert invoke(train_args(text, run, 6, "--experts", "2", "--chunk-size", "256", "--checkpoint-every", "3",

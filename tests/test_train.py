@@ -1,6 +1,8 @@
 """The SPSA step, update rules and the training loop: estimates, skipping, resumption from an older
 checkpoint (a resume's exactness: tests/test_resume.py)."""
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,23 @@ def test_resume_from_an_older_checkpoint_drops_later_metrics(tmp_path):
     resumed, _ = run_steps(tmp_path / "killed", cfg, state=from_checkpoint(ckpt))
     assert np.array_equal(resumed.theta, full.theta)
     assert len((tmp_path / "killed" / METRICS).read_text().splitlines()) == 8
+
+
+def test_a_checkpoint_does_not_grow_with_the_run(tmp_path):
+    """A checkpoint holds the parameters, the optimizer state and a constant rest: the step records
+    stay in metrics.jsonl, which it counts and checksums (`head -n N metrics.jsonl | sha256sum`)."""
+    sizes = {}
+    for steps in (20, 200):
+        cfg = TrainConfig(steps=steps, batch=2, seq_len=8, perturbations=2, optimizer="adam", lr=0.01,
+                          checkpoint_every=steps)
+        run_steps(tmp_path / str(steps), cfg)
+        path = tmp_path / str(steps) / CHECKPOINT
+        sizes[steps] = path.stat().st_size
+        ckpt = RunFolder(path.parent).read_checkpoint()
+        log = (path.parent / METRICS).read_bytes()
+        assert ckpt.metrics_records == steps and ckpt.metrics_sha256 == hashlib.sha256(log).hexdigest()
+    state = 3 * Layout(MODEL).size * 4  # theta, Adam's m and v in float32
+    assert abs(sizes[200] - sizes[20]) < 200 and sizes[200] < state + 16_000, sizes
 
 
 class Poisoned(Ops):

@@ -106,8 +106,9 @@ class Job:
             return None
         in_format = run.score(run.heldout, ops=run.trainers[0].ops)
         fp32 = in_format["overall"] if self.fmt == "fp32" else run.score(run.heldout, ops=get_ops("cpu"))["overall"]
-        metrics = [m for t in run.trainers for m in t.state.metrics]
-        last = [m["loss"] for t in run.trainers for m in t.state.metrics[-100:] if np.isfinite(m["loss"])]
+        logs = [t.folder.read_metrics() for t in run.trainers]
+        metrics = [m for log in logs for m in log]
+        last = [m["loss"] for log in logs for m in log[-100:] if np.isfinite(m["loss"])]
         summaries = [t.summary() for t in run.trainers]
         return {"name": self.name, **dataclasses.asdict(self), "eps_over_step": self.eps / self.step_size,
                 "heldout": in_format, "heldout_fp32_eval": fp32,

@@ -1,23 +1,30 @@
 """Checkpoint I/O: one HDF5 file that says what it is (after Keras' legacy H5 format and anndata's
 `encoding-type` / `encoding-version`).
 
-Layout of format "zosoma-checkpoint", version 2:
+Layout of format "zosoma-checkpoint", version 3:
 
     /                    attrs: format, format_version, zosoma_version, config (config.to_json of
                          ModelConfig and TrainConfig), created (ISO 8601, UTC), step, checksum
-                         (SHA-256 of the content, h5util.content_digest); texts are fixed-length
-                         UTF-8 bytes
-    /extra               JSON object (uint8 text): seeds, data record, compute totals
+                         (SHA-256 of the content, h5util.content_digest), metrics_records and
+                         metrics_sha256 (how far the run's metrics.jsonl went: its first
+                         metrics_records lines, whose bytes have that SHA-256); texts are
+                         fixed-length UTF-8 bytes
+    /extra               JSON object (uint8 text): seeds, data record, compute totals, the
+                         divergence guard's and the coefficient shaping's state
     /params/layout       JSON list of [name, shape, offset] rebuilding theta (d,) (uint8 text)
     /params/<name>       float32 tensor in zosoma's "x @ W" orientation (zosoma.model.params), attr offset
     /optimizer/<name>    one dataset per optimizer state array (e.g. m, v for Adam)
-    /metrics             JSON list of the metrics records (uint8 text)
 
-Version 1 (still read) kept extra and layout as attributes and every text as a variable-length
-string; version 2 keeps text out of HDF5's global heap, which the HDF5 library loops on when it is
-damaged (zosoma.formats.h5util). HDF5 checksums neither raw data nor attributes, so a flipped
-byte inside a tensor would load silently; the `checksum` attribute covers every value the reader
-returns.
+The file's size does not grow with the run: the step records live in the run's metrics.jsonl
+(zosoma.runs.folder.MetricsLog), which the checkpoint only counts and checksums.
+
+Versions 1 and 2 (still read) held the step records themselves as /metrics, a JSON list (uint8
+text), and no metrics_records or metrics_sha256: read, their records come back as
+`stored_metrics`. Version 1 also kept extra and layout as attributes and every text as a
+variable-length string; version 2 keeps text out of HDF5's global heap, which the HDF5 library
+loops on when it is damaged (zosoma.formats.h5util). HDF5 checksums neither raw data nor
+attributes, so a flipped byte inside a tensor would load silently; the `checksum` attribute covers
+every value the reader returns.
 
 Writes are atomic: the file is built in memory, then written to a temporary file in the target's
 folder, fsynced and renamed onto the target, so a crash or a full disk mid-write leaves the
@@ -26,8 +33,10 @@ previous checkpoint intact.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import re
 import textwrap
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -45,7 +54,8 @@ from zosoma.formats.h5util import (attr_int, attr_text, check_global_heaps, cont
 from zosoma.model.params import Layout
 
 FORMAT = "zosoma-checkpoint"
-FORMAT_VERSION = 2  # 2: text without HDF5's global heap (h5util); version 1 files are still read
+FORMAT_VERSION = 3  # 3: the step records left for metrics.jsonl; 2: text without HDF5's global heap (h5util)
+EMPTY_SHA256 = hashlib.sha256().hexdigest()  # the checksum of no metrics records
 
 PathLike = Union[str, Path]
 
@@ -61,8 +71,10 @@ class Checkpoint:
     theta: np.ndarray  # (d,) float32 flat parameters, d = Layout(model).size
     step: int  # optimizer steps completed
     optimizer: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. {"m": (d,), "v": (d,)}
-    metrics: list[dict] = field(default_factory=list)  # metrics history (JSON-able records)
     extra: dict = field(default_factory=dict)  # JSON-able run state: seeds, data cursors, ...
+    metrics_records: int = 0  # the run's metrics.jsonl held this many records at this step ...
+    metrics_sha256: str = EMPTY_SHA256  # ... whose bytes have this SHA-256 ("" read from version 1-2 files)
+    stored_metrics: list[dict] | None = None  # the records themselves: read from version 1-2 files only
 
 
 def _json_default(value):
@@ -91,8 +103,13 @@ def _check_for_writing(ckpt: Checkpoint, layout: Layout) -> None:
             raise ValueError(f"optimizer state name {name!r} cannot name an HDF5 dataset")
         if not isinstance(value, np.ndarray) or value.dtype.kind not in "biufc":
             raise ValueError(f"optimizer state {name!r} must be a numeric NumPy array")
-    if not isinstance(ckpt.metrics, list) or not isinstance(ckpt.extra, dict):
-        raise ValueError("metrics must be a list of records and extra a dict")
+    if not isinstance(ckpt.extra, dict):
+        raise ValueError("extra must be a dict")
+    records = ckpt.metrics_records
+    if isinstance(records, bool) or not isinstance(records, (int, np.integer)) or records < 0:
+        raise ValueError(f"metrics_records must be a non-negative integer, got {records!r}")
+    if not isinstance(ckpt.metrics_sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", ckpt.metrics_sha256):
+        raise ValueError(f"metrics_sha256 must be a SHA-256 in hex, got {ckpt.metrics_sha256!r}")
 
 
 def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
@@ -114,11 +131,12 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "step": str(int(ckpt.step)),
             "extra": json.dumps(ckpt.extra, sort_keys=True, default=_json_default),
-            "metrics": json.dumps(ckpt.metrics, default=_json_default),
+            "metrics_records": str(int(ckpt.metrics_records)),
+            "metrics_sha256": ckpt.metrics_sha256,
             "layout": _layout_json(layout),
         }
     except TypeError as err:
-        raise TypeError(f"checkpoint metrics and extra must be JSON serialisable: {err}") from None
+        raise TypeError(f"checkpoint extra must be JSON serialisable: {err}") from None
     params = [(e.name, layout.view(ckpt.theta, e.name)) for e in layout.entries]
     optimizer = [(name, ckpt.optimizer[name]) for name in sorted(ckpt.optimizer)]
     checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
@@ -132,6 +150,8 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
             f.attrs[key] = text_attr(texts[key])
         f.attrs["format_version"] = np.int64(FORMAT_VERSION)
         f.attrs["step"] = np.int64(ckpt.step)
+        f.attrs["metrics_records"] = np.int64(ckpt.metrics_records)
+        f.attrs["metrics_sha256"] = text_attr(ckpt.metrics_sha256)
         f.attrs["checksum"] = text_attr(checksum)
         f.create_dataset("extra", data=text_array(texts["extra"]))
         group = f.create_group("params")
@@ -141,7 +161,6 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
         group = f.create_group("optimizer")
         for name, values in optimizer:
             group.create_dataset(name, data=values)
-        f.create_dataset("metrics", data=text_array(texts["metrics"]))
     atomic_write(path, image.getbuffer(), "checkpoint")
 
 
@@ -221,10 +240,18 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
                 raise _Damaged(f"optimizer state {name!r} is not a numeric dataset of at most the file's size")
             optimizer[name] = np.asarray(ds[()])
 
-        texts["metrics"] = dataset_text(f["metrics"], limit)
-        metrics = json.loads(texts["metrics"])
-        if not isinstance(metrics, list):
-            raise _Damaged("'metrics' is not a JSON list")
+        if version < 3:  # the records themselves
+            texts["metrics"] = dataset_text(f["metrics"], limit)
+            stored_metrics = json.loads(texts["metrics"])
+            if not isinstance(stored_metrics, list):
+                raise _Damaged("'metrics' is not a JSON list")
+            records, sha256 = len(stored_metrics), ""
+        else:  # how far metrics.jsonl went
+            stored_metrics, records = None, attr_int(f.attrs["metrics_records"], "metrics_records")
+            sha256 = texts["metrics_sha256"] = attr_text(f.attrs["metrics_sha256"])
+            if records < 0:
+                raise _Damaged(f"negative metrics_records {records}")
+            texts["metrics_records"] = str(records)
 
         checksum = attr_text(f.attrs["checksum"])
     arrays = params + [("optimizer/" + n, a) for n, a in optimizer.items()]
@@ -232,7 +259,7 @@ def _read(path: Path) -> tuple[Checkpoint, dict]:
         raise _Damaged("checksum mismatch (the file was modified or corrupted after writing)")
     header = {"format": fmt, "format_version": version, "zosoma_version": written_by,
               "created": texts["created"]}
-    return Checkpoint(model, train, theta, step, optimizer, metrics, extra), header
+    return Checkpoint(model, train, theta, step, optimizer, extra, records, sha256, stored_metrics), header
 
 
 def _first_difference(stored, expected) -> str:
@@ -261,21 +288,23 @@ def load_checkpoint(path: PathLike) -> Checkpoint:
     return _read_or_raise(path)[0]
 
 
-def description(path: PathLike) -> dict:
-    """What `zosoma info --json` prints of a checkpoint (verified as load_checkpoint does)."""
+def description(path: PathLike, last_metrics: dict | None = None) -> dict:
+    """What `zosoma info --json` prints of a checkpoint (verified as load_checkpoint does);
+    `last_metrics`: the last metrics.jsonl record it covers (zosoma.runs.folder.last_metrics)."""
     ckpt, header = _read_or_raise(path)
     layout = Layout(ckpt.model)
     return {"checkpoint": str(path), **{k: header[k] for k in ("format", "format_version", "zosoma_version", "created")},
             "step": ckpt.step, "n_params": layout.size, "model": asdict(ckpt.model), "train": asdict(ckpt.train),
             "tensors": [{"name": e.name, "shape": list(e.shape), "offset": e.offset} for e in layout.entries],
             "optimizer": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in ckpt.optimizer.items()},
-            "metrics": len(ckpt.metrics), "last_metrics": ckpt.metrics[-1] if ckpt.metrics else None,
+            "metrics": ckpt.metrics_records, "last_metrics": last_metrics,
             "extra": ckpt.extra}
 
 
-def summary(path: PathLike) -> str:
-    """A multi-line human summary of a checkpoint (what `zosoma info` prints); verifies the file
-    like load_checkpoint and raises CheckpointError when it is damaged."""
+def summary(path: PathLike, last_metrics: dict | None = None) -> str:
+    """A multi-line human summary of a checkpoint (what `zosoma info` prints, with the last
+    metrics.jsonl record it covers); verifies the file like load_checkpoint and raises
+    CheckpointError when it is damaged."""
     ckpt, header = _read_or_raise(path)
     layout = Layout(ckpt.model)
     n = layout.size
@@ -295,9 +324,9 @@ def summary(path: PathLike) -> str:
     else:
         states = "none"
     lines.append(f"optimizer    {states}")
-    lines.append(f"metrics      {len(ckpt.metrics)} records")
-    if ckpt.metrics:
-        lines.append(f"  last       {_json_line(ckpt.metrics[-1])}")
+    lines.append(f"metrics      {ckpt.metrics_records} records")
+    if last_metrics is not None:
+        lines.append(f"  last       {_json_line(last_metrics)}")
     lines.append("extra" + ("" if ckpt.extra else "        none"))
     lines += [f"  {k}: {_json_line(v)}" for k, v in sorted(ckpt.extra.items())]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ A single model's run (or one SOMA expert's folder):
     RUN/checkpoint.prev2.h5  older ones, where a run that restarts on divergence keeps more
                              (TrainConfig.on_divergence "restart": zosoma.runs.trainer)
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
+                             (each checkpoint records its line count and their SHA-256: MetricsLog)
     RUN/results.json         the final evaluation, naming the checkpoint step it was computed from
                              (checkpoint_steps): a run that went on since is seen to (RunFolder.stale)
     RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
@@ -43,7 +44,9 @@ of checkpoint.h5, checkpoint.next.h5, checkpoint.prev.h5 holds a complete checkp
 checkpoint is never used silently: readers say which file they fall back to and why
 (CheckpointFallback, a warning the command line prints as one line), or refuse when told not to
 fall back; a resume sets the damaged file aside as checkpoint.damaged-<time>.h5 so that rotation
-never writes over the good one.
+never writes over the good one. A metrics.jsonl that does not hold what the checkpoint recorded is
+said in one line too (MetricsDamaged), set aside as metrics.damaged-<time>.jsonl, and begun anew:
+training never reads it back, so the run's parameters do not depend on it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import dataclasses
 import errno
 import fcntl
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -65,7 +69,7 @@ from pathlib import Path
 
 from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
-from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint
 from zosoma.runs.guard import rollback_index
 from zosoma.runs.placement import Placement
 from zosoma.runs.records import Note
@@ -87,16 +91,22 @@ TOKEN = ".token"
 PLACEMENT = "placement.json"
 SETTINGS = "settings.json"
 DAMAGED = "checkpoint.damaged-{time}.h5"
+METRICS_DAMAGED = "metrics.damaged-{time}.jsonl"
 EVENTS = "events.out.tfevents.{stamp}"
 EXPERT = "expert{i}"
 # Every name above, as a glob: the files a run folder (or a study's) holds that are the run's.
 RUN_FILES = (CHECKPOINT, PREVIOUS, NEXT, OLDER.format(n="[0-9]*"), METRICS, RESULTS, SOMA, ROUTER, CURVE, RESULT,
-             LOCK, SCALARS, TOKEN, PLACEMENT, SETTINGS, DAMAGED.format(time="*"), EVENTS.format(stamp="*"),
-             EXPERT.format(i="[0-9]*"))
+             LOCK, SCALARS, TOKEN, PLACEMENT, SETTINGS, DAMAGED.format(time="*"), METRICS_DAMAGED.format(time="*"),
+             EVENTS.format(stamp="*"), EXPERT.format(i="[0-9]*"))
 
 
 class CheckpointFallback(UserWarning):
     """A damaged newest checkpoint was passed over for an older one (one line: which, why)."""
+
+
+class MetricsDamaged(CheckpointFallback):
+    """A run's metrics.jsonl does not hold the records its checkpoint counts (one line: why, and
+    what was done)."""
 
 
 @contextlib.contextmanager
@@ -318,16 +328,17 @@ class RunFolder:
                     self._set_aside(n)
         return ckpt
 
-    def rollback_checkpoint(self, before: int, healthy=lambda step: True) -> Checkpoint:
+    def rollback_checkpoint(self, before: int, healthy=lambda ckpt: True) -> Checkpoint:
         """The newest intact checkpoint of the run's current course (as many restarts as the
-        newest) from before step `before` at a step where healthy(step); with none, the oldest of
+        newest) from before step `before` for which healthy(checkpoint); with none, the oldest of
         that course (where its last restart put it)."""
         checkpoints = [c for _, c in self._checkpoints() if isinstance(c, Checkpoint)]
         if not checkpoints:
             return self.read_checkpoint()  # raises the reason
         restarts = max(recency(c)[0] for c in checkpoints)
         course = sorted((c for c in checkpoints if recency(c)[0] == restarts), key=lambda c: c.step)
-        return course[rollback_index([c.step for c in course], before, healthy)]
+        ok = {c.step for c in course if healthy(c)}
+        return course[rollback_index([c.step for c in course], before, ok.__contains__)]
 
     def checkpoint_file(self, fallback: bool = True) -> Path:
         """The file read_checkpoint would read (for commands that show or convert one file)."""
@@ -349,19 +360,41 @@ class RunFolder:
             return [f.read_checkpoint() for f in folders]
 
     def _set_aside(self, name: str) -> None:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-        try:
-            os.replace(self.path / name, self.path / DAMAGED.format(time=stamp))
-        except OSError as err:
-            raise WriteError(f"cannot set aside damaged {self.path / name}: {reason(err)}") from None
+        _set_aside(self.path / name, self.path / DAMAGED.format(time=_stamp()))
 
     # --- logs and results -------------------------------------------------------------------
 
-    def rewrite_metrics(self, records: list[dict]) -> None:
-        atomic_write(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in records), "metrics")
+    def metrics_log(self, mark: "MetricsMark") -> "MetricsLog":
+        """This run's metrics.jsonl, opened to go on from a checkpoint's `mark` (MetricsLog)."""
+        return MetricsLog(self.path, mark)
 
-    def append_metrics(self, record: dict) -> None:
-        append_line(self.path / METRICS, json.dumps(record), "metrics")
+    def read_metrics(self, ckpt: Checkpoint | None = None) -> list[dict]:
+        """The step records of metrics.jsonl: those `ckpt` covers, checked against the record count
+        and checksum it holds (a CheckpointError naming the file when they differ; a version 1-2
+        checkpoint's own records), or without `ckpt` all of them (a line cut short by a kill ends
+        the log)."""
+        path = self.path / METRICS
+        if ckpt is None:
+            return _records(path.read_bytes() if path.is_file() else b"")
+        if ckpt.stored_metrics is not None:
+            return list(ckpt.stored_metrics)
+        head, why = _covered(path, MetricsMark.of(ckpt))
+        if head is None:
+            raise CheckpointError(_not_held(path, ckpt.metrics_records, why))
+        return _records(head)
+
+    def last_metrics(self, ckpt: Checkpoint) -> dict | None:
+        """The last step record `ckpt` covers (read_metrics), or None: when it covers none, when
+        there is no metrics.jsonl here (a checkpoint file copied on its own), or, with a
+        MetricsDamaged warning, when the file does not hold them."""
+        if ckpt.stored_metrics is None and not (self.path / METRICS).is_file():
+            return None
+        try:
+            records = self.read_metrics(ckpt)
+        except CheckpointError as err:
+            warnings.warn(str(err), MetricsDamaged, stacklevel=2)
+            return None
+        return records[-1] if records else None
 
     def read_results(self) -> dict | None:
         """The final evaluation (results.json), or None before the run finished; whether it is
@@ -546,6 +579,103 @@ def new_run_dir(prefix: str) -> Path:
     raise WriteError(f"cannot find a free run folder name beside {stem}")
 
 
+@dataclasses.dataclass(frozen=True)
+class MetricsMark:
+    """How far a run's metrics.jsonl went at a checkpoint: its first `records` lines, whose bytes
+    have SHA-256 `sha256`. A checkpoint of format version 1-2 holds the records themselves
+    instead (`stored`)."""
+    records: int = 0
+    sha256: str = EMPTY_SHA256
+    stored: list | None = None
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint) -> "MetricsMark":
+        return cls(ckpt.metrics_records, ckpt.metrics_sha256, ckpt.stored_metrics)
+
+
+class MetricsLog:
+    """RUN/metrics.jsonl as a trainer writes it: one JSON line per step, appended whole. Its
+    `mark` (lines so far and the SHA-256 of their bytes, `head -n N metrics.jsonl | sha256sum`)
+    goes into every checkpoint, so that a run going on from one finds out whether the file still
+    holds what the checkpoint saw. Opened at a mark, it keeps the lines the mark covers (`cut`
+    drops those past it); a file that does not hold them is said in one line (MetricsDamaged),
+    set aside at `cut` as metrics.damaged-<time>.jsonl, and the log begins anew from there."""
+
+    def __init__(self, folder: Path, mark: MetricsMark):
+        self.path = folder / METRICS
+        head, why = _covered(self.path, mark)
+        self._aside = None
+        if head is None:
+            self._aside = folder / METRICS_DAMAGED.format(time=_stamp())
+            warnings.warn(f"{_not_held(self.path, mark.records, why)}: set aside as {self._aside.name}; the log "
+                          "begins anew at the checkpoint", MetricsDamaged, stacklevel=3)
+        self.records = 0 if head is None else mark.records
+        self._head = head or b""  # what the file is cut back to, until `cut`
+        self._rewrite = mark.stored is not None  # a version 1-2 checkpoint's records: written out anew
+        self._hash = hashlib.sha256(self._head)
+
+    @property
+    def mark(self) -> MetricsMark:
+        return MetricsMark(self.records, self._hash.hexdigest())
+
+    def cut(self) -> None:
+        """Make the file hold just the lines the log was opened with (those past its checkpoint
+        dropped, or none after a damaged one was set aside)."""
+        if self._aside is not None and self.path.exists():
+            _set_aside(self.path, self._aside)
+        if self._rewrite or not self.path.is_file() or self.path.stat().st_size != len(self._head):
+            atomic_write(self.path, self._head, "metrics")
+        self._aside, self._rewrite, self._head = None, False, b""
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record)
+        append_line(self.path, line, "metrics")
+        self._hash.update(line.encode() + b"\n")  # what append_line wrote
+        self.records += 1
+
+
+def _covered(path: Path, mark: MetricsMark) -> tuple[bytes | None, str]:
+    """The bytes of the metrics log at `path` that `mark` covers, or None and why not."""
+    if mark.stored is not None:
+        return b"".join((json.dumps(r) + "\n").encode() for r in mark.stored), ""
+    if not path.exists():
+        return (b"", "") if mark.records == 0 else (None, "it is missing")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return None, reason(err)
+    end, newline = 0, b"\n"
+    for _ in range(mark.records):
+        end = data.find(newline, end) + 1
+        if end == 0:
+            return None, f"it has only {data.count(newline)} complete lines"
+    if hashlib.sha256(data[:end]).hexdigest() != mark.sha256:
+        return None, f"its first {mark.records} lines are not those the checkpoint saw (SHA-256 differs)"
+    return data[:end], ""
+
+
+def _not_held(path: Path, records: int, why: str) -> str:
+    return f"{path} does not hold the {records} records its checkpoint counts ({why})"
+
+
+def _records(data: bytes) -> list[dict]:
+    """The JSON records of a metrics log's bytes, up to a line cut short by a kill."""
+    records = []
+    for line in data.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+    return records
+
+
+def last_metrics(path) -> dict | None:
+    """The last record of metrics.jsonl, the log beside the checkpoint file `path`, that the
+    checkpoint covers (RunFolder.last_metrics)."""
+    path = Path(path)
+    return RunFolder(path.parent).last_metrics(load_checkpoint(path))
+
+
 def recency(ckpt: Checkpoint) -> tuple[int, int]:
     """Which of two checkpoints of one run is newer: the one after more restarts, then the later
     step."""
@@ -576,6 +706,18 @@ def warn_if_training(path, steps) -> str | None:
 def _steps(steps) -> str:
     """'300', or an expert per step: '300, 298'."""
     return ", ".join(str(s) for s in steps)
+
+
+def _stamp() -> str:
+    """The time in a damaged file's new name."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def _set_aside(path: Path, to: Path) -> None:
+    try:
+        os.replace(path, to)
+    except OSError as err:
+        raise WriteError(f"cannot set aside damaged {path}: {reason(err)}") from None
 
 
 def _cause(err: CheckpointError) -> str:

@@ -16,14 +16,14 @@ A healthy SPSA run's smoothed loss wanders by a few percent and never sits 25% a
 left their best for good within tens of steps. The window shrinks with the run so a short one
 (SPSA P=1024's 165 steps at CPU scale) is judged too, and the best counts from the first step so a
 run that blows up within its first WARMUP steps is caught. The guard is a pure function of the
-loss sequence, so a resumed run reaches the same verdict at the same step (it replays the logged
-losses).
+loss sequence, so a resumed run reaches the same verdict at the same step (its checkpoint keeps
+the guard's state, which replaying the logged losses gives too).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 DECAY = 0.98
 WARMUP = 50
@@ -73,10 +73,19 @@ class DivergenceGuard:
         """The smoothed loss is within RATIO of its best (or nothing has been judged yet)."""
         return self.smoothed is None or self.smoothed <= RATIO * self.best
 
+    @property
+    def rollback_point(self) -> bool:
+        """A rollback may land here: healthy, and no skipped steps pending."""
+        return self.healthy and self.skipped_run == 0
+
     def window_start(self) -> int:
         """The first step of the bad stretch the latest verdict judged (1-based, as records'
         "step"): a rollback goes to a checkpoint from before it."""
         return self.steps - max(self.above, self.skipped_run) + 1
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the guard: all but its window, which follows the run's length."""
+        return {k: v for k, v in asdict(self).items() if k != "window"}
 
     @classmethod
     def replay(cls, metrics: list[dict], window: int = WINDOW) -> "DivergenceGuard":
@@ -93,7 +102,7 @@ def healthy_steps(metrics: list[dict]) -> set[int]:
     guard, out = DivergenceGuard(), {0}
     for record in metrics:
         guard.observe(record["loss"], record.get("skipped", False))
-        if guard.healthy and guard.skipped_run == 0:
+        if guard.rollback_point:
             out.add(record["step"])
     return out
 

@@ -173,6 +173,7 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
             check_wikitext103(data.get("wikitext"))
         cfg, notes = extended(ckpt.train, ckpt.step, steps, run_dir)
         trainer = run.trainer(cfg, ops, sharding)
+        yield from fallbacks()  # a damaged metrics.jsonl passed over
         if notes or wikitext:
             trainer.checkpoint()  # the new length and data are the run's from now on
         if placement is not None:

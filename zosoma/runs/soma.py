@@ -168,9 +168,9 @@ def soma_description(run_dir, fallback: bool = False) -> dict:
     experts = []
     for i in range(soma["experts"]):
         c = folder.expert(i).read_checkpoint(fallback=fallback)
-        t = summary_of(c)
+        t, last = summary_of(c), folder.expert(i).last_metrics(c)
         experts.append({"expert": i, "step": c.step, "steps": c.train.steps, "n_params": c.model.n_params(),
-                        "last_loss": c.metrics[-1]["loss"] if c.metrics else None, "restarts": t["restarts"],
+                        "last_loss": last["loss"] if last else None, "restarts": t["restarts"],
                         "dropped": t["dropped"]})
     return {"run": str(run_dir), **{k: soma[k] for k in ("experts", "loss", "chunk_size", "top_k", "cluster_sizes")},
             "experts_status": experts}
@@ -259,11 +259,11 @@ class ExpertUnit:
         # wait: a worker of a killed run may still be finishing its step in this folder
         with folder.lock(wait=True), noting_fallbacks() as fallbacks:
             ckpt = folder.read_checkpoint(set_aside=True)
-            yield from fallbacks()
             cfg = run_length(self.soma, ckpt.train)
             trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
                               from_checkpoint(ckpt), expert=self.expert,
                               extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
+            yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
             yield from train(trainer, stopping)
 
 

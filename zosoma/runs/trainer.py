@@ -7,15 +7,19 @@ One step (zosoma.strategies.base):
     plus, minus  = ops.perturbed_losses(theta, layout, batch, pop)    forward passes only
     coeffs, loss = strategy.coefficients(plus, minus)                 P scalars
     theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
-    the step's record -> metrics.jsonl; every K steps -> checkpoint.h5
+    the step's record -> metrics.jsonl; every K steps -> checkpoint.h5 (which counts the records
+                                                                   and checksums them)
 
 theta and the optimizer state live on the engine (a GPU keeps them there); the host gets them
 only for checkpoints. Batches and noise are regenerated from counters, so a run resumed from a
-checkpoint takes exactly the steps an uninterrupted run would have taken.
+checkpoint takes exactly the steps an uninterrupted run would have taken. Training never reads the
+step records back: what it needs of them (the divergence guard's state) is in the checkpoint,
+whose size does not grow with the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,8 +35,8 @@ from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.runs.events import EventLog
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.guard import DivergenceGuard, healthy_steps, window_for
+from zosoma.runs.folder import MetricsMark, RunFolder
+from zosoma.runs.guard import DivergenceGuard, window_for
 from zosoma.runs.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
@@ -41,17 +45,19 @@ from zosoma.strategies.shaping import spread
 
 @dataclass
 class RunState:
-    """Everything that changes during training; saved whole in every checkpoint."""
+    """Everything that changes during training; saved whole in every checkpoint (the step records
+    counted and checksummed: they live in metrics.jsonl)."""
     theta: np.ndarray  # (d,) float32, an engine array while training
     optimizer: dict  # the strategy's state arrays
     step: int = 0
-    metrics: list = field(default_factory=list)
     tokens: int = 0  # bytes pushed through forward passes (2P * B * T per step), restarts' too
     wall_s: float = 0.0  # training wall time summed over all sessions of this run
     divergence: dict | None = None  # the guard's verdict and its step, once it has spoken
     shaping: dict = field(default_factory=dict)  # the coefficient shaping's state (zosoma.strategies.shaping)
     restarts: list = field(default_factory=list)  # one record per restart: step, verdict, rolled back to, lr scale
     dropped: dict | None = None  # the verdict after which training gave up on this model
+    guard: DivergenceGuard = field(default_factory=DivergenceGuard)  # after `step` (the Trainer sets its window)
+    log: MetricsMark = field(default_factory=MetricsMark)  # how far metrics.jsonl went at `step`
 
 
 def new_state(model: ModelConfig, cfg: TrainConfig, expert: int = 0) -> RunState:
@@ -62,10 +68,16 @@ def new_state(model: ModelConfig, cfg: TrainConfig, expert: int = 0) -> RunState
 
 def from_checkpoint(ckpt: Checkpoint) -> RunState:
     e = ckpt.extra
-    return RunState(ckpt.theta, ckpt.optimizer, ckpt.step, list(ckpt.metrics), int(e.get("tokens", 0)),
-                    float(e.get("wall_s", 0.0)), e.get("divergence"),
-                    e.get("shaping") or make_strategy(ckpt.train).shaping.init(), list(e.get("restarts") or ()),
-                    e.get("dropped"))
+    return RunState(ckpt.theta, ckpt.optimizer, ckpt.step, int(e.get("tokens", 0)), float(e.get("wall_s", 0.0)),
+                    e.get("divergence"), e.get("shaping") or make_strategy(ckpt.train).shaping.init(),
+                    list(e.get("restarts") or ()), e.get("dropped"), guard_of(ckpt), MetricsMark.of(ckpt))
+
+
+def guard_of(ckpt: Checkpoint) -> DivergenceGuard:
+    """The divergence guard as it stood at the checkpoint (replayed over the step records that a
+    checkpoint of format version 1-2 holds)."""
+    state = ckpt.extra.get("guard")
+    return DivergenceGuard(**state) if state is not None else DivergenceGuard.replay(ckpt.stored_metrics or [])
 
 
 # A restart moves an expert's batches and noise to a stream of their own: counters use
@@ -93,18 +105,14 @@ class Trainer:
         self.ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)
         self.layout = Layout(model)
         self.strategy.check(self.layout)
-        self.stream = stream(expert, len(state.restarts))  # the counters of its batches and noise
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
         self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
         self.comm_bytes = 0  # exchanged per step with other processes: none, the model is here
-        state.theta = self.ops.asarray(state.theta)  # on the engine from here on
-        state.optimizer = {k: self.ops.asarray(v) for k, v in state.optimizer.items()}
-        self.state = state
         self.folder.make()
-        self.folder.rewrite_metrics(state.metrics)  # drop records past the checkpoint
+        self._go_on(state)
+        self.log.cut()  # drop records past the checkpoint
         self.timings: dict = {}  # seconds of the step in progress: data, noise, forward, update
         self._pop = None  # the population `losses` evaluated, for `update`
-        self.guard = DivergenceGuard.replay(state.metrics, window_for(cfg.steps))
         self.events = EventLog(self.folder.path, since=state.step)  # TensorBoard's view of metrics.jsonl
         self.verdict = None  # the guard's verdict on the latest step
         # a run resumed after its guard stopped it goes on: resuming says "continue"
@@ -116,6 +124,10 @@ class Trainer:
     @property
     def run_dir(self):
         return self.folder.path
+
+    @property
+    def guard(self) -> DivergenceGuard:
+        return self.state.guard
 
     @property
     def done(self) -> bool:
@@ -162,12 +174,12 @@ class Trainer:
         # The state changes only here, once the step is complete (stop requests are polled).
         state.theta, state.optimizer, state.step, state.shaping = theta, opt, step + 1, shaping
         state.tokens, state.wall_s = record["tokens"], record["wall_s"]
-        state.metrics.append(record)
         self._pop = None
         self.verdict = self.guard.observe(loss, skipped)
         if self.verdict and state.divergence is None and self.on_divergence != "restart":
             state.divergence = {"step": state.step, "verdict": self.verdict}
-        self.folder.append_metrics(record)
+        self.log.append(record)
+        state.log = self.log.mark
         self.events.step(record, self.guard)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             self.checkpoint()
@@ -182,12 +194,13 @@ class Trainer:
     def to_checkpoint(self) -> Checkpoint:
         state, to_numpy = self.state, self.ops.to_numpy
         extra = dict(self.extra, tokens=state.tokens, flops=state.tokens * self.model.flops_per_token(),
-                     divergence=state.divergence, wall_s=state.wall_s, data_cursor=state.step)
+                     divergence=state.divergence, wall_s=state.wall_s, data_cursor=state.step,
+                     guard=state.guard.state())
         extra.update({k: v for k, v in (("shaping", state.shaping), ("restarts", state.restarts),
                                         ("dropped", state.dropped)) if v})  # absent when unused
         return Checkpoint(model=self.model, train=self.cfg, theta=to_numpy(state.theta), step=state.step,
-                          optimizer={k: to_numpy(v) for k, v in state.optimizer.items()},
-                          metrics=state.metrics, extra=extra)
+                          optimizer={k: to_numpy(v) for k, v in state.optimizer.items()}, extra=extra,
+                          metrics_records=state.log.records, metrics_sha256=state.log.sha256)
 
     def checkpoint(self) -> None:
         self.folder.write_checkpoint(self.to_checkpoint(), self.keep)
@@ -236,28 +249,37 @@ class Trainer:
             state.dropped = {"step": step, "verdict": verdict}
             self.checkpoint()
             return Dropped(self.expert, step, verdict, len(state.restarts))
-        ok = healthy_steps(state.metrics)  # where the smoothed loss was within the guard's ratio of its best
-        back = from_checkpoint(self.folder.rollback_checkpoint(self.guard.window_start(), ok.__contains__))
+        # to where the smoothed loss was within the guard's ratio of its best
+        back = from_checkpoint(self.folder.rollback_checkpoint(self.guard.window_start(),
+                                                               lambda c: guard_of(c).rollback_point))
         restarts = state.restarts + [{"step": step, "verdict": verdict, "to": back.step,
                                       "lr_scale": cfg.restart_lr_factor ** (len(state.restarts) + 1)}]
         # compute already spent stays counted: tokens and wall time go on from here
-        self.adopt(RunState(back.theta, back.optimizer, back.step, back.metrics, state.tokens, state.wall_s, None,
-                            back.shaping, restarts))
+        self.adopt(dataclasses.replace(back, tokens=state.tokens, wall_s=state.wall_s, divergence=None,
+                                       restarts=restarts, dropped=None))
         self.checkpoint()
-        self.folder.rewrite_metrics(self.state.metrics)
+        self.log.cut()  # after the checkpoint: a run killed in between resumes from the rollback
         self.events.rolled_back(back.step)
         return Restarted(self.expert, step, verdict, back.step, restarts[-1]["lr_scale"])
 
     def adopt(self, state: RunState) -> None:
-        """Go on from `state` (a restart's rollback): on the engine, with its stream and guard."""
+        """Go on from `state` (a restart's rollback)."""
+        self._go_on(state)
+
+    def _go_on(self, state: RunState) -> None:
+        """Take `state` on: on the engine, with its stream (the counters of its batches and noise),
+        its guard judging over this run's window, and its metrics log opened at its mark (checked;
+        the file is cut back by self.log.cut())."""
         state.theta = self.ops.asarray(state.theta)
         state.optimizer = {k: self.ops.asarray(v) for k, v in state.optimizer.items()}
+        state.guard = dataclasses.replace(state.guard, window=window_for(self.cfg.steps))
+        self.log = self.folder.metrics_log(state.log)
+        state.log = self.log.mark  # a version 1-2 checkpoint's records or a damaged file: the log's own
         self.state, self.stream = state, stream(self.expert, len(state.restarts))
-        self.guard = DivergenceGuard.replay(state.metrics, self.guard.window)
 
     def summary(self) -> dict:
         """What results record of the training itself (training_summary)."""
-        return training_summary(self.state.metrics, self.state.divergence, self.state.restarts, self.state.dropped)
+        return training_summary(self.guard, self.state.divergence, self.state.restarts, self.state.dropped)
 
     @property
     def theta(self) -> np.ndarray:
@@ -274,11 +296,10 @@ def apply_update(strategy, ops: Ops, layout: Layout, theta, state: dict, coeffs:
     return theta, state, False
 
 
-def training_summary(metrics: list[dict], divergence: dict | None, restarts=(), dropped: dict | None = None) -> dict:
-    """Of a run's step records: skipped (non-finite) steps, the divergence guard's verdict (None
-    when it never spoke), the restarts and whether training gave up (dropped), and the final
-    training loss (the guard's smoothed minibatch loss)."""
-    guard = DivergenceGuard.replay(metrics)
+def training_summary(guard: DivergenceGuard, divergence: dict | None, restarts=(), dropped: dict | None = None) -> dict:
+    """Of a run's divergence guard after its last step: skipped (non-finite) steps, the guard's
+    verdict (None when it never spoke), the restarts and whether training gave up (dropped), and
+    the final training loss (the guard's smoothed minibatch loss)."""
     return {"skipped_steps": guard.skipped, "divergence": divergence, "restarts": list(restarts),
             "dropped": dropped, "final_train_loss": guard.smoothed}
 
@@ -286,7 +307,7 @@ def training_summary(metrics: list[dict], divergence: dict | None, restarts=(), 
 def summary_of(ckpt: Checkpoint) -> dict:
     """training_summary of a checkpoint's run."""
     e = ckpt.extra
-    return training_summary(ckpt.metrics, e.get("divergence"), e.get("restarts") or (), e.get("dropped"))
+    return training_summary(guard_of(ckpt), e.get("divergence"), e.get("restarts") or (), e.get("dropped"))
 
 
 def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
