@@ -144,7 +144,8 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
             if lines is not None:
                 lines.restarts += 1
             bars[r.expert].write(f"{'expert %d' % r.expert if len(bars) > 1 else 'the model'} restarted at step "
-                                 f"{r.step} ({r.verdict}): rolled back to step {r.to}, lr x{r.lr_scale:g}, fresh batches")
+                                 f"{r.step} ({r.verdict}): rolled back to step {r.to}, lr x{r.lr_scale:g}, fresh "
+                                 f"batches (the {r.step - r.to} steps it re-runs count against its {t.steps})")
         elif isinstance(r, Continued):
             who = f"expert {r.expert}" if len(bars) > 1 else "the model"
             bars[r.expert].write(f"{who} diverged at step {r.step} ({r.verdict}); --on-divergence continue: it "

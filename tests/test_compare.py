@@ -1,5 +1,6 @@
 """The equal-compute harness: configs, budgets, resumable runs, one evaluation protocol."""
 
+import csv
 import dataclasses
 import json
 import re
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import one_line_error, run_cli, zosoma_cmd
-from zosoma.experiments.compare import Job, check_folder, curve_steps, find_config, jobs, load_comparison
+from zosoma.experiments.compare import (Job, check_folder, curve_steps, find_config, jobs, load_comparison,
+                                       run_comparison)
 from zosoma.experiments.study import Run, run_job
 from zosoma.errors import ConfigError
 from zosoma.runs.folder import SETTINGS, RunFolder
@@ -371,6 +373,48 @@ def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
         np.testing.assert_array_equal(a.state.theta, b.state.theta)
         np.testing.assert_array_equal(a.sampler.batch(0, a.expert, 2, 2), b.sampler.batch(0, b.expert, 2, 2))
         np.testing.assert_array_equal(a.losses()[0], b.losses()[0])
+
+
+HOT = """
+title = "hot"
+seeds = [0]
+flops = 4.7e7             # 150 steps
+curve_points = 2
+curve_bytes = 256
+train = {batch = 2, seq_len = 8}
+
+[[method]]
+name = "SPSA hot"         # runs away; its guard restarts it at step 70, from step 0 at lr 0.4
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 40, restart_lr_factor = 0.01}
+
+[[method]]
+name = "SPSA cool"
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 0.05}
+"""
+
+
+@pytest.mark.slow
+def test_the_steps_a_restart_re_runs_count_against_the_budget(tmp_path):
+    """Issue 33: a restarted run trained to its last step after re-running steps, so it spent
+    more than the budget every run was said to have (cpu-robust's P=1024: 1.94e13 against
+    1.5e13). It stops where its budget is spent, at a lower step, and the report says so."""
+    cmp = load_comparison_text(tmp_path, HOT)
+    run_comparison(cmp, tmp_path / "out")
+    hot, cool = (json.loads((tmp_path / "out" / "runs" / j.name / "result.json").read_text()) for j in jobs(cmp))
+    steps, per_step = cmp.methods[0].train.steps, cmp.methods[0].flops_per_step()
+    rerun = sum(r["step"] - r["to"] for r in hot["restarts"])
+    assert rerun > 0 and hot["step"] == steps - rerun  # it stopped short by the steps it re-ran
+    assert hot["flops"] == cool["flops"] == steps * per_step <= cmp.flops  # the budget spent, and no more
+    assert not cool["restarts"] and cool["step"] == steps  # a run with no restart: all its steps, as before
+    assert [p["step"] for p in hot["curve"]][-1] == hot["step"] < steps  # its curve ends where it stopped
+    assert len({p["step"] for p in hot["curve"]}) == len(hot["curve"])
+    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "out" / "results.csv").open())}
+    assert [float(rows[m]["flops"]) for m in ("SPSA hot", "SPSA cool")] == [steps * per_step] * 2
+    assert {rows[m]["over_budget"] for m in rows} == {"False"} and float(rows["SPSA hot"]["flops_budget"]) == cmp.flops
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "forward FLOPs spent" in table and "over budget" not in table and "budget, 4.70e7" in table
 
 
 @pytest.mark.slow

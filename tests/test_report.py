@@ -78,7 +78,7 @@ def test_markdown_table(results):
     rows = summarise(results)
     lines = markdown_table(rows).splitlines()
     assert len(lines) == 2 + len(rows)
-    assert lines[0].startswith("| method | params | seeds | steps | forward FLOPs | wall s |")
+    assert lines[0].startswith("| method | params | seeds | steps | forward FLOPs spent | wall s |")
     assert lines[0].rstrip(" |").endswith("| code | legal | prose")
     soma = lines[2]
     r = rows[0]
@@ -87,6 +87,25 @@ def test_markdown_table(results):
     assert f"{r['wikitext_mean']:.3f} ± {r['wikitext_std']:.3f}" in soma
     assert lines[3].startswith("| SPSA P=128 |")
     assert "(2 of 3 seeds)" in lines[3] and "of 3 seeds" not in soma
+
+
+def test_a_run_over_the_budget_is_marked(results, tmp_path):
+    """Issue 33: cpu-robust's P=1024 spent 1.76e13 (seeds 0 and 1: 1.94e13, their restarts' steps)
+    under a table that said every run had the 1.5e13 budget. The spend is beside the budget, and
+    a method with a run over it is marked in the table and the CSV."""
+    budget = 1.2149e13  # every synthetic run spends 1.2e13 + seed x 1e11: seed 2 is over
+    rows = summarise(results, budget)
+    assert [r["over_budget"] for r in rows] == [1, 1]
+    table = markdown_table(rows)
+    assert "| 1.21e13 (**over budget**: 1 of 3 seeds) |" in table
+    assert "over budget" not in markdown_table(summarise(results, 1.3e13))
+    assert "over budget" not in markdown_table(summarise(results))  # no budget: nothing to hold it to
+    paths = write_report(results, [], tmp_path, "t", budget=budget)
+    text = paths["results.md"].read_text()
+    assert "the same forward-FLOP budget, 1.21e13, and the steps a restart re-runs count against it" in text
+    rows = list(csv.DictReader(paths["results.csv"].open()))
+    assert [(int(r["seed"]), r["over_budget"]) for r in rows] == [(s, str(s == 2)) for s in range(3) for _ in range(2)]
+    assert {float(r["flops_budget"]) for r in rows} == {budget}
 
 
 def test_equal_wall_clock_reads_each_curve_at_the_same_seconds(results):

@@ -22,6 +22,7 @@ from zosoma.strategies.base import check_options
 from zosoma.strategies.es import OpenES
 from zosoma.strategies.shaping import Chain, spread
 from zosoma.strategies.shaping.clip import WARMUP
+from zosoma.strategies.shaping.normalize import WARMUP as NORMALIZE_WARMUP
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=120, batch=4, seq_len=16, perturbations=4, lr=0.2, checkpoint_every=20)
@@ -41,15 +42,44 @@ def shaped(cfg, steps):
     return out, state
 
 
-def test_normalize_holds_every_step_to_the_first_steps_spread():
+def test_normalize_holds_every_step_to_the_mean_spread_so_far():
     rng = np.random.default_rng(0)
     cfg = TrainConfig(shaping=("normalize",), normalize_window=20)
     growing = [g * (1 + t / 10) for t, g in enumerate(scalars(rng, 100))]  # a run whose scalars grow
     out, state = shaped(cfg, growing)
-    reference = np.mean([spread(g) for g in growing[:20]])
-    assert all(np.array_equal(g, raw) for (g, _), raw in zip(out[:20], growing[:20]))
-    assert np.allclose([spread(g) for g, _ in out[20:]], reference, rtol=1e-12)
-    assert state["normalize"] == {"steps": 20, "sum": pytest.approx(20 * reference)}
+    raw = [spread(g) for g in growing]  # never twice the mean before: every one enters as it is
+    assert all(np.array_equal(g, r) for (g, _), r in zip(out[:NORMALIZE_WARMUP], growing))  # they measure
+    held = [np.mean(raw[:t]) for t in range(NORMALIZE_WARMUP, 20)]  # then the mean of the steps before
+    assert np.allclose([spread(g) for g, _ in out[NORMALIZE_WARMUP:20]], held, rtol=1e-12)
+    assert np.allclose([spread(g) for g, _ in out[20:]], np.mean(raw[:20]), rtol=1e-12)  # then frozen
+    assert state["normalize"] == {"steps": 20, "sum": pytest.approx(sum(raw[:20]))}
+
+
+def test_a_climb_inside_the_window_is_held_to_the_steps_before():
+    """cpu-robust's SPSA P=1024 at seed 2 began to climb at step 37 of its 50-step window: the
+    window's steps went through as they were, and then their mean, the climb's steps in it, was
+    the reference. Now they are held to the reference of the steps before, and enter it bounded."""
+    rng = np.random.default_rng(4)
+    steps = scalars(rng, 100)
+    for t in range(41, 50):  # steps 42-50: the scalars' spread doubles every step
+        steps[t] = steps[t] * 2.0 ** (t - 40)
+    out, state = shaped(TrainConfig(shaping=("normalize",), normalize_window=50), steps)
+    typical = np.mean([spread(g) for g in steps[:41]])
+    assert spread(steps[49]) > 100 * typical
+    assert max(spread(g) for g, _ in out[41:50]) < 1.3 * typical  # the blow-up is scaled down
+    assert max(spread(g) for g, _ in out[50:]) < 1.3 * typical  # and moves the reference little
+    assert state["normalize"]["sum"] < 50 * 1.3 * typical
+
+
+def test_a_window_within_the_warmup_is_the_mean_of_its_steps_as_before():
+    """W <= WARMUP: the first W steps as they are, then their plain mean (the rule before the hold)."""
+    rng = np.random.default_rng(5)
+    steps = [g * (5.0 if t == 3 else 1.0) for t, g in enumerate(scalars(rng, 30))]
+    out, _ = shaped(TrainConfig(shaping=("normalize",), normalize_window=NORMALIZE_WARMUP), steps)
+    raw = [spread(g) for g in steps]
+    assert all(np.array_equal(g, r) for (g, _), r in zip(out[:NORMALIZE_WARMUP], steps))
+    scale = [info["normalize_scale"] for _, info in out[NORMALIZE_WARMUP:]]
+    assert scale == [(sum(raw[:NORMALIZE_WARMUP]) / NORMALIZE_WARMUP) / r for r in raw[NORMALIZE_WARMUP:]]
 
 
 def test_clip_bounds_a_cliff_step():

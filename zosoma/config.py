@@ -72,10 +72,11 @@ class TrainConfig:
     # order to each step's P scalars before the update, e.g. ("clip", "normalize"). The default
     # normalises every step to the first steps' spread: over seeds 0-9 of the default run it ended
     # at 2.859 +- 0.013 held-out nats/byte against plain SPSA's 2.918 +- 0.033 (clip 2.886, both
-    # 2.863; results/defaults-single), and it bounds a cliff-step. () is plain SPSA (the paper's).
+    # 2.863; results/defaults-single, measured when the reference was the window's mean), and it
+    # bounds a cliff-step. () is plain SPSA (the paper's).
     shaping: tuple = ("normalize",)
     clip_at: float = 5.0  # clip: each scalar bounded at this many running medians of |g|
-    normalize_window: int = 50  # normalize: the first steps, whose mean spread is the reference
+    normalize_window: int = 50  # normalize: the first steps, whose mean (bounded) spread is the reference
     # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint; goes
     # on with the verdict recorded; or restarts: rolled back to a checkpoint from before the
     # guard's window, its rate times restart_lr_factor, on fresh batches and noise, and after

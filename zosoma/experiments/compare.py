@@ -27,7 +27,9 @@ A comparison is a TOML file (the shipped ones are in zosoma/experiments/configs/
 Compute accounting. Forward FLOPs are the nominal ModelConfig.flops_per_token (every matmul of
 the LSTM and the output layer, multiply-add = 2) times the bytes pushed through forward passes,
 2P * B * T per step per expert; a method's steps are the budget divided by its FLOPs per step,
-rounded down. EGGROLL is charged the same dense FLOPs per member: its shared GEMM does that work,
+rounded down. The steps a restart re-runs are spent too: a model that restarted stops when its
+share is spent, at a lower step (zosoma.runs.trainer, Trainer.spent), so no run spends more than
+the budget; the report puts each method's spend beside it and marks a run over it. EGGROLL is charged the same dense FLOPs per member: its shared GEMM does that work,
 and its rank-r corrections are left out like the gate math. Wall time is training seconds (no
 evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours.
 
@@ -329,7 +331,7 @@ class Job:
                     return None
                 if run.diverged:
                     break  # scored below where the guard stopped it
-                if target not in {p["step"] for p in curve}:
+                if run.step not in {p["step"] for p in curve}:  # one point where a run stopped short
                     point = {**run.totals(), "heldout": run.score(subset, **protocol)["overall"]}
                     curve.append(point)
                     folder.append_curve(point)
@@ -500,7 +502,8 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
     main = [results[j.name] for j in todo if j.curve and j.name in results]
     pairs = ablation_pairs([results[j.name] for j in todo if not j.curve and j.name in results])
     yardsticks = lookup(load_corpus(None, "heldout"), wikitext, cmp.segment, cmp.context)
-    paths = write_report(main, pairs, out_dir, cmp.title, tuning=rows, yardsticks=yardsticks) if main else {}
+    paths = (write_report(main, pairs, out_dir, cmp.title, tuning=rows, budget=cmp.flops, yardsticks=yardsticks)
+             if main else {})
     if errors:
         raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")
     return paths

@@ -44,12 +44,19 @@ def lost(run: dict) -> bool:
     return bool(run.get("divergence")) or len(run.get("dropped") or ()) >= run.get("experts", 1)
 
 
+def over_budget(run: dict, budget) -> bool:
+    """The run spent more forward FLOPs than the comparison's budget (the steps a restart re-ran
+    count: runs of zosoma before they did could)."""
+    return budget is not None and run["flops"] > budget
+
+
 def _domains(runs):
     return sorted({d for run in runs for d in run["heldout"] if d != "overall"})
 
 
-def summarise(results):
-    """One row per method: settings, seed count, mean cost, and held-out / WikiText-103 mean and std."""
+def summarise(results, budget=None):
+    """One row per method: settings, seed count, mean cost (and with the comparison's forward-FLOP
+    `budget`, how many runs spent more), and held-out / WikiText-103 mean and std."""
     rows = []
     for method, runs in _by_method(results).items():
         heldout_mean, heldout_std = _mean_std([r["heldout"]["overall"] for r in runs])
@@ -60,6 +67,7 @@ def summarise(results):
             "method": method, "kind": runs[0]["kind"], "n_params": runs[0]["n_params"],
             "seeds": len(runs), "steps": runs[0]["steps"],
             "flops": float(np.mean([r["flops"] for r in runs])),
+            "over_budget": sum(over_budget(r, budget) for r in runs),
             "wall_s": float(np.mean([r["wall_s"] for r in runs])),
             "heldout_mean": heldout_mean, "heldout_std": heldout_std,
             "wikitext_mean": wiki_mean, "wikitext_std": wiki_std, "wikitext_seeds": len(wiki),
@@ -117,17 +125,25 @@ def markdown_table(rows):
     """The method table of summarise(): cost, held-out and WikiText-103 mean ± std, per-domain means."""
     domains = sorted({d for row in rows for d in row["domains"]})
     at = rows[0].get("equal_wall_s") if rows else None
-    header = ["method", "params", "seeds", "steps", "forward FLOPs", "wall s",
+    header = ["method", "params", "seeds", "steps", "forward FLOPs spent", "wall s",
               "held-out nats/byte (mean ± std)", "WikiText-103 nats/byte (mean ± std)",
               f"held-out at {at:.0f} s" if at else "held-out at equal seconds", "final train loss",
               "skipped steps", "diverged seeds", "restarts (experts dropped)", *domains]
-    body = [[row["method"], f"{row['n_params']:,}", row["seeds"], f"{row['steps']:,}", _flops(row["flops"]),
+    body = [[row["method"], f"{row['n_params']:,}", row["seeds"], f"{row['steps']:,}", _spent(row),
              f"{row['wall_s']:.0f}", _pm(row["heldout_mean"], row["heldout_std"]), _wikitext(row),
              _nats(row.get("heldout_at_equal_wall")), _nats(row.get("final_train_loss")),
              row.get("skipped_steps", 0), row.get("diverged", 0),
              f"{row.get('restarts', 0)} ({row.get('dropped', 0)})",
              *(_nats(row["domains"].get(d)) for d in domains)] for row in rows]
     return _table(header, body)
+
+
+def _spent(row):
+    """Mean forward FLOPs spent, marked where a run spent more than the budget."""
+    cell = _flops(row["flops"])
+    if row.get("over_budget"):
+        cell += f" (**over budget**: {row['over_budget']} of {row['seeds']} seeds)"
+    return cell
 
 
 def _wikitext(row):
@@ -138,11 +154,12 @@ def _wikitext(row):
     return cell
 
 
-def write_csv(results, path):
-    """One row per run; an empty cell where a run has no WikiText-103 or lacks a domain."""
+def write_csv(results, path, budget=None):
+    """One row per run; an empty cell where a run has no WikiText-103 or lacks a domain, or there
+    is no budget to hold its spend to."""
     domains = _domains(results)
     fields = ["method", "kind", "seed", "n_params", "steps", "flops", "wall_s", "heldout_overall", "wikitext103",
-              "final_train_loss", "skipped_steps", "divergence", "restarts", "dropped",
+              "final_train_loss", "skipped_steps", "divergence", "restarts", "dropped", "flops_budget", "over_budget",
               *(f"heldout_{d}" for d in domains)]
 
     with atomic_path(path, "report") as tmp:
@@ -160,6 +177,8 @@ def write_csv(results, path):
                 row["restarts"] = "; ".join(f"expert {v['expert']} step {v['step']} to {v['to']}, lr x{v['lr_scale']:g}"
                                             for v in run.get("restarts") or [])
                 row["dropped"] = "; ".join(f"expert {v['expert']} step {v['step']}" for v in run.get("dropped") or [])
+                row["flops_budget"] = budget
+                row["over_budget"] = over_budget(run, budget) if budget is not None else None
                 row.update({f"heldout_{d}": run["heldout"].get(d) for d in domains})
                 out.writerow(row)
 
@@ -359,10 +378,11 @@ def yardsticks_markdown(yardsticks):
     return _table(header, body)
 
 
-def write_report(results, ablation_pairs, out_dir, title, tuning=None, yardsticks=None):
+def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=None, yardsticks=None):
     """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir (and
     n_curve.png when runs belong to series); returns their paths, a plot's None where matplotlib
     is missing (the tables come first: hours of runs are never lost to a missing plot library).
+    `budget`: the forward FLOPs every run may spend, beside which the table puts each method's.
     With yardsticks (zosoma.yardsticks.lookup's, on the same held-out texts), their table follows
     the method table."""
     if not results:
@@ -370,12 +390,19 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, yardstick
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: out_dir / name for name in ("results.md", "results.csv", "nats_vs_flops.png", "nats_vs_wall.png")}
-    text = f"# {title}\n\n{NOTE}\n\n{markdown_table(summarise(results))}\n"
+    rows = summarise(results, budget)
+    text = f"# {title}\n\n{NOTE}\n\n{markdown_table(rows)}\n"
     at, _ = equal_wall_clock(results)
+    views = []
+    if budget is not None:
+        views.append(f"every run has the same forward-FLOP budget, {_flops(budget)}, and the steps a restart re-runs "
+                     "count against it (a model that restarted stops at a lower step; the forward FLOPs spent "
+                     "column is the mean over seeds, marked where a run spent more)")
     if at:
-        text += (f"\nEqual compute, two views: every run has the same forward-FLOP budget (the table); the "
-                 f"held-out at {at:.0f} s column reads each run's curve at the same training seconds (the "
-                 f"shortest method's mean), summed over a run's experts.\n")
+        views.append(f"the held-out at {at:.0f} s column reads each run's curve at the same training seconds (the "
+                     "shortest method's mean), summed over a run's experts")
+    if views:
+        text += f"\nEqual compute{', two views' if len(views) == 2 else ''}: {'; '.join(views)}.\n"
     if yardsticks and "heldout" in yardsticks:
         text += ("\n## Yardsticks: byte n-grams counted on the train split and compressors, on the same bytes and "
                  f"segments (zosoma data yardsticks)\n\n{yardsticks_markdown(yardsticks)}\n")
@@ -390,7 +417,7 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, yardstick
         text += ("\n## Ablation: independent minus summed experts (negative: independent is better)\n\n"
                  f"{ablation_markdown(ablation_summary(ablation_pairs))}\n")
     atomic_write(paths["results.md"], text, "report")
-    write_csv(results, paths["results.csv"])
+    write_csv(results, paths["results.csv"], budget)
     try:
         if curve:
             plot_n_curve(curve, paths["n_curve.png"], title=title)

@@ -268,7 +268,10 @@ class Run:
 
     @property
     def step(self) -> int:
-        return min(t.state.step for t in self.trainers)
+        """How far training got: the step of the least advanced model still training, or once
+        every model has stopped (finished, its compute spent by restarts, dropped), the furthest."""
+        training = [t.state.step for t in self.trainers if not t.done]
+        return min(training) if training else max(t.state.step for t in self.trainers)
 
     def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
         """Train every expert to step `target` (checkpointed there); False when asked to stop

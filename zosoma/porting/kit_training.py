@@ -28,6 +28,7 @@ from zosoma.strategies.base import learning_rate
 from zosoma.strategies.eggroll import zscore
 from zosoma.strategies.es import centered_ranks
 from zosoma.strategies.shaping import Chain
+from zosoma.strategies.shaping.normalize import CAP as NORMALIZE_CAP, WARMUP as NORMALIZE_WARMUP
 
 SCHEDULED = "lr is this step's rate: the schedule (warm-up, cosine) and any restart factor are already applied"
 
@@ -507,8 +508,10 @@ def _replay_coupled(theta, scalars, deltas, rates, wd, P) -> np.ndarray:
 
 # --- coefficient shaping -----------------------------------------------------------------------------
 
-SHAPING = dict(clip_at=3.0, normalize_window=5, nan_row=14, outlier_row=20, first_clipped_row=4, rows=30)
-STATE_IN = {"clip": {"steps": 6, "median": 0.8}, "normalize": {"steps": 3, "sum": 4.2}}
+SHAPING = dict(clip_at=3.0, normalize_window=14, nan_row=14, outlier_row=20, first_clipped_row=4, rows=30)
+# normalize measures rows 0-1, holds rows 2-5 to its reference as it still measures (row 4's outlier
+# enters it bounded), then holds every row to the frozen reference
+STATE_IN = {"clip": {"steps": 6, "median": 0.8}, "normalize": {"steps": 8, "sum": 7.2}}
 
 
 def shaping_stage(rng) -> Stage:
@@ -524,7 +527,7 @@ def shaping_stage(rng) -> Stage:
                            "clip_state": (np.array([STATE_IN["clip"]["steps"], STATE_IN["clip"]["median"]]),
                                           "clip's state before row 0: [steps, median]"),
                            "normalize_state": (np.array([STATE_IN["normalize"]["steps"], STATE_IN["normalize"]["sum"]]),
-                                               "normalize's state before row 0: [steps, sum]")}
+                                               "normalize's state before row 0: [steps, sum of (bounded) spreads]")}
     for chain in (("clip",), ("normalize",), ("clip", "normalize")):
         name = "_".join(chain)
         shaped, states = _shape(chain, scalars, SHAPING["clip_at"], SHAPING["normalize_window"])
@@ -585,18 +588,20 @@ def _clip_variant(scalars, how: str) -> np.ndarray:
 
 
 def _normalize_variant(scalars) -> np.ndarray:
+    """Normalize alone, misread: a step held while the reference still measures is held to a
+    reference that already has the step's own (bounded) spread in it."""
     steps, total = STATE_IN["normalize"]["steps"], STATE_IN["normalize"]["sum"]
-    out = []
+    window, out = SHAPING["normalize_window"], []
     for g in scalars:
         if not np.all(np.isfinite(g)):
             out.append(g)
             continue
         s = float(np.sqrt(np.mean(g * g)))
-        if steps < SHAPING["normalize_window"]:
-            steps, total = steps + 1, total + s
-            out.append(g)
-        else:
-            out.append(g * ((total + s) / (steps + 1)) / s)
+        held = steps >= min(NORMALIZE_WARMUP, window)
+        if steps < window:
+            entry = min(s, NORMALIZE_CAP * total / steps) if steps >= NORMALIZE_WARMUP else s
+            steps, total = steps + 1, total + entry
+        out.append(g * (total / steps) / s if held else g)
     return np.array(out)
 
 

@@ -131,7 +131,14 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        return self.state.step >= self.cfg.steps or self.state.dropped is not None
+        return self.state.step >= self.cfg.steps or self.spent or self.state.dropped is not None
+
+    @property
+    def spent(self) -> bool:
+        """The run's compute is spent: cfg.steps steps' forward passes, counting the steps a
+        restart re-ran, so a model that restarted ends at a lower step (one that did not, at
+        cfg.steps as before)."""
+        return self.state.tokens >= self.cfg.steps * self.tokens_per_step
 
     @property
     def lr_scale(self) -> float:
@@ -181,7 +188,7 @@ class Trainer:
         self.log.append(record)
         state.log = self.log.mark
         self.events.step(record, self.guard)
-        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+        if state.step % cfg.checkpoint_every == 0 or self.done:
             self.checkpoint()
         return Step(self.expert, record)
 
@@ -312,8 +319,9 @@ def summary_of(ckpt: Checkpoint) -> dict:
 
 def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
     """Train one model with its own losses (SOMA's independent experts; a single model) to
-    cfg.steps, yielding a Step record per step and a final Finished, or Stopped when
-    should_stop() turned true (the state is checkpointed first)."""
+    cfg.steps, or fewer when restarts re-ran steps (Trainer.spent), yielding a Step record per
+    step and a final Finished, or Stopped when should_stop() turned true (the state is
+    checkpointed first)."""
     try:
         while not trainer.done:
             if should_stop():
