@@ -125,6 +125,12 @@ class Note:
 
 
 @dataclass(frozen=True)
+class Evaluating:
+    """Training is over and every model checkpointed: the final evaluation starts (a stop now
+    loses nothing but the evaluation, which a resume does again)."""
+
+
+@dataclass(frozen=True)
 class Evaluated:
     """The final evaluation, as written to results.json."""
     results: dict = field(repr=False)
