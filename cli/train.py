@@ -11,6 +11,7 @@ from zosoma.cli.options import (check_executor_options, device_ops, device_optio
                                 nonneg_float, positive, positive_float, refuse_given, usage_errors)
 from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig
+from zosoma.errors import ClusterLost
 from zosoma.strategies import STRATEGIES
 from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
 
@@ -137,6 +138,8 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
                                 ops=get_ops(placement.device), sharding=sharding, placement=placement)
     try:
         render.training(records, stop, logging)
+    except ClusterLost as e:  # the checkpoints are kept: say how to go on
+        raise ClusterLost(f"{e}. Continue with: zosoma train --resume {resume or run_dir}") from None
     except BaseException:
         if not resume and made is not None:
             RunFolder(made).remove_if_empty()  # the folder this command named and made, nothing written in it
