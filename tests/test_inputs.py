@@ -159,6 +159,10 @@ def test_a_value_of_the_wrong_kind_is_refused_at_once(field, value, message):
 
 
 def test_a_loss_that_does_not_exist_is_refused_at_once(text):
+    """Where options are resolved (a comparison's --plan: tests/test_compare.py), not when a SOMA
+    run is created."""
+    with pytest.raises(ConfigError, match="loss must be one of independent, summed, got 'bogus'"):
+        resolve("tiny", {}, loss="bogus")
     with pytest.raises(ConfigError, match="loss must be one of independent, summed, got 'bogus'"):
         zosoma.train(data=text, experts=2, loss="bogus")
     assert nothing_made()
