@@ -72,7 +72,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
 
     from zosoma.runs.placement import Placement, study_executor
 
-    stop = StopRequest()
+    stop = StopRequest(resume=f"zosoma compare {config} --out {out}")
     try:
         placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit,
                               device=device)

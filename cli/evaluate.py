@@ -28,6 +28,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
+    from zosoma.download import check_wikitext103
     from zosoma.runs.folder import RunFolder, warn_if_training
     from zosoma.yardsticks import lookup
 
@@ -38,6 +39,8 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
         refuse_given(ctx, ("top_k", "temperature"), f"SOMA runs; {checkpoint} is a single model")
     ops = device_ops(device)
     corpus = load_corpus(list(data) if data else None, split="heldout")
+    wikitext = check_wikitext103(wikitext)  # as train: a file that is not the official one says so
+    scored = "the --data files" if data else None
     if soma:
         from zosoma.runs.soma import evaluate_soma, load_ensemble
         ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
@@ -47,7 +50,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
             emit_json("eval", {"run": str(checkpoint), "kind": "soma", "n_params": ensemble.n_params,
                                "dropped": list(ensemble.router.dropped), **r})
         else:
-            click.echo(render.results(r, lookup(corpus, wikitext, segment, context)))
+            click.echo(render.results(r, lookup(corpus, wikitext, segment, context), scored))
         return
     from zosoma.formats.checkpoint import load_checkpoint
     from zosoma.model.params import Layout
@@ -64,4 +67,4 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
                            "n_params": ckpt.model.n_params(), **r})
         return
     click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
-    click.echo(render.results(r, {} if streams else lookup(corpus, wikitext, segment, context)))
+    click.echo(render.results(r, {} if streams else lookup(corpus, wikitext, segment, context), scored))

@@ -7,6 +7,7 @@ This module makes the group of them all: `zosoma = zosoma.cli.main:main`.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -34,11 +35,16 @@ class ZosomaGroup(click.Group):
     def invoke(self, ctx):
         import warnings
 
-        from zosoma.errors import ZosomaError
+        from zosoma.errors import ClusterLost, ZosomaError
         warnings.showwarning = _warning_line
         signal.signal(signal.SIGTERM, abort)  # as Ctrl-C: cleanups run (training commands save first)
         try:
             return super().invoke(ctx)
+        except ClusterLost as e:  # Ray's own shutdown at exit would wait for the lost cluster, then crash
+            click.echo(f"Error: {e}", err=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # nothing is left to clean up: every file is written atomically
         except ZosomaError as e:
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt as e:  # a second stop signal, or Ctrl-C outside training

@@ -68,7 +68,7 @@ def precision_study(out, steps, formats, multiples, soma_multiples, experts, see
 
     from zosoma.runs.placement import Placement, study_executor
 
-    stop = StopRequest()
+    stop = StopRequest(resume="the same command")
     paths = run_study(study, Path(out), study_executor(Placement(), len(todo), jobs), should_stop=stop,
                       on_result=report)
     if stop():

@@ -101,8 +101,8 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
     failed."""
     from tqdm import tqdm
 
-    from zosoma.runs.records import (Clusters, Continued, Diverged, Dropped, Evaluated, Failed, Note, Restarted,
-                                     Started, Step, Stopped)
+    from zosoma.runs.records import (Clusters, Continued, Diverged, Dropped, Evaluated, Evaluating, Failed, Note,
+                                     Restarted, Started, Step, Stopped)
 
     bars, stopped, evaluated, failed, run_dir, lines = {}, False, False, [], "RUN", None
     gave_up = False  # a single model was dropped: a resume cannot help
@@ -124,6 +124,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
             click.echo(format_report(r.report))
         elif isinstance(r, Started):
             m, t, n, run_dir = r.model, r.train, r.experts, r.run_dir
+            stop.resume = f"zosoma train --resume {run_dir}"
             who = f"{n} experts x " if n > 1 else ""
             click.echo(f"run {r.run_dir}: {who}{r.n_params:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
                        f"--optimizer {t.optimizer} P={t.perturbations} eps={t.eps} lr={t.lr}, "
@@ -170,6 +171,9 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                           "checkpointed: lower --lr and start again, or --resume to go on regardless")
         elif isinstance(r, Note):
             (next(iter(bars.values())).write if bars else click.echo)(f"warning: {r.message}", file=sys.stderr)
+        elif isinstance(r, Evaluating):  # training is saved: a stop need not wait for the evaluation
+            stop.at_once(f"stopped before the final evaluation; training is finished and saved: zosoma train "
+                         f"--resume {run_dir} evaluates it (or zosoma eval {run_dir})")
         elif isinstance(r, Evaluated):
             close(bars)
             click.echo(results(r.results, r.yardsticks))
@@ -192,27 +196,29 @@ def close(bars):
     bars.clear()
 
 
-def results(r, yardsticks: dict | None = None) -> str:
+def results(r, yardsticks: dict | None = None, data: str | None = None) -> str:
     """A run's evaluation (zosoma.runs.single.evaluate_run, zosoma.runs.soma.evaluate_soma) as text,
-    with the yardsticks measured on the same texts (zosoma.yardsticks.lookup) under it."""
-    lines = []
+    with the yardsticks measured on the same texts (zosoma.yardsticks.lookup) under it; `data`
+    names the text scored when it is not the held-out slices (eval --data), and then no line says
+    that WikiText-103 was not found: it was not asked for."""
+    lines, scored = [], f"nats/byte on {data}" if data else "held-out nats/byte"
     if "tokens" in r:
         lines.append(f"compute: {r['tokens']:,} forward tokens, {r['flops']:.3g} forward FLOPs, "
                      f"{r['wall_s']:.0f} s training wall time" + (" (summed over experts)" if "top_k" in r else ""))
     heldout, wiki = r.get("heldout"), r.get("wikitext103")
     if heldout and isinstance(next(iter(heldout.values())), dict):  # SOMA: routed, experts, oracle
         cols = list(next(iter(heldout.values())))
-        lines.append(f"held-out nats/byte (untrained: 5.545; top-{r['top_k']} routing, segments of "
+        lines.append(f"{scored} (untrained: 5.545; top-{r['top_k']} routing, segments of "
                      f"{r['segment']} bytes after {r['context']} bytes of context; oracle peeks at the targets):")
         lines.append(f"  {'':<14}" + "".join(f"{c:>10}" for c in cols))
         rows = list(heldout.items()) + ([("WikiText-103", wiki)] if wiki else [])
         lines += [f"  {name:<14}" + "".join(f"{v[c]:>10.4f}" for c in cols) for name, v in rows]
     elif heldout:
-        lines.append(f"held-out nats/byte (untrained: 5.545; {r.get('protocol', '')}):")
+        lines.append(f"{scored} (untrained: 5.545; {r.get('protocol', '')}):")
         lines += [f"  {name:<14} {v:.4f}" for name, v in heldout.items()]
         if wiki is not None:
             lines.append(f"WikiText-103 test nats/byte: {wiki:.4f}  ({r['wikitext103_path']})")
-    if wiki is None:
+    if wiki is None and not data:
         lines.append("WikiText-103: not found (zosoma data download wikitext-103, or --wikitext PATH)")
     where = {"heldout": "held-out", "wikitext103": "WikiText-103"}
     lines += [yardstick_line(where[key], y) for key, y in (yardsticks or {}).items()]

@@ -8,9 +8,10 @@ import click
 
 from zosoma.cli import render
 from zosoma.cli.options import (check_executor_options, device_ops, device_option, executor_options, given, nonneg,
-                                nonneg_float, positive, positive_float, refuse_given)
+                                nonneg_float, positive, positive_float, refuse_given, usage_errors)
 from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig
+from zosoma.errors import ClusterLost
 from zosoma.strategies import STRATEGIES
 from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
 
@@ -79,7 +80,6 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     from zosoma.runs.placement import Placement, place
     from zosoma.runs.single import resume_run, start_run
     from zosoma.runs.soma import resume_soma, start_soma
-    from zosoma.strategies.base import UnusedOption
     from zosoma.strategies.settings import resolve
 
     logging = render.Logging.parse(log_every, quiet)
@@ -117,10 +117,8 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
             records = resume_run(folder.path, ops=get_ops(placement.device), sharding=sharding, **resume_args)
     else:
         placement = Placement(**given_placement)
-        try:
+        with usage_errors():  # options that cannot work together, or not on this machine: exit code 2
             model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())}, loss=loss)
-        except UnusedOption as e:
-            raise click.UsageError(str(e)) from None
         get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if experts == 1:
             refuse_given(ctx, ("loss", "top_k", "chunk_size", "workers"), "SOMA (--experts 2 or more)")
@@ -140,6 +138,8 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
                                 ops=get_ops(placement.device), sharding=sharding, placement=placement)
     try:
         render.training(records, stop, logging)
+    except ClusterLost as e:  # the checkpoints are kept: say how to go on
+        raise ClusterLost(f"{e}. Continue with: zosoma train --resume {resume or run_dir}") from None
     except BaseException:
         if not resume and made is not None:
             RunFolder(made).remove_if_empty()  # the folder this command named and made, nothing written in it

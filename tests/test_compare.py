@@ -151,6 +151,17 @@ TRAIN_KEYS = r"\(known: batch, beta2, (\w+, )*perturbations, "  # every TrainCon
      r"bad.toml \[ablation\]: seeds must be integers in \[0, 2\*\*63\), got -2$"),
     ("[ablation]", "[tuning]\nseed = -1\n\n[ablation]",
      r"bad.toml \[tuning\]: seed must be an integer in \[0, 2\*\*63\), got -1$"),
+    # every method's settings as a run would take them, checked when the file is read
+    ("train = {perturbations = 2, lr = 0.05}  #", "train = {perturbations = 3.5, lr = 0.05}  #",
+     r"bad.toml \[\[method\]\] SOMA N=2: perturbations must be an integer, got 3.5$"),
+    ("train = {perturbations = 2, lr = 0.05}  #", 'train = {perturbations = 2, lr = 0.05, shaping = "clipp"}  #',
+     r"bad.toml \[\[method\]\] SOMA N=2: unknown shaping 'clipp' \(known: clip, normalize\)$"),
+    ("experts = 2\nmodel", 'experts = 2\nloss = "bogus"\nmodel',
+     r"bad.toml \[\[method\]\] SOMA N=2: loss must be one of independent, summed, got 'bogus'$"),
+    ("train = {batch = 2, seq_len = 8}", "train = {batch = 2, seq_len = 8, clip_at = 3.0}",
+     r"bad.toml \[\[method\]\] SOMA N=2: --clip-at is read only with --shaping clip, which this run does not use$"),
+    ("model = {embed = 6, hidden = 11,", "model = {embed = 6, hidden = 1000000,",
+     r"bad.toml \[\[method\]\] SPSA P=2: one training step needs at least .* GB of memory .* lower --hidden"),
 ])
 def test_bad_configs_through_the_command_line(tmp_path, restore_sigint, old, new, message):
     """Exit code 1, one line saying what is wrong, no traceback, nothing written."""
@@ -160,6 +171,30 @@ def test_bad_configs_through_the_command_line(tmp_path, restore_sigint, old, new
         line = one_line_error(run_cli(["compare", "bad.toml", "--out", "out", "--jobs", "1", *plan]), 1)
         assert re.search("^Error: " + message, line), line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("record, problem", [
+    ("[1, 2]", r"it is \[1, 2\], not a JSON object"),
+    ('{"method": "SOMA N=2"}', "no kind"),
+    ('{"method": "SOMA N=2", "kind": "soma", "seed": 0, "experts": 2, "n_params": 9, "steps": 3, "flops": 1.0, '
+     '"wall_s": 1, "curve": [], "model": {}, "train": 5, "heldout": {"overall": 2.5}, "wikitext103": null}',
+     "train is 5"),
+    ('{"method": "SOMA N=2", "kind": "soma", "seed": 0, "experts": 2, "n_params": 9, "steps": 3, "flops": 1.0, '
+     '"wall_s": 1, "curve": [], "model": {}, "train": {}, "heldout": {"overall": "2.5"}, "wikitext103": null}',
+     'heldout.overall is "2.5"'),
+])
+def test_a_result_record_of_the_wrong_shape_is_one_line_saying_how_to_write_it_again(tmp_path, restore_sigint,
+                                                                                      record, problem):
+    """JSON that the report cannot read: refused at --plan as at a run, as a record cut short is."""
+    (tmp_path / "mini.toml").write_text(MINI)
+    done = tmp_path / "out" / "runs" / "soma-n-2-seed0" / "result.json"
+    done.parent.mkdir(parents=True)
+    done.write_text(record)
+    for plan in (["--plan"], []):
+        line = one_line_error(run_cli(["compare", "mini.toml", "--out", "out", "--jobs", "1", *plan]), 1)
+        assert re.search(f"^Error: {re.escape(str(done.relative_to(tmp_path)))} is damaged \\({problem}\\): delete "
+                         "it; run the same command again: it scores the run again from its checkpoints$", line), line
+    assert done.read_text() == record
 
 
 def test_curve_steps():

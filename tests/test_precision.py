@@ -279,11 +279,12 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
 
     job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
     assert job.name == "single-fp32-default-eps"
-    RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "steps": 5})  # a shorter study's run
+    scores = {"eps_over_step": 1.0, "heldout": {"overall": 5.0}, "heldout_fp32_eval": 5.0}  # what the report reads
+    RunFolder(tmp_path).write_result({**dataclasses.asdict(job), **scores, "steps": 5})  # a shorter study's run
     with pytest.raises(ConfigError, match=r"\(single model, fp32 forwards, eps 0.001\) was made with another "
                                           r"configuration \(steps was 5, now 10\): give this precision study another --out"):
         run_job(job, tmp_path)
-    RunFolder(tmp_path).write_result({**dataclasses.asdict(job), "name": job.name})
+    RunFolder(tmp_path).write_result({**dataclasses.asdict(job), **scores, "name": job.name})
     assert run_job(job, tmp_path)["steps"] == 10  # the same job: its record, not retrained
 
 

@@ -7,6 +7,7 @@ driver starts ends with it when it is SIGKILLed. One Ray instance serves the ses
 CPUs); the node-loss test, last, replaces it with a cluster of its own (ray_local starts it again
 for any test after it)."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -261,15 +262,9 @@ class Head:
     home: Path  # a HOME whose ~/.ray/auth_token holds the token, as on the head's machine
 
 
-@pytest.fixture(scope="module")
-def token_head(tmp_path_factory):
-    """A Ray head as `ray start --head` starts one on a machine where a token exists (Ray 2.59 on
-    then turns token authentication on): its own HOME, temp dir and free ports, 2 CPUs. Stopped
-    by SIGTERM to its own `ray start --block` process, which takes its Ray processes with it (a
-    bare `ray stop` would stop every Ray on the machine)."""
-    home, token, temp = tmp_path_factory.mktemp("home"), secrets.token_hex(32), short_temp_dir()
-    (home / ".ray").mkdir()
-    (home / ".ray" / "auth_token").write_text(token)
+def start_head(home: Path, temp: str) -> tuple[subprocess.Popen, str, Path]:
+    """`ray start --head --block` with HOME `home`, its own temp dir and free ports, 2 CPUs, in a
+    session of its own; returns it once started, with its address and its log."""
     names = ["port", "node-manager-port", "object-manager-port", "dashboard-port", "dashboard-agent-listen-port",
              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"]
     ports = dict(zip(names, free_ports(len(names))))
@@ -279,14 +274,30 @@ def token_head(tmp_path_factory):
            "--object-store-memory", str(RAY_OPTIONS["object_store_memory"])]
     cmd += [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
     with open(log, "wb") as out:
-        head = subprocess.Popen(cmd, env=ray_free_env(HOME=str(home)), stdout=out, stderr=subprocess.STDOUT)
+        head = subprocess.Popen(cmd, env=ray_free_env(HOME=str(home)), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "Ray runtime started" not in log.read_text():
+        if head.poll() is not None or time.monotonic() > deadline:
+            head.kill()
+            pytest.fail(log.read_text()[-3000:])
+        time.sleep(0.2)
+    return head, f"127.0.0.1:{ports['port']}", log
+
+
+@pytest.fixture(scope="module")
+def token_head(tmp_path_factory):
+    """A Ray head as `ray start --head` starts one on a machine where a token exists (Ray 2.59 on
+    then turns token authentication on). Stopped by SIGTERM to its own `ray start --block`
+    process, which takes its Ray processes with it (a bare `ray stop` would stop every Ray on the
+    machine)."""
+    home, token, temp = tmp_path_factory.mktemp("home"), secrets.token_hex(32), short_temp_dir()
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(token)
+    head, address, log = start_head(home, temp)
     try:
-        deadline = time.monotonic() + 120
-        while "Ray runtime started" not in log.read_text():
-            assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
         assert "Token authentication is enabled" in log.read_text()
-        yield Head(f"127.0.0.1:{ports['port']}", token, home)
+        yield Head(address, token, home)
     finally:
         head.terminate()
         try:
@@ -339,6 +350,41 @@ def test_a_head_with_token_authentication_and_no_token_here_is_one_line_at_once(
     result = subprocess.run([sys.executable, "-c", connects, token_head.address], capture_output=True, text=True,
                             env=ray_free_env(HOME=str(nowhere), RAY_AUTH_TOKEN=token_head.token), timeout=120)
     assert result.stdout.strip() == "2.0", result.stderr[-3000:]
+
+
+def test_a_head_killed_under_a_running_driver_is_one_line_with_the_resume_hint_within_seconds(tmp_path, two_domains):
+    """The head of the cluster a SOMA run trains on is killed (SIGKILL to all its processes): the
+    driver ends within seconds (Ray alone would wait a minute for its GCS, then end the process
+    with lines of its own) with exit code 1 and one line of its own saying how to go on; the
+    experts keep their checkpoints."""
+    temp = short_temp_dir()
+    head, address, _ = start_head(tmp_path, temp)
+    driver = None
+    try:
+        driver = subprocess.Popen(zosoma_cmd() + soma_args(two_domains, 100000) + ["--address", address],
+                                  env=ray_free_env(HOME=str(tmp_path)), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        metrics = [Path("run") / f"expert{i}" / "metrics.jsonl" for i in range(2)]
+        deadline = time.monotonic() + 240
+        while not all(m.exists() and m.stat().st_size > 1000 for m in metrics):  # both experts train
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
+            time.sleep(0.1)
+        os.killpg(head.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = driver.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if driver is not None:
+            driver.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert driver.returncode == 1 and took < 20, (took, err[-3000:])
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("Error: the Ray cluster at ") and " is gone (" in last, err[-3000:]
+    assert last.endswith("every unit keeps its newest checkpoint. Continue with: zosoma train --resume run")
+    assert "Traceback" not in err
+    assert all(RunFolder("run").expert(i).read_checkpoint().step >= 0 for i in range(2))
 
 
 def test_an_address_that_does_not_answer_is_one_line_and_nothing_else(tmp_path, ray_local, capfd):

@@ -116,9 +116,11 @@ class Run:
     def evaluate(self, data=None, wikitext=None, top_k: int = 2) -> dict:
         """Nats/byte on `data` (paths; default the shipped held-out slices) and WikiText-103, by
         the protocol of every table (`zosoma eval`'s result)."""
+        from zosoma.download import check_wikitext103
         from zosoma.runs.soma import evaluate_soma
         from zosoma.runs.single import evaluate_run
         corpus = load_corpus(_paths(data) or None, split="heldout")
+        wikitext = check_wikitext103(wikitext)  # a file not the official one: a NotOfficial warning, as train gives
         if self.is_soma:
             return evaluate_soma(self.model(top_k), corpus, wikitext)
         (theta, layout), = self.model().experts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass
 
 from zosoma.errors import ConfigError
@@ -13,6 +14,24 @@ VOCAB = 256  # V: one class per byte value
 ENGINES = ("native", "onnxruntime")  # where forwards run: the device's own kernels, or ONNX Runtime
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # the forward's number format (zosoma.model.number_formats)
 ON_DIVERGENCE = ("stop", "continue", "restart")  # what a run does when its loss runs away
+LOSSES = ("independent", "summed")  # a SOMA run's experts: their own losses, or the summed ablation
+
+
+def _typed(config) -> None:
+    """Every field of a config dataclass of its declared kind, or a ConfigError in one line (a
+    TOML value or a Python argument of another kind would fail later, or train on a fraction):
+    an int field takes an integer (not a bool, not 3.5), a float field any real number (kept as a
+    float), a str field a string."""
+    kinds = {"int": (numbers.Integral, int, "an integer"), "float": (numbers.Real, float, "a number"),
+             "str": (str, str, "a string")}
+    for f in dataclasses.fields(config):
+        if f.type not in kinds:
+            continue
+        accepted, cast, what = kinds[f.type]
+        value = getattr(config, f.name)
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{f.name} must be {what}, got {value!r}")
+        object.__setattr__(config, f.name, cast(value))
 
 
 @dataclass(frozen=True)
@@ -22,6 +41,7 @@ class ModelConfig:
     layers: int = 1  # L: stacked LSTM layers
 
     def __post_init__(self):
+        _typed(self)
         for name in ("embed", "hidden", "layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model {name} must be at least 1, got {getattr(self, name)}")
@@ -89,6 +109,7 @@ class TrainConfig:
     max_restarts: int = 3
 
     def __post_init__(self):
+        _typed(self)
         positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every", "rank")
         for name in positive:
             if getattr(self, name) < 1:
@@ -109,7 +130,10 @@ class TrainConfig:
                               f"{self.forward_precision!r}")
         if self.on_divergence not in ON_DIVERGENCE:
             raise ConfigError(f"on_divergence must be one of {', '.join(ON_DIVERGENCE)}, got {self.on_divergence!r}")
-        shaping = (self.shaping,) if isinstance(self.shaping, str) else tuple(self.shaping)
+        shaping = (self.shaping,) if isinstance(self.shaping, str) else self.shaping
+        if not isinstance(shaping, (list, tuple)) or not all(isinstance(p, str) for p in shaping):
+            raise ConfigError(f"shaping must be a piece's name or a list of them, got {self.shaping!r}")
+        shaping = tuple(shaping)
         if "none" in shaping:  # plain SPSA, by name (--shaping none, shaping = "none")
             if shaping != ("none",):
                 raise ConfigError("shaping none is plain SPSA: it takes no other piece")
@@ -127,6 +151,19 @@ class TrainConfig:
             raise ConfigError("momentum and beta2 must lie in [0, 1)")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
+
+
+def step_bytes(model: ModelConfig, cfg: TrainConfig) -> dict:
+    """Bytes one training step of one model holds at least, by what sets them (a lower bound of
+    the CPU engine's buffers, zosoma.engines.cpu.forward, on one thread; a GPU holds as much on
+    the device): "parameters", theta, its updated copy and a pair of members (d float32 each);
+    "activations", one member's forward over the B rows (gates, input projections, outputs, and
+    h and c per layer: (9 + 2L) H float32 a row) and the batch (T + 1 bytes and three int64 a
+    row); "population", the P pairs' losses and scalars (four float64 each)."""
+    B, H, L = cfg.batch, model.hidden, model.layers
+    return {"parameters": 4 * 4 * model.n_params(),
+            "activations": B * (4 * (9 + 2 * L) * H + cfg.seq_len + 1 + 24),
+            "population": 4 * 8 * cfg.perturbations}
 
 
 # name -> (model, training overrides). tiny: the default, a few minutes on 2 cores; paper: one

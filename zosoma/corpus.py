@@ -11,6 +11,7 @@ import hashlib
 import importlib.resources
 import io
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,20 @@ def load_corpus(
     return Corpus(tuple(names), tuple(docs))
 
 
+def utf8_path(path: PathLike) -> Path:
+    """`path`, refused in one line (naming it with its odd bytes as \\xff escapes) when its name is
+    not UTF-8: a run records its files' names as text (JSON, HDF5, its report), and Python holds
+    such a name with escapes that no text file takes."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise DataError(f"{shown}: the name is not UTF-8 text; rename it (or link to it under a UTF-8 name)") from None
+    return Path(path)
+
+
 def _load_path(path: Path, split: str, verify: bool) -> Corpus:
+    path = utf8_path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
     if not path.is_dir():
@@ -143,6 +157,7 @@ def _load_path(path: Path, split: str, verify: bool) -> Corpus:
         raise DataError(f"{path}: cannot list directory ({e.strerror or e})") from e
     if not files:
         raise DataError(f"{path}: no *.txt or *.gz files in this directory")
+    files = [utf8_path(f) for f in files]
     return Corpus(tuple(_doc_name(f) for f in files), tuple(load_text(f) for f in files))
 
 

@@ -21,6 +21,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Callable, Optional
 
+from zosoma.corpus import utf8_path
 from zosoma.errors import DataError
 
 WIKITEXT103_URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-raw-v1.zip"
@@ -97,7 +98,7 @@ def find_wikitext103(explicit: str | Path | None = None) -> Path | None:
     """
     for given, origin in ((explicit, "given path"), (os.environ.get(ENV_VAR), f"${ENV_VAR}")):
         if given:
-            path = Path(given).expanduser()
+            path = utf8_path(Path(given).expanduser())  # recorded with the run, as text
             found = path if path.is_file() else path / "wiki.test.raw"
             if not found.is_file():
                 raise DataError(f"{path}: no wiki.test.raw here ({origin})")

@@ -20,3 +20,8 @@ class ConfigError(ZosomaError):
 class WriteError(ZosomaError):
     """A file could not be written (full disk, read-only folder, no permission); what was there
     before is left as it was."""
+
+
+class ClusterLost(ZosomaError):
+    """The cluster that units of work ran on stopped answering (zosoma.runs.ray_executor): each unit
+    keeps its newest checkpoint, and the run resumes where a cluster answers."""

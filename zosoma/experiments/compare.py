@@ -82,6 +82,7 @@ from zosoma.errors import ConfigError
 from zosoma.experiments.report import lost
 from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.runs.events import EventLog
+from zosoma.runs.folder import NUMBER
 from zosoma.strategies.settings import MODEL_KEYS, TRAIN_KEYS, resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -305,6 +306,14 @@ class Job:
     @property
     def label(self) -> str:
         return f"{self.method.name}, seed {self.seed}"
+
+    @property
+    def record_shape(self) -> dict:
+        """What its result.json must hold (zosoma.runs.folder.record_problem): what the report reads."""
+        scores = ({"validation": NUMBER} if self.tuning else
+                  {"heldout": {"overall": NUMBER}, "wikitext103": (*NUMBER, type(None))})
+        return {"method": str, "kind": str, "seed": int, "experts": int, "n_params": int, "steps": int,
+                "flops": NUMBER, "wall_s": NUMBER, "curve": list, "model": dict, "train": dict, **scores}
 
     @property
     def spec(self) -> Spec:

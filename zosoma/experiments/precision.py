@@ -40,6 +40,7 @@ from zosoma.errors import ConfigError
 from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.model.params import Layout, init_params
 from zosoma.model.number_formats import format_step
+from zosoma.runs.folder import NUMBER
 from zosoma.strategies.settings import resolve
 
 PRESET = "tiny"
@@ -78,6 +79,9 @@ class Job:
     seed: int
     kind = "precision study"
     device = "cpu"  # the formats are emulated on the CPU
+    # what its result.json must hold (zosoma.runs.folder.record_problem): what the report reads
+    record_shape = {"fmt": str, "experts": int, "multiple": (*NUMBER, type(None)), "eps_over_step": NUMBER,
+                    "steps": int, "seed": int, "heldout": {"overall": NUMBER}, "heldout_fp32_eval": NUMBER}
 
     @property
     def label(self) -> str:

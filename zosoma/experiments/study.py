@@ -5,6 +5,8 @@ A study supplies its jobs and their scoring; a job (the Job protocol) says
 
     name          its run folder, OUT/runs/<name>/
     label, kind   how messages name it and its study ("SPSA P=64, seed 1"; "comparison")
+    record_shape  what its record must hold to be read back (zosoma.runs.folder.record_problem):
+                  the keys its study's report reads
     spec          what its run is (Spec: model, training configuration, experts, loss, ...)
     device        where its forwards run
     expected()    the configuration its folder must hold: spec.record() and the study's own keys
@@ -72,6 +74,7 @@ class Job(Protocol):
     name: str
     spec: Spec
     device: str
+    record_shape: dict
 
     @property
     def label(self) -> str: ...
@@ -110,7 +113,7 @@ def _check(job: Job, folder: RunFolder, found: dict) -> None:
 def finished(job: Job, folder: RunFolder) -> dict | None:
     """The job's finished record in its folder, refused when it is another configuration's; None
     when there is none."""
-    result = folder.read_result()
+    result = folder.read_result(job.record_shape)
     if result is not None:
         _check(job, folder, _from_result(result, job.expected()))
     return result

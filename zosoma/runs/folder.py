@@ -452,11 +452,13 @@ class RunFolder:
 
     # --- comparison runs ----------------------------------------------------------------------
 
-    def read_result(self) -> dict | None:
-        """A finished comparison run's record, or None; None too for a stale one (stale(): the run
-        trained on since), which the study scores again from the checkpoints."""
+    def read_result(self, shape: dict | None = None) -> dict | None:
+        """A finished study run's record, or None; None too for a stale one (stale(): the run
+        trained on since), which the study scores again from the checkpoints. One that is not of
+        `shape` (record_problem: the keys its study reads) is reported as damaged, as a record that
+        is not JSON."""
         result = _read_record(self.path / RESULT, "run the same command again: it scores the run again from its "
-                                                  "checkpoints")
+                                                  "checkpoints", shape)
         return None if result is None or self.stale(result, RESULT) else result
 
     def write_result(self, result: dict) -> None:
@@ -728,8 +730,10 @@ def _cause(err: CheckpointError) -> str:
 @contextlib.contextmanager
 def _no_interrupts():
     """Hold Ctrl-C (SIGINT) and SIGTERM back during a short critical section: they are recorded
-    and raised again once it is over. (A signal mask would not do: BLAS threads take the signal,
-    and Python raises it in the main thread at once.) Main thread only, where handlers run."""
+    and handed to their handlers once it is over (called, not sent again: a watcher of the wakeup
+    fd, zosoma.cli.stop, saw each signal once already). (A signal mask would not do: BLAS threads
+    take the signal, and Python raises it in the main thread at once.) Main thread only, where
+    handlers run."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -741,7 +745,10 @@ def _no_interrupts():
         for s, handler in old.items():
             signal.signal(s, handler)
         for s in held:
-            signal.raise_signal(s)
+            if callable(old[s]):
+                old[s](s, None)
+            else:  # SIG_DFL, SIG_IGN
+                signal.raise_signal(s)
 
 
 def changes(found: dict, wanted: dict, prefix: str = "") -> list[str]:
@@ -768,12 +775,42 @@ def write_json(path: Path, obj, what: str = "file") -> None:
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True), what)
 
 
-def _read_record(path: Path, redo: str) -> dict | None:
-    """A JSON record zosoma wrote, or None when there is none; a damaged one (cut short, edited)
-    is one line saying how to write it again."""
+def _read_record(path: Path, redo: str, shape: dict | None = None) -> dict | None:
+    """A JSON record zosoma wrote, or None when there is none; a damaged one (cut short, edited,
+    or JSON of another shape than `shape`) is one line saying how to write it again."""
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is damaged ({e}): delete it; {redo}") from None
+    problem = record_problem(record, shape) if shape is not None else None
+    if problem:
+        raise ConfigError(f"{path} is damaged ({problem}): delete it; {redo}")
+    return record
+
+
+NUMBER = (int, float)  # a JSON number, in a record's shape
+
+
+def record_problem(record, shape: dict, where: str = "") -> str | None:
+    """What makes a record read from JSON other than `shape`, in a few words, or None: shape maps
+    each key the record must hold to its type (a tuple of types; NUMBER; type(None) where null is
+    allowed) or to the shape of a nested object. true and false are not numbers."""
+    if not isinstance(record, dict):
+        return f"{where.rstrip('.') or 'it'} is {json.dumps(record)[:40]}, not a JSON object"
+    for key, kind in shape.items():
+        if key not in record:
+            return f"no {where}{key}"
+        value = record[key]
+        if isinstance(kind, dict):
+            problem = record_problem(value, kind, f"{where}{key}.")
+            if problem:
+                return problem
+        elif not isinstance(value, kind) or (isinstance(value, bool) and bool not in _types(kind)):
+            return f"{where}{key} is {json.dumps(value)[:40]}"
+    return None
+
+
+def _types(kind) -> tuple:
+    return kind if isinstance(kind, tuple) else (kind,)

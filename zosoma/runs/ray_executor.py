@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from zosoma.errors import ConfigError
+from zosoma.errors import ClusterLost, ConfigError
 from zosoma.runs import reaper
 from zosoma.runs.executor import THREAD_VARS, one_line
 from zosoma.runs.folder import RunFolder
@@ -50,6 +50,10 @@ EXTRA = "pip install 'zosoma[ray]'"
 CONNECT_TIMEOUT_S = 15.0
 FLUSH_S = 0.2  # a task sends its records (and hears of a stop) this often
 TOKEN_WAIT_S = 5.0  # a network file system may show a new file a little late
+# The driver gives up on a cluster whose GCS (its head) has not taken a connection for this long;
+# Ray itself would wait a minute (gcs_rpc_server_reconnect_timeout_s), then end the process with
+# lines of its own.
+GCS_LOST_S = 5.0
 
 
 def import_ray():
@@ -255,6 +259,36 @@ def _run_unit(unit, channel, token: str, cwd: str, wait: float) -> None:
         out.flush()
 
 
+class _Heartbeat:
+    """Whether the cluster's GCS still answers: a thread opens a TCP connection to it (HOST:PORT)
+    every second; `silent` is how long it has not, once that is over GCS_LOST_S (else 0)."""
+
+    def __init__(self, gcs: str):
+        self.host, _, port = gcs.rpartition(":")
+        self.port, self.last, self.done = int(port), time.monotonic(), threading.Event()
+        threading.Thread(target=self._beat, daemon=True, name="zosoma-ray-heartbeat").start()
+
+    def _beat(self) -> None:
+        while not self.done.wait(1.0):
+            try:
+                socket.create_connection((self.host, self.port), timeout=1.0).close()
+                self.last = time.monotonic()
+            except OSError:
+                pass
+
+    @property
+    def silent(self) -> float:
+        quiet = time.monotonic() - self.last
+        return quiet if quiet > GCS_LOST_S else 0.0
+
+    def close(self) -> None:
+        self.done.set()
+
+    def lost(self, why: str) -> ClusterLost:
+        return ClusterLost(f"the Ray cluster at {self.host}:{self.port} is gone ({why}: its head was stopped or "
+                           "lost); every unit keeps its newest checkpoint")
+
+
 class RayExecutor:
     """Units as Ray tasks: `cpus` CPUs and `gpus` GPUs each, retried up to `max_retries` times
     when a worker process or node dies. Connects at once (see `connect`), so a bad address fails
@@ -278,20 +312,33 @@ class RayExecutor:
         task = ray.remote(_run_unit).options(num_cpus=self.cpus, num_gpus=self.gpus, max_retries=self.max_retries,
                                              runtime_env=_thread_env(self.cpus))
         refs = {task.remote(unit, channel, token, os.getcwd(), self.token_wait): i for i, unit in enumerate(units)}
-        pending, stopping = list(refs), False
+        pending, stopping, taken, drained = list(refs), False, None, False
+        beat = _Heartbeat(ray.get_runtime_context().gcs_address)
         try:
-            while pending:
+            while not drained:
+                if beat.silent:  # said in one line now; no Ray call below waits for the GCS
+                    raise beat.lost(f"no answer for {beat.silent:.0f} s")
                 if not stopping and should_stop():
                     channel.request_stop.remote()
                     stopping = True
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=FLUSH_S, fetch_local=False)
-                yield from ray.get(channel.take.remote())
+                done = []
+                if pending:
+                    done, pending = ray.wait(pending, num_returns=len(pending), timeout=FLUSH_S, fetch_local=False)
+                if taken is None:  # the records sent so far; the last asked for once every unit returned
+                    taken, last = channel.take.remote(), not pending
+                if ray.wait([taken], timeout=FLUSH_S)[0]:
+                    yield from ray.get(taken)
+                    taken, drained = None, last
                 for ref in done:
                     failure = _failure(ray, ref)
                     if failure is not None:
                         yield Failed(refs[ref], failure)
+        except ray.exceptions.RayError as e:  # the channel on the driver's node is gone: the cluster with it
+            raise beat.lost(type(e).__name__) from None
         finally:
-            ray.kill(channel)
+            beat.close()
+            if not beat.silent:
+                ray.kill(channel)
 
 
 def _failure(ray, ref) -> str | None:

@@ -134,6 +134,12 @@ class Note:
 
 
 @dataclass(frozen=True)
+class Evaluating:
+    """Training is over and every model checkpointed: the final evaluation starts (a stop now
+    loses nothing but the evaluation, which a resume does again)."""
+
+
+@dataclass(frozen=True)
 class Evaluated:
     """The final evaluation, as written to results.json, and the yardsticks measured on the same
     texts (zosoma.yardsticks.lookup: {"heldout": Yardsticks, "wikitext103": ...}, those cached)."""

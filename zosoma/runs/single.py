@@ -26,7 +26,7 @@ from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
 from zosoma.runs.placement import Placement
 from zosoma.runs.population_workers import Sharding, make_trainer
-from zosoma.runs.records import Diverged, Dropped, Evaluated, Note, Started, Stopped
+from zosoma.runs.records import Diverged, Dropped, Evaluated, Evaluating, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.mixture.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
@@ -196,6 +196,10 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
         yield record
         if isinstance(record, (Stopped, Diverged, Dropped)):
             return
+    if should_stop():  # asked during the last step, which is saved: a resume evaluates
+        yield Stopped(trainer.expert, trainer.state.step)
+        return
+    yield Evaluating()
     state, model = trainer.state, trainer.model
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)
     results.update(step=state.step, checkpoint_steps=[state.step], tokens=state.tokens,

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import LOSSES, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops, run_ops
@@ -37,7 +37,7 @@ from zosoma.runs.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
 from zosoma.runs.population_workers import summed_trainers
-from zosoma.runs.records import Clusters, Dropped, Evaluated, Finished, Started, Stopped
+from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
@@ -46,8 +46,6 @@ from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_r
 from zosoma.strategies import make_strategy
 from zosoma.strategies.summed import Summed
 from zosoma.yardsticks import lookup
-
-LOSSES = ("independent", "summed")
 
 
 def expert_corpora(chunks: Corpus, assignments: np.ndarray, n: int) -> list[Corpus]:
@@ -132,14 +130,15 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
         raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
     train_corpus, _ = load_data(train_paths, heldout_paths)  # the held-out files are checked here too
     found = check_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
+    data = data_record(train_corpus, train_paths, heldout_paths, found if wikitext else None)
     chunks = chunk(train_corpus, chunk_size)
     if n_experts > len(chunks):
         raise ConfigError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes")
+    check_cluster_size(train_corpus.n_bytes, n_experts, model)
     clustering, assignments = fit_clusters(chunks, ClusterConfig(n_clusters=n_experts, seed=cfg.seed))
     report = cluster_report(assignments, chunks.names, n_experts)
     folder.make()
     save_clustering(folder.router, clustering)
-    data = data_record(train_corpus, train_paths, heldout_paths, found if wikitext else None)
     soma = {"experts": n_experts, "loss": loss, "chunk_size": chunk_size, "top_k": top_k, "data": data,
             "cluster_sizes": [r["size"] for r in report], "assignments": assignments.tolist()}
     corpora = expert_corpora(chunks, assignments, n_experts)
@@ -148,6 +147,25 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
                 new_state(model, cfg, expert=i), expert=i, extra={"data": data, "loss": loss}).checkpoint()
     folder.write_soma(soma)  # last: a folder without soma.json holds no run yet
     return report, len(chunks)
+
+
+# A SOMA run's clusters must hold on average at least this many bytes of text per parameter of an
+# expert: a model fits about as many bytes as it has parameters, and one with several times more
+# parameters than text learns its cluster by heart (while a thousand such experts cost a long
+# clustering and a folder of step-0 checkpoints before the first step).
+MIN_BYTES_PER_PARAMETER = 0.5
+
+
+def check_cluster_size(n_bytes: int, n_experts: int, model: ModelConfig) -> None:
+    """A ConfigError in one line, before any clustering, when the experts' clusters would hold on
+    average fewer than MIN_BYTES_PER_PARAMETER bytes of text per parameter of an expert."""
+    d = model.n_params()
+    if n_bytes < MIN_BYTES_PER_PARAMETER * n_experts * d:
+        most = int(n_bytes // (MIN_BYTES_PER_PARAMETER * d))
+        raise ConfigError(f"--experts {n_experts}: clusters of about {n_bytes // n_experts:,} bytes of text for "
+                          f"experts of {d:,} parameters, {n_bytes / n_experts / d:.2g} bytes per parameter, under the "
+                          f"{MIN_BYTES_PER_PARAMETER:g} an expert needs: at most {most} experts of this size for "
+                          f"these {n_bytes:,} bytes (or more text, or smaller experts)")
 
 
 def open_soma(run_dir) -> SomaRun:
@@ -241,7 +259,7 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=Non
         if isinstance(record, (Finished, Dropped)):  # a dropped expert is done: routing leaves it out
             finished.add(record.expert)
         yield record
-    if len(finished) == run.n_experts:  # stopped or failed experts: nothing to evaluate yet
+    if len(finished) == run.n_experts and not should_stop():  # stopped or failed experts: nothing to evaluate yet
         yield from _evaluate(run, get_ops(device))
 
 
@@ -305,6 +323,7 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
 
 
 def _evaluate(run: SomaRun, ops: Ops):
+    yield Evaluating()
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
     training = [summary_of(c) for c in ckpts]
     soma = dict(run.soma, experts_status=[{"restarts": len(t["restarts"]), "dropped": t["dropped"]} for t in training])

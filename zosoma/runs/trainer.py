@@ -40,6 +40,7 @@ from zosoma.runs.guard import DivergenceGuard, window_for
 from zosoma.runs.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
+from zosoma.strategies.settings import check_memory
 from zosoma.strategies.shaping import spread
 
 
@@ -96,6 +97,7 @@ class Trainer:
 
     def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
                  expert: int = 0, extra: dict | None = None, ops: Ops | None = None):
+        check_memory(model, cfg)  # a run resumed on a smaller machine, or started before this check
         if sampler.T1 != cfg.seq_len + 1:
             raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)

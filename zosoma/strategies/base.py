@@ -67,17 +67,33 @@ class Strategy:
         raise NotImplementedError
 
 
-def check_options(strategy: Strategy, cfg: TrainConfig, given=()) -> None:
+# Fields read only under another setting: field -> (whether cfg reads it, the setting it needs).
+READ_ONLY_WITH = {
+    "clip_at": (lambda cfg: "clip" in cfg.shaping, "--shaping clip"),
+    "normalize_window": (lambda cfg: "normalize" in cfg.shaping, "--shaping normalize"),
+    "restart_lr_factor": (lambda cfg: cfg.on_divergence == "restart", "--on-divergence restart"),
+    "max_restarts": (lambda cfg: cfg.on_divergence == "restart", "--on-divergence restart"),
+}
+
+
+def check_options(strategy: Strategy, cfg: TrainConfig, given=(), shared=()) -> None:
     """A ConfigError naming the first TrainConfig field that `strategy` does not read although it
     was given (`given`: the names someone set, zosoma.strategies.settings.resolve) or differs from
     its defaults (TrainConfig's, or the strategy's own: an unread field at either changes
-    nothing)."""
+    nothing); and the first field given, or set away from its default by `shared` (the names of
+    a table several methods share), that only another setting makes read (READ_ONLY_WITH:
+    --clip-at without clip shaping). The latter never for a stored configuration (neither given
+    nor shared), so that a checkpoint written before that rule still resumes."""
     plain, own = TrainConfig(), dataclasses.replace(TrainConfig(), **strategy.defaults)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.name not in COMMON | strategy.options and (
                 f.name in given or value not in (getattr(plain, f.name), getattr(own, f.name))):
             raise UnusedOption(unused_option(strategy, f.name))
+    for name in [*given, *(n for n in shared if getattr(cfg, n) != getattr(plain, n))]:
+        if name in READ_ONLY_WITH and not READ_ONLY_WITH[name][0](cfg):
+            raise UnusedOption(f"--{name.replace('_', '-')} is read only with {READ_ONLY_WITH[name][1]}, which "
+                               "this run does not use")
 
 
 class UnusedOption(ConfigError):

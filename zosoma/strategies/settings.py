@@ -9,9 +9,10 @@ without eps and lr once trained with SPSA's).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Mapping
 
-from zosoma.config import PRESETS, ModelConfig, TrainConfig
+from zosoma.config import LOSSES, PRESETS, ModelConfig, TrainConfig, step_bytes
 from zosoma.errors import ConfigError
 from zosoma.strategies import STRATEGIES
 from zosoma.strategies.base import check_options
@@ -27,11 +28,14 @@ def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}
     `shared`, then `given`; each a mapping of ModelConfig and TrainConfig fields together. The
     strategy (the optimizer given, else shared, else the default) must read every training key
     of `given`; a key of `shared` (a table several methods share) that it does not read must
-    leave its field at the default. Anything else is a ConfigError in one line. The summed-loss
-    ablation (loss "summed") couples its experts, so its own default on divergence is to stop."""
+    leave its field at the default. Anything else is a ConfigError in one line, as is a step
+    that needs more memory than this machine has (check_memory). The summed-loss ablation (loss
+    "summed") couples its experts, so its own default on divergence is to stop."""
     unknown = sorted(set(given) - MODEL_KEYS - TRAIN_KEYS)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
+    if loss not in LOSSES:
+        raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     base_model, base_train = PRESETS[preset] if preset is not None else (ModelConfig(), {})
     merged = {**shared, **given}
     name = merged.get("optimizer", TrainConfig.optimizer)
@@ -42,5 +46,50 @@ def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}
     coupled = {"on_divergence": "stop"} if loss == "summed" else {}
     cfg = dataclasses.replace(TrainConfig(), **{**base_train, **strategy.defaults, **coupled,
                                                 **{k: v for k, v in merged.items() if k in TRAIN_KEYS}})
-    check_options(strategy, cfg, given=[k for k in given if k in TRAIN_KEYS])
+    check_options(strategy, cfg, given=[k for k in given if k in TRAIN_KEYS],
+                  shared=[k for k in shared if k in TRAIN_KEYS and k not in given])
+    strategy(cfg)  # its own checks (the shaping pieces named), now rather than when training starts
+    check_memory(model, cfg)
     return model, cfg
+
+
+def check_memory(model: ModelConfig, cfg: TrainConfig, available: int | None = None) -> None:
+    """A ConfigError in one line when one training step of this configuration needs more memory
+    (zosoma.config.step_bytes, a lower bound) than `available` (default: what this machine has
+    free now, available_memory), naming what takes it and the option that sets it: a batch of
+    1e8 would otherwise allocate for minutes and end in a MemoryError."""
+    available = available_memory() if available is None else available
+    need = step_bytes(model, cfg)
+    if available is None or sum(need.values()) <= available:
+        return
+    what, most = max(need.items(), key=lambda kv: kv[1])
+    cause = {"parameters": (f"{model.n_params():,} parameters", "--hidden, --embed or --layers"),
+             "activations": (f"the activations of a batch of {cfg.batch:,} at H={model.hidden}", "--batch or --hidden"),
+             "population": (f"the losses of {cfg.perturbations:,} perturbation pairs", "--perturbations")}[what]
+    raise ConfigError(f"one training step needs at least {_gb(sum(need.values()))} of memory ({_gb(most)} for "
+                      f"{cause[0]}), more than the {_gb(available)} available here: lower {cause[1]}")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for this process: the kernel's MemAvailable, or less where a cgroup
+    (a container, a SLURM job) leaves less below its limit; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next(line.strip()[3:] for line in f if line.startswith("0::"))
+        root = Path("/sys/fs/cgroup") / group.lstrip("/")
+        limit = (root / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((root / "memory.current").read_text()))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return min(found) if found else None

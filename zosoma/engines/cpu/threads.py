@@ -100,15 +100,20 @@ def run_items(work: Callable[[int, int], None], n_items: int, make_state: Callab
             work(item, state)
         return
     counter = itertools.count()  # next() on it is atomic under the GIL
+    given_up = threading.Event()
 
     def loop():
         state = make_state()
-        while (item := next(counter)) < n_items:
+        while not given_up.is_set() and (item := next(counter)) < n_items:
             work(item, state)
 
     futures = [_executor(n).submit(loop) for _ in range(n)]
-    for f in futures:
-        f.result()  # re-raises a worker's exception here
+    try:
+        for f in futures:
+            f.result()  # re-raises a worker's exception here
+    except BaseException:  # a worker's error, or Ctrl-C: the other threads take no further item
+        given_up.set()
+        raise
 
 
 def split(n: int, parts: int) -> Sequence[range]:

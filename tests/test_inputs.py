@@ -1,0 +1,253 @@
+"""Oversized and odd inputs end in one line before anything is written, from the command line and
+the Python API alike (the comparison's TOML: tests/test_compare.py); a stop signal waits neither
+for a step of minutes nor for the final evaluation. Real subprocesses where a signal is involved."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zosoma
+from helpers import one_line_error, run_cli, zosoma_cmd
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.download import NotOfficial
+from zosoma.errors import ConfigError
+from zosoma.runs.folder import CHECKPOINT, RunFolder
+from zosoma.strategies import make_strategy
+from zosoma.strategies.settings import check_memory, resolve
+
+MODEL = ["--embed", "8", "--hidden", "16", "--layers", "1"]
+TINY = [*MODEL, "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
+
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(1)
+    words = [b"river", b"stone", b"light", b"green", b"0123", b"4567", b"\n"]
+    (root / "a.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 7, 3000)))
+    return root / "a.txt"
+
+
+def nothing_made() -> bool:
+    """No run folder in runs/ (the default) was left behind."""
+    return not Path("runs").exists() or list(Path("runs").iterdir()) == []
+
+
+# --- the memory one step needs, refused up front ------------------------------------------------------
+
+@pytest.mark.parametrize("option, field, value, lower", [
+    ("--batch", "batch", 10**9, "--batch"),  # the activations of a billion rows
+    ("--hidden", "hidden", 10**6, "--hidden"),  # 4e12 parameters
+    ("-P", "perturbations", 10**12, "--perturbations"),  # the losses of 1e12 pairs
+])
+def test_a_step_larger_than_this_machine_is_refused_before_any_folder(text, option, field, value, lower):
+    line = one_line_error(run_cli(["train", "--data", text, option, value]), 2)
+    assert "Error: one training step needs at least" in line and f"lower {lower}" in line, line
+    assert nothing_made()
+    with pytest.raises(ConfigError, match=r"one training step needs at least .* GB of memory"):
+        zosoma.train(data=text, **{field: value})
+    assert nothing_made()
+
+
+def test_the_memory_rule_compares_a_steps_lower_bound_with_what_is_free(monkeypatch):
+    model, cfg = ModelConfig(), TrainConfig()
+    check_memory(model, cfg, available=10**9)  # about 2 MB at the defaults
+    with pytest.raises(ConfigError, match=r"more than the 0.0 GB available here: lower --hidden"):
+        check_memory(model, cfg, available=1000)
+    monkeypatch.setattr("zosoma.strategies.settings.available_memory", lambda: None)
+    check_memory(model, dataclasses.replace(cfg, batch=10**9))  # where nothing says what is free: not refused
+
+
+def test_a_folder_whose_step_is_too_large_does_not_resume_into_a_crash(text, tmp_path):
+    """A run folder an older version left with an impossible batch: one line, nothing changed."""
+    run = tmp_path / "run"
+    assert run_cli(["train", "--data", text, "--run-dir", run, "--steps", "1", *TINY, "--quiet"]).exit_code == 0
+    folder = RunFolder(run)
+    ckpt = folder.read_checkpoint()
+    folder.write_checkpoint(dataclasses.replace(ckpt, train=dataclasses.replace(ckpt.train, batch=10**9)))
+    before = (run / CHECKPOINT).read_bytes()
+    line = one_line_error(run_cli(["train", "--resume", run, "--steps", "2"]), 1)
+    assert "one training step needs at least" in line and "lower --batch" in line
+    assert (run / CHECKPOINT).read_bytes() == before
+
+
+# --- experts whose clusters would be too small to learn from -----------------------------------------
+
+def test_too_many_experts_for_the_text_are_refused_before_clustering(text, tmp_path):
+    # 15 kB of text, 8 experts of the tiny preset's 49,664 parameters: 0.039 bytes per parameter
+    args = ["train", "--data", text, "--experts", "8", "--chunk-size", "256", "--steps", "1"]
+    line = one_line_error(run_cli(args + ["--run-dir", tmp_path / "run"]), 1)
+    assert "--experts 8: clusters of about 1,914 bytes of text for experts of 49,664 parameters" in line
+    assert "under the 0.5 an expert needs: at most 0 experts" in line
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"--experts 8: clusters of about"):
+        zosoma.train(data=text, experts=8, chunk_size=256, steps=1)
+    assert nothing_made()
+    assert run_cli(args + [*MODEL, "--experts", "2", "--quiet"]).exit_code == 0  # 0.96 bytes per parameter
+
+
+# --- names that are not UTF-8 ---------------------------------------------------------------------------
+
+@pytest.mark.subprocess
+def test_a_file_name_that_is_not_utf8_is_one_line_and_writes_nothing(text, tmp_path):
+    bad = os.fsencode(tmp_path) + b"/odd\xff.txt"
+    shutil.copy(text, bad)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(text, os.fsencode(folder) + b"/also\xfe.txt")
+    for data, shown in ((bad, "odd\\xff.txt"), (os.fsencode(folder), "also\\xfe.txt")):
+        for soma in ([], ["--experts", "2", "--chunk-size", "256"]):
+            cmd = zosoma_cmd() + ["train", "--data", data, "--run-dir", str(tmp_path / "run"), "--steps", "1", *TINY,
+                                  *soma]
+            result = subprocess.run(cmd, capture_output=True, timeout=120)
+            err = result.stderr.decode("utf-8", "backslashreplace")
+            assert result.returncode == 1 and len(err.strip().splitlines()) == 1, err
+            assert err.startswith("Error: ") and shown in err and "is not UTF-8 text; rename it" in err
+            assert not (tmp_path / "run").exists()
+
+
+# --- options that another setting leaves unread ------------------------------------------------------
+
+@pytest.mark.parametrize("args, needs", [
+    (["--clip-at", "3"], "--shaping clip"),
+    (["--shaping", "none", "--normalize-window", "9"], "--shaping normalize"),
+    (["--shaping", "clip", "--normalize-window", "9"], "--shaping normalize"),
+    (["--on-divergence", "stop", "--max-restarts", "2"], "--on-divergence restart"),
+    (["--on-divergence", "continue", "--restart-lr-factor", "0.3"], "--on-divergence restart"),
+])
+def test_an_option_another_setting_leaves_unread_is_refused(text, args, needs):
+    line = one_line_error(run_cli(["train", "--data", text, *args]), 2)
+    assert line.endswith(f"is read only with {needs}, which this run does not use"), line
+    given = {a[2:].replace("-", "_"): v for a, v in zip(args[::2], args[1::2])}
+    given = {k: (float(v) if k in ("clip_at", "restart_lr_factor") else int(v) if v.isdigit() else v)
+             for k, v in given.items()}
+    with pytest.raises(ConfigError, match=f"read only with {needs}"):
+        zosoma.train(data=text, **given)
+    with pytest.raises(ConfigError, match=f"read only with {needs}"):
+        zosoma.Optimizer(d=3, **given)
+    assert nothing_made()
+
+
+def test_options_read_under_their_setting_are_accepted_and_old_checkpoints_still_load():
+    _, cfg = resolve("tiny", {"shaping": ("clip",), "clip_at": 3.0, "max_restarts": 1})
+    assert cfg.clip_at == 3.0 and cfg.max_restarts == 1 and cfg.on_divergence == "restart"
+    # a configuration stored before the rule (clip_at set, clip not used) is not refused
+    make_strategy(TrainConfig(shaping=(), clip_at=3.0, on_divergence="stop", max_restarts=7))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("perturbations", 3.5, "perturbations must be an integer, got 3.5"),
+    ("steps", True, "steps must be an integer, got True"),
+    ("lr", "0.1", "lr must be a number, got '0.1'"),
+    ("shaping", "clipp", "unknown shaping 'clipp'"),
+    ("shaping", 5, "shaping must be a piece's name or a list of them, got 5"),
+    ("hidden", 64.0, "hidden must be an integer, got 64.0"),
+])
+def test_a_value_of_the_wrong_kind_is_refused_at_once(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve("tiny", {field: value})
+
+
+def test_a_loss_that_does_not_exist_is_refused_at_once(text):
+    """Where options are resolved (a comparison's --plan: tests/test_compare.py), not when a SOMA
+    run is created."""
+    with pytest.raises(ConfigError, match="loss must be one of independent, summed, got 'bogus'"):
+        resolve("tiny", {}, loss="bogus")
+    with pytest.raises(ConfigError, match="loss must be one of independent, summed, got 'bogus'"):
+        zosoma.train(data=text, experts=2, loss="bogus")
+    assert nothing_made()
+
+
+# --- eval says what it scored ---------------------------------------------------------------------------
+
+def test_eval_warns_of_a_wikitext_that_is_not_the_official_one_and_names_data_given(text, tmp_path):
+    run = tmp_path / "run"
+    assert run_cli(["train", "--data", text, "--run-dir", run, "--steps", "1", *TINY, "--quiet"]).exit_code == 0
+    other = tmp_path / "notes.txt"
+    other.write_text("some text that is not WikiText-103\n" * 100)
+    result = run_cli(["eval", run, "--data", text, "--wikitext", other])
+    assert result.exit_code == 0, result.output
+    assert f"warning: {other} is not the official wiki.test.raw" in result.output
+    assert "nats/byte on the --data files" in result.output and "held-out" not in result.output
+    result = run_cli(["eval", run, "--data", text])  # no WikiText-103 here, and none was asked for
+    assert result.exit_code == 0 and "WikiText-103" not in result.output
+    scored = json.loads(run_cli(["eval", run, "--data", text, "--json"]).stdout)
+    assert set(scored["heldout"]) == {"a", "overall"} and scored["wikitext103"] is None
+    result = run_cli(["eval", run])  # the held-out slices, by default: the hint where WikiText-103 is
+    assert "held-out nats/byte" in result.output and "WikiText-103: not found" in result.output
+    with pytest.warns(NotOfficial, match="is not the official wiki.test.raw"):
+        scores = zosoma.open_run(run).evaluate(data=text, wikitext=other)
+    assert scores["wikitext103_path"] == str(other.resolve())
+
+
+# --- stop signals do not wait ------------------------------------------------------------------------------
+
+def started(proc, check, timeout=180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_second_signal_stops_a_step_of_minutes_at_once(text, tmp_path):
+    """A batch of 200,000 rows and 64 pairs: minutes per step. The first SIGTERM waits for the
+    step; the second ends the run within seconds, its step-0 checkpoint kept, in one line."""
+    run = tmp_path / "run"
+    cmd = zosoma_cmd() + ["train", "--data", str(text), "--run-dir", str(run), "--steps", "3", *MODEL,
+                          "--batch", "200000", "--seq-len", "16", "-P", "64", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started(proc, lambda: (run / CHECKPOINT).exists())
+        time.sleep(3)  # inside the first step
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)
+        assert proc.poll() is None  # the first signal waits for the end of the step
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 15, "the second signal did not stop the step"
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("stopped at once; the newest checkpoint is kept. Continue with: zosoma "
+                                            f"train --resume {run}")
+    assert RunFolder(run).read_checkpoint().step == 0 and RunFolder(run).owner() is None
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_stop_during_the_final_evaluation_ends_at_once(text, tmp_path):
+    """Held-out text of 20 MB takes the tiny model a minute or more to score: a SIGTERM once the
+    last step is saved ends the command within seconds, with its code and how to evaluate later."""
+    run, heldout = tmp_path / "run", tmp_path / "heldout.txt"
+    heldout.write_bytes(text.read_bytes() * 1200)
+    cmd = zosoma_cmd() + ["train", "--data", str(text), "--heldout", str(heldout), "--run-dir", str(run),
+                          "--steps", "2", *TINY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started(proc, lambda: (run / CHECKPOINT).exists() and RunFolder(run).read_checkpoint().step == 2)
+        time.sleep(1)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 15, "the stop waited for the evaluation"
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert f"zosoma train --resume {run}" in out + err and "Traceback" not in err
+    assert not (run / "results.json").exists()
+    assert RunFolder(run).read_checkpoint().step == 2 and RunFolder(run).owner() is None
