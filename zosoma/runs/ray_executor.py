@@ -264,8 +264,9 @@ class _Heartbeat:
     every second; `silent` is how long it has not, once that is over GCS_LOST_S (else 0)."""
 
     def __init__(self, gcs: str):
-        self.host, _, port = gcs.rpartition(":")
-        self.port, self.last, self.done = int(port), time.monotonic(), threading.Event()
+        host, _, port = gcs.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)  # [::1]:6379 too
+        self.last, self.done = time.monotonic(), threading.Event()
         threading.Thread(target=self._beat, daemon=True, name="zosoma-ray-heartbeat").start()
 
     def _beat(self) -> None:
@@ -312,12 +313,13 @@ class RayExecutor:
         task = ray.remote(_run_unit).options(num_cpus=self.cpus, num_gpus=self.gpus, max_retries=self.max_retries,
                                              runtime_env=_thread_env(self.cpus))
         refs = {task.remote(unit, channel, token, os.getcwd(), self.token_wait): i for i, unit in enumerate(units)}
-        pending, stopping, taken, drained = list(refs), False, None, False
+        pending, stopping, taken, drained, lost = list(refs), False, None, False, None
         beat = _Heartbeat(ray.get_runtime_context().gcs_address)
         try:
             while not drained:
                 if beat.silent:  # said in one line now; no Ray call below waits for the GCS
-                    raise beat.lost(f"no answer for {beat.silent:.0f} s")
+                    lost = beat.lost(f"no answer for {beat.silent:.0f} s")
+                    raise lost
                 if not stopping and should_stop():
                     channel.request_stop.remote()
                     stopping = True
@@ -334,10 +336,11 @@ class RayExecutor:
                     if failure is not None:
                         yield Failed(refs[ref], failure)
         except ray.exceptions.RayError as e:  # the channel on the driver's node is gone: the cluster with it
-            raise beat.lost(type(e).__name__) from None
+            lost = beat.lost(type(e).__name__)
+            raise lost from None
         finally:
             beat.close()
-            if not beat.silent:
+            if lost is None:  # (killing an actor of a lost cluster would wait for it)
                 ray.kill(channel)
 
 
