@@ -22,10 +22,13 @@ ALLOWED = {
     "engines": {"foundation", "model", "formats", "engines"},
     "strategies": {"foundation", "model", "strategies"},
     "mixture": {"foundation", "model", "formats", "engines", "mixture"},
-    "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs"},
-    "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "experiments"},
+    "yardsticks": {"foundation", "model", "mixture", "yardsticks"},  # n-grams and compressors beside models
+    "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs"},
+    "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
+                    "experiments"},
     "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "porting"},
-    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "experiments", "api"},
+    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "experiments",
+            "api"},
 }
 DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an address "auto")
 
