@@ -5,6 +5,7 @@ derives each deliberately wrong port from it by changing one convention."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
-from zosoma.runs.trainer import apply_update, stream
+from zosoma.runs.trainer import stream
 from zosoma.mixture.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
 from zosoma.mixture.routing import Router
 from zosoma.strategies import make_strategy
@@ -181,13 +182,15 @@ def port_eggroll(kit, layout):
 
 
 def port_train(kit, layout, schedule=True, skip_counts=True):
-    """The training loop with zosoma's engine, updating from the kit's scalars (apply_update: the
-    trainer's skip rule). schedule / skip_counts False: a port that takes the peak rate every step,
-    or whose counter does not advance on a skipped step (the deliberately wrong ports)."""
+    """The training loop with zosoma's engine, updating from the kit's scalars (Strategy.apply: the
+    trainer's rate and skip rule). schedule / skip_counts False: a port that takes the peak rate every
+    step, or whose counter does not advance on a skipped step (the deliberately wrong ports)."""
     f = load(kit, "train")
     N, P, eps, wd = int(f["steps"]), int(f["P"]), float(f["eps"]), float(f["weight_decay"])
     cfg = TrainConfig(steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
                       warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]))
+    if not schedule:  # the peak rate at every step
+        cfg = dataclasses.replace(cfg, schedule="constant", warmup=0)
     sampler = BatchSampler(_corpus(f), int(f["T"]) + 1)
     strategy, ops = make_strategy(cfg), Ops()
     theta = f["theta"].copy()
@@ -200,8 +203,7 @@ def port_train(kit, layout, schedule=True, skip_counts=True):
         plus, minus = ops.perturbed_losses(theta, layout, batch, pop)
         if t == int(f["fault_step"]):
             plus[0] = np.nan
-        lr = learning_rate(c, cfg.lr, N, cfg.warmup, cfg.schedule) if schedule else cfg.lr
-        theta, _, skipped = apply_update(strategy, ops, layout, theta, {}, f["scalars"][t], pop, lr)
+        theta, _, lr, skipped = strategy.apply(ops, layout, theta, {}, f["scalars"][t], pop)
         skips += skipped
         for k, v in zip(out, (batch, lr, plus, minus, central_differences(plus, minus, eps)[0])):
             out[k].append(v)

@@ -121,3 +121,30 @@ def test_summed_wrapper_shares_spsa_scalars_and_refuses_shaped_fitness():
         with pytest.raises(ConfigError, match=f"--optimizer {name} shapes fitness"):
             Summed([make_strategy(TrainConfig(optimizer=name))])
 
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "es"])
+def test_tell_shapes_rates_and_skips_in_the_base_for_every_strategy(optimizer):
+    """Strategy.tell is the one step of the loop, a population worker and zosoma.Optimizer: the
+    raw spread recorded, the shaping chain, the schedule times restart_lr_factor ** restarts, then
+    the rule's update; a non-finite scalar changes no state at all."""
+    from zosoma.strategies.base import learning_rate
+    from zosoma.strategies.shaping import spread
+    cfg = TrainConfig(optimizer=optimizer, perturbations=4, steps=100, warmup=10, lr=0.1, restart_lr_factor=0.5,
+                      **({"shaping": ()} if optimizer == "es" else {}))
+    strategy, ops = make_strategy(cfg), Ops()
+    theta, pop = np.random.default_rng(0).normal(size=50).astype(np.float32), strategy.ask(0, 30)
+    state, shaping = strategy.init(ops, 50), strategy.shaping.init()
+    coeffs = np.array([0.3, -1.2, 0.7, 0.1])
+    told = strategy.tell(ops, None, theta, state, shaping, coeffs, pop, restarts=2)
+    lr = learning_rate(30, 0.1, 100, 10, "cosine") * 0.25
+    shaped, new_shaping, info = strategy.shaping(coeffs, shaping)
+    expected, expected_state = strategy.update(ops, None, theta, state, shaped, pop, lr)
+    assert told.lr == lr and not told.skipped and told.shaping == new_shaping
+    assert np.array_equal(told.theta, expected) and told.optimizer.keys() == expected_state.keys()
+    assert told.record == {"spread": spread(coeffs), **info}
+    assert ("normalize_scale" in told.record) == (optimizer != "es")  # the default run's shaping
+
+    skipped = strategy.tell(ops, None, theta, state, shaping, np.array([0.3, np.nan, 0.7, 0.1]), pop, restarts=2)
+    assert skipped.skipped and skipped.lr == lr and skipped.record == {"spread": None}
+    assert skipped.theta is theta and skipped.optimizer is state and skipped.shaping is shaping

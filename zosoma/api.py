@@ -160,18 +160,14 @@ class Optimizer:
 
     def tell(self, theta, step: int, losses) -> np.ndarray:
         """The parameters after the step, from one loss per member of ask(theta, step)."""
-        from zosoma.runs.trainer import apply_update
-        from zosoma.strategies.base import learning_rate
-
         losses = np.asarray(losses, np.float64).reshape(-1)
         if losses.size != 2 * self.cfg.perturbations:
             raise ConfigError(f"tell needs {2 * self.cfg.perturbations} losses (one per member), got {losses.size}")
         coeffs, _ = self.strategy.coefficients(losses[0::2], losses[1::2])
-        coeffs, self.shaping, _ = self.strategy.shaping(coeffs, self.shaping)
-        lr = learning_rate(step, self.cfg.lr, self.cfg.steps, self.cfg.warmup, self.cfg.schedule)
-        new, self.state, _ = apply_update(self.strategy, self.ops, None, self._theta(theta), self.state, coeffs,
-                                          self.strategy.ask(0, step), lr)
-        return new
+        told = self.strategy.tell(self.ops, None, self._theta(theta), self.state, self.shaping, coeffs,
+                                  self.strategy.ask(0, step))  # the training loop's step (Strategy.tell)
+        self.state, self.shaping = told.optimizer, told.shaping
+        return told.theta
 
     def _theta(self, theta) -> np.ndarray:
         theta = np.ascontiguousarray(theta, np.float32).reshape(-1)

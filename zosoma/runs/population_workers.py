@@ -53,9 +53,9 @@ from zosoma.errors import ConfigError, ZosomaError
 from zosoma.model.params import Layout
 from zosoma.runs.executor import child_threads, exit_with_parent, one_line
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.trainer import RunState, Trainer, apply_update, stream
+from zosoma.runs.trainer import RunState, Trainer, stream
 from zosoma.strategies import make_strategy
-from zosoma.strategies.base import learning_rate
+from zosoma.strategies.base import finite, lr_at
 
 MAX_REBUILDS = 3  # per worker and request: a worker that keeps dying is an error, not a loop
 
@@ -105,9 +105,8 @@ class Shard:
 
     def __init__(self, spec: ShardSpec, step: int, replay: Sequence = ()):
         ckpt = RunFolder(spec.run_dir).read_checkpoint(step)
-        restarts = len(ckpt.extra.get("restarts") or ())  # a restart's stream and rate (zosoma.runs.trainer)
-        self.cfg, self.stream, self.pairs = ckpt.train, stream(spec.expert, restarts), spec.pairs
-        self.lr_scale = ckpt.train.restart_lr_factor ** restarts
+        self.restarts = len(ckpt.extra.get("restarts") or ())  # a restart's stream and rate (zosoma.runs.trainer)
+        self.cfg, self.stream, self.pairs = ckpt.train, stream(spec.expert, self.restarts), spec.pairs
         self.strategy = make_strategy(ckpt.train)
         self.ops = get_ops(spec.device, ckpt.train.engine, ckpt.train.forward_precision)
         self.layout = Layout(ckpt.model)
@@ -120,13 +119,12 @@ class Shard:
         self.update_s = 0.0  # the last update's seconds, reported with the next losses
 
     def apply(self, coeffs) -> None:
-        """The step's update from its P scalars, exactly as Trainer.update applies it."""
+        """The step's update from its P scalars (shaped by the driver), with the Strategy.apply
+        that Trainer.update calls."""
         t0 = time.perf_counter()
-        cfg, step = self.cfg, self.step
-        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule) * self.lr_scale
-        self.theta, self.optimizer, _ = apply_update(self.strategy, self.ops, self.layout, self.theta,
-                                                     self.optimizer, np.asarray(coeffs, np.float64),
-                                                     self.strategy.ask(self.stream, step), lr)
+        self.theta, self.optimizer, _, _ = self.strategy.apply(self.ops, self.layout, self.theta, self.optimizer,
+                                                               np.asarray(coeffs, np.float64),
+                                                               self.strategy.ask(self.stream, self.step), self.restarts)
         self.step += 1
         self.update_s = time.perf_counter() - t0
 
@@ -375,12 +373,14 @@ class ShardedTrainer(Trainer):
         notes, self.group.notes = tuple(self.group.notes), []
         return replace(record, notes=notes) if notes else record
 
-    def apply(self, coeffs, pop, lr):
-        """Log the scalars, send them to the workers; the driver's theta waits for a checkpoint."""
+    def apply(self, coeffs, pop):
+        """Log the shaped scalars, send them to the workers (each applies them with Strategy.apply);
+        the driver's theta waits for a checkpoint."""
         self.folder.append_scalars(self.state.step, coeffs)  # logged before any worker applies them
         for m in self.members:
             self.group.apply(m, coeffs)
-        return self.state.theta, self.state.optimizer, not np.all(np.isfinite(coeffs))
+        return (self.state.theta, self.state.optimizer, lr_at(self.cfg, pop.step, len(self.state.restarts)),
+                not finite(coeffs))
 
     def adopt(self, state) -> None:
         """A restart rolled the model back: the workers are rebuilt from its new checkpoint (at

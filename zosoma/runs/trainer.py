@@ -6,9 +6,15 @@ One step (zosoma.strategies.base):
     pop          = strategy.ask(expert, step)                         which 2P members
     plus, minus  = ops.perturbed_losses(theta, layout, batch, pop)    forward passes only
     coeffs, loss = strategy.coefficients(plus, minus)                 P scalars
-    theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
+    coeffs       = strategy.shape(coeffs, shaping)                    raw spread recorded; the default
+                                                                      run normalizes them
+    theta, state = strategy.apply(ops, layout, theta, state, coeffs, pop, restarts)
+                   lr = schedule(step) * restart_lr_factor ** restarts; a non-finite scalar skips
     the step's record -> metrics.jsonl; every K steps -> checkpoint.h5 (which counts the records
                                                                    and checksums them)
+
+Shape then apply is Strategy.tell; a sharded model (zosoma.runs.population_workers) shapes here
+and applies on its workers, with the same Strategy.apply.
 
 theta and the optimizer state live on the engine (a GPU keeps them there); the host gets them
 only for checkpoints. Batches and noise are regenerated from counters, so a run resumed from a
@@ -39,9 +45,8 @@ from zosoma.runs.folder import MetricsMark, RunFolder
 from zosoma.runs.guard import DivergenceGuard, window_for
 from zosoma.runs.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
 from zosoma.strategies import make_strategy
-from zosoma.strategies.base import learning_rate
+from zosoma.strategies.base import lr_scale
 from zosoma.strategies.settings import check_memory
-from zosoma.strategies.shaping import spread
 
 
 @dataclass
@@ -142,11 +147,6 @@ class Trainer:
         cfg.steps as before)."""
         return self.state.tokens >= self.cfg.steps * self.tokens_per_step
 
-    @property
-    def lr_scale(self) -> float:
-        """The rate's factor after this model's restarts."""
-        return self.cfg.restart_lr_factor ** len(self.state.restarts)
-
     def losses(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's members' losses on its minibatch: plus (P,) and minus (P,)."""
         t0 = time.perf_counter()
@@ -162,22 +162,19 @@ class Trainer:
 
     def update(self, coeffs: np.ndarray, loss: float) -> Step:
         """Shape the P scalars (zosoma.strategies.shaping) and apply the strategy's update from
-        them; a non-finite scalar skips the step (a NaN would poison theta and the optimizer
-        state). Returns the step's record."""
+        them (Strategy.shape, then self.apply); a non-finite scalar skips the step (a NaN would
+        poison theta and the optimizer state). Returns the step's record."""
         t0 = time.perf_counter()
         cfg, state, step = self.cfg, self.state, self.state.step
         pop = self._pop if self._pop is not None else self.strategy.ask(self.stream, step)
-        lr = learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule) * self.lr_scale
-        finite = bool(np.all(np.isfinite(coeffs)))
-        raw_spread = spread(coeffs) if finite else None
-        coeffs, shaping, shaped = self.strategy.shaping(coeffs, state.shaping)
-        theta, opt, skipped = self.apply(coeffs, pop, lr)
+        coeffs, shaping, shaped = self.strategy.shape(coeffs, state.shaping)
+        theta, opt, lr, skipped = self.apply(coeffs, pop)
         self.timings["update"] = self.timings.get("update", 0.0) + time.perf_counter() - t0
         dt = sum(self.timings.values())
         record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
                   "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
                   "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped),
-                  "comm_bytes": self.comm_bytes, "spread": raw_spread, **shaped,
+                  "comm_bytes": self.comm_bytes, **shaped,
                   **{f"{k}_s": v for k, v in self.timings.items()}}
         record["flops"] = record["tokens"] * self.model.flops_per_token()
         # The state changes only here, once the step is complete (stop requests are polled).
@@ -194,11 +191,11 @@ class Trainer:
             self.checkpoint()
         return Step(self.expert, record)
 
-    def apply(self, coeffs: np.ndarray, pop, lr: float):
-        """(theta, optimizer state, skipped) after the step's update (zosoma.runs.population_workers
-        applies it on the workers instead)."""
-        return apply_update(self.strategy, self.ops, self.layout, self.state.theta, self.state.optimizer,
-                            coeffs, pop, lr)
+    def apply(self, coeffs: np.ndarray, pop):
+        """(theta, optimizer state, lr, skipped) after the step's update from the shaped scalars
+        (zosoma.runs.population_workers applies it on the workers instead)."""
+        return self.strategy.apply(self.ops, self.layout, self.state.theta, self.state.optimizer, coeffs, pop,
+                                   len(self.state.restarts))
 
     def to_checkpoint(self) -> Checkpoint:
         state, to_numpy = self.state, self.ops.to_numpy
@@ -262,7 +259,7 @@ class Trainer:
         back = from_checkpoint(self.folder.rollback_checkpoint(self.guard.window_start(),
                                                                lambda c: guard_of(c).rollback_point))
         restarts = state.restarts + [{"step": step, "verdict": verdict, "to": back.step,
-                                      "lr_scale": cfg.restart_lr_factor ** (len(state.restarts) + 1)}]
+                                      "lr_scale": lr_scale(cfg, len(state.restarts) + 1)}]
         # compute already spent stays counted: tokens and wall time go on from here
         self.adopt(dataclasses.replace(back, tokens=state.tokens, wall_s=state.wall_s, divergence=None,
                                        restarts=restarts, dropped=None))
@@ -294,15 +291,6 @@ class Trainer:
     def theta(self) -> np.ndarray:
         """theta on the host (for evaluation and export)."""
         return self.ops.to_numpy(self.state.theta)
-
-
-def apply_update(strategy, ops: Ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop, lr: float):
-    """(theta, state, skipped): the strategy's update from the P scalars, or, when one is not
-    finite, no update at all (a NaN would poison theta and the optimizer state)."""
-    if not np.all(np.isfinite(coeffs)):
-        return theta, state, True
-    theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
-    return theta, state, False
 
 
 def training_summary(guard: DivergenceGuard, divergence: dict | None, restarts=(), dropped: dict | None = None) -> dict:

@@ -6,19 +6,29 @@ only. Per step and expert:
     pop            = strategy.ask(expert, step)                 which 2P members to evaluate (counters)
     plus, minus    = ops.perturbed_losses(theta, layout, batch, pop)     the engine's forwards
     coeffs, loss   = strategy.coefficients(plus, minus)          P scalars (NaN: skip this step)
-    theta, state   = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
+    told           = strategy.tell(ops, layout, theta, state, shaping, coeffs, pop, restarts)
+        shape:  spread = rms(coeffs), recorded raw; coeffs, shaping = the shaping chain (the
+                default run: normalize, zosoma.strategies.shaping)
+        apply:  lr = learning_rate(step) * restart_lr_factor ** restarts   (lr_at)
+                not all coeffs finite: theta and state unchanged, the step skipped
+                else theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
 
-The P scalars are all that a step needs to agree on an update: any engine or machine regenerates
-the directions from the counters. Optimizer state is a dict of arrays (checkpointed as is, kept on
-the engine between steps). Each strategy declares the TrainConfig fields it reads beyond the common
-ones; `check_options` makes any other field that is given or not at its default a one-line error
-instead of a silently ignored setting.
+The bookkeeping (shaping, the rate, the skip) is this base's, written once (evosax's `tell`
+shapes fitness, then calls the strategy's `_tell`); a subclass writes only the maths (ask,
+coefficients, update). Every place that steps calls it: the training loop (tell), a population
+worker (apply, on scalars the driver shaped) and zosoma.Optimizer (tell), so their bit-exact
+agreement holds by construction. The P scalars are all that a step needs to agree on an update:
+any engine or machine regenerates the directions from the counters. Optimizer state is a dict of
+arrays (checkpointed as is, kept on the engine between steps). Each strategy declares the
+TrainConfig fields it reads beyond the common ones; `check_options` makes any other field that is
+given or not at its default a one-line error instead of a silently ignored setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +36,7 @@ from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
-from zosoma.strategies.shaping import Chain
+from zosoma.strategies.shaping import Chain, spread
 
 # Fields every strategy reads (the schedule, the population size and scale, the run's bookkeeping,
 # and where its forwards run).
@@ -36,7 +46,8 @@ COMMON = frozenset({"steps", "batch", "seq_len", "perturbations", "eps", "lr", "
 
 
 class Strategy:
-    """Base class. Subclasses set `name` and `options` and implement ask, coefficients, update."""
+    """Base class. Subclasses set `name` and `options` and implement ask, coefficients, update;
+    tell, shape and apply are the bookkeeping every strategy shares."""
 
     name = ""
     options: frozenset = frozenset()  # TrainConfig fields read beyond COMMON
@@ -65,6 +76,48 @@ class Strategy:
     def update(self, ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop: Population, lr: float):
         """(new theta, new state) from the P scalars; the inputs are left untouched."""
         raise NotImplementedError
+
+    def tell(self, ops, layout: Layout, theta, state: dict, shaping: dict, coeffs: np.ndarray, pop: Population,
+             restarts: int = 0) -> "Told":
+        """One step from the P raw scalars of the population `pop`: shape them, then apply them."""
+        coeffs, shaping, record = self.shape(coeffs, shaping)
+        theta, state, lr, skipped = self.apply(ops, layout, theta, state, coeffs, pop, restarts)
+        return Told(theta, state, shaping, lr, skipped, record)
+
+    def shape(self, coeffs: np.ndarray, shaping: dict) -> tuple[np.ndarray, dict, dict]:
+        """(shaped scalars, new shaping state, the step's record of them: the raw scalars' spread,
+        None when one is not finite, and what each shaping piece did)."""
+        raw_spread = spread(coeffs) if finite(coeffs) else None
+        coeffs, shaping, info = self.shaping(coeffs, shaping)
+        return coeffs, shaping, {"spread": raw_spread, **info}
+
+    def apply(self, ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop: Population,
+              restarts: int = 0):
+        """(theta, state, lr, skipped) after the update from shaped scalars at the rate of step
+        pop.step after `restarts` restarts, or, when one scalar is not finite, no update at all (a
+        NaN would poison theta and the optimizer state)."""
+        lr = lr_at(self.cfg, pop.step, restarts)
+        if not finite(coeffs):
+            return theta, state, lr, True
+        theta, state = self.update(ops, layout, theta, state, coeffs, pop, lr)
+        return theta, state, lr, False
+
+
+@dataclass(frozen=True)
+class Told:
+    """One step's outcome (Strategy.tell): the new theta and optimizer and shaping states, the
+    rate it took, whether it was skipped, and its record (spread, the shaping's fields)."""
+    theta: object  # (d,) float32, an engine array
+    optimizer: dict
+    shaping: dict
+    lr: float
+    skipped: bool
+    record: dict
+
+
+def finite(coeffs: np.ndarray) -> bool:
+    """Whether a step's scalars can be applied (every one finite)."""
+    return bool(np.all(np.isfinite(coeffs)))
 
 
 # Fields read only under another setting: field -> (whether cfg reads it, the setting it needs).
@@ -114,3 +167,13 @@ def learning_rate(step: int, peak: float, total: int, warmup: int, schedule: str
         return peak
     progress = (step - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def lr_scale(cfg: TrainConfig, restarts: int) -> float:
+    """The rate's factor after `restarts` restarts (zosoma.runs.trainer.Trainer.restart)."""
+    return cfg.restart_lr_factor ** restarts
+
+
+def lr_at(cfg: TrainConfig, step: int, restarts: int = 0) -> float:
+    """The rate of `step` (0-based) after `restarts` restarts: the schedule times the restart factor."""
+    return learning_rate(step, cfg.lr, cfg.steps, cfg.warmup, cfg.schedule) * lr_scale(cfg, restarts)

@@ -45,7 +45,7 @@ class SPSA(Strategy):
     def update(self, ops, layout: Layout, theta, state, coeffs, pop, lr):
         return ops.sgd_update(theta, coeffs, pop, lr, self.cfg.weight_decay), {}
 
-    def apply(self, ops, theta, direction, lr: float):
+    def descend(self, ops, theta, direction, lr: float):
         """theta - lr * direction - lr * weight_decay * theta, a new float32 array."""
         new = theta - np.float32(lr) * direction.astype(np.float32)
         if self.cfg.weight_decay:
@@ -65,7 +65,7 @@ class Momentum(SPSA):
     def update(self, ops, layout, theta, state, coeffs, pop, lr):
         ghat = ops.noise_sum(coeffs, theta.size, pop)
         m = self.cfg.momentum * state["m"] + ghat
-        return self.apply(ops, theta, m, lr), {"m": m.astype(np.float32)}
+        return self.descend(ops, theta, m, lr), {"m": m.astype(np.float32)}
 
 
 class Adam(SPSA):
@@ -87,4 +87,4 @@ class Adam(SPSA):
         m_hat = m / (1 - cfg.momentum ** t)
         v_hat = v / (1 - cfg.beta2 ** t)
         direction = m_hat / (xp.sqrt(v_hat) + self.eps_adam)
-        return self.apply(ops, theta, direction, lr), {"m": m.astype(np.float32), "v": v.astype(np.float32)}
+        return self.descend(ops, theta, direction, lr), {"m": m.astype(np.float32), "v": v.astype(np.float32)}
