@@ -21,7 +21,7 @@ from zosoma.download import NotOfficial
 from zosoma.errors import ConfigError
 from zosoma.runs.folder import CHECKPOINT, RunFolder
 from zosoma.strategies import make_strategy
-from zosoma.strategies.settings import check_memory, resolve
+from zosoma.strategies.settings import SlowStep, check_memory, resolve
 
 MODEL = ["--embed", "8", "--hidden", "16", "--layers", "1"]
 TINY = [*MODEL, "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
@@ -66,6 +66,17 @@ def test_the_memory_rule_compares_a_steps_lower_bound_with_what_is_free(monkeypa
         check_memory(model, cfg, available=1000)
     monkeypatch.setattr("zosoma.strategies.settings.available_memory", lambda: None)
     check_memory(model, dataclasses.replace(cfg, batch=10**9))  # where nothing says what is free: not refused
+
+
+def test_a_step_of_minutes_is_said_up_front_and_a_usual_one_is_not():
+    with pytest.warns(SlowStep, match="a second Ctrl-C or SIGTERM stops it at once"):
+        resolve("tiny", {"perturbations": 10**8})
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowStep)
+        resolve("tiny", {})  # the default step: nothing to say
+        resolve("paper", {})
+
 
 
 def test_a_folder_whose_step_is_too_large_does_not_resume_into_a_crash(text, tmp_path):

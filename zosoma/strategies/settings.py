@@ -9,6 +9,7 @@ without eps and lr once trained with SPSA's).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -50,7 +51,26 @@ def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}
                   shared=[k for k in shared if k in TRAIN_KEYS and k not in given])
     strategy(cfg)  # its own checks (the shaping pieces named), now rather than when training starts
     check_memory(model, cfg)
+    warn_slow_step(model, cfg)
     return model, cfg
+
+
+SLOW_STEP_FLOPS = 3e12  # about half a minute of one core at the 100 GFLOP/s of a recent fp32 peak
+
+
+class SlowStep(UserWarning):
+    """One training step of this configuration takes minutes (one line: why, and how to stop it)."""
+
+
+def warn_slow_step(model: ModelConfig, cfg: TrainConfig) -> None:
+    """Warn (SlowStep) when one step's forward passes, 2P x B x T tokens at the model's FLOPs per
+    token, take more than about half a minute of a core: a -P of 1e8 is legal but would look hung."""
+    flops = 2 * cfg.perturbations * cfg.batch * cfg.seq_len * model.flops_per_token()
+    if flops > SLOW_STEP_FLOPS:
+        warnings.warn(f"one training step is {flops:.2g} forward FLOPs (2P x B x T = "
+                      f"{2 * cfg.perturbations * cfg.batch * cfg.seq_len:,} tokens): about "
+                      f"{flops / 1e11 / 60:,.0f} minutes of one core at 100 GFLOP/s; a second Ctrl-C or SIGTERM "
+                      "stops it at once", SlowStep, stacklevel=3)
 
 
 def check_memory(model: ModelConfig, cfg: TrainConfig, available: int | None = None) -> None:
