@@ -63,6 +63,7 @@ import re
 import signal
 import socket
 import threading
+import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -215,7 +216,7 @@ class RunFolder:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return None
         except OSError:
-            return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            return _holder(fd)
         finally:
             os.close(fd)
 
@@ -244,7 +245,7 @@ class RunFolder:
             except OSError as err:
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise WriteError(f"cannot lock run folder {self.path}: {reason(err)}") from None
-                owner = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                owner = _holder(fd)
                 raise RunInUse(f"{self.path} is in use by {owner}: a run folder has one writer; wait for it to "
                                "finish or stop it first") from None
             with contextlib.suppress(OSError):  # who holds it: for the message above, best effort
@@ -689,6 +690,17 @@ def checkpoint_path(path, fallback: bool = True) -> Path:
     RunFolder.checkpoint_file)."""
     path = Path(path)
     return RunFolder(path).checkpoint_file(fallback) if path.is_dir() else path
+
+
+def _holder(fd: int) -> str:
+    """'pid N on HOST' from a held lock file. Its owner writes that just after taking the lock, so
+    an empty file is waited on for up to a tenth of a second before the owner goes unnamed."""
+    for _ in range(10):
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+        if text:
+            return text
+        time.sleep(0.01)
+    return "another process"
 
 
 def warn_if_training(path, steps) -> str | None:

@@ -69,7 +69,7 @@ def warn_slow_step(model: ModelConfig, cfg: TrainConfig) -> None:
     if flops > SLOW_STEP_FLOPS:
         warnings.warn(f"one training step is {flops:.2g} forward FLOPs (2P x B x T = "
                       f"{2 * cfg.perturbations * cfg.batch * cfg.seq_len:,} tokens): about "
-                      f"{flops / 1e11 / 60:,.0f} minutes of one core at 100 GFLOP/s; a second Ctrl-C or SIGTERM "
+                      f"{max(1, round(flops / 1e11 / 60)):,} min of one core at 100 GFLOP/s; a second Ctrl-C or SIGTERM "
                       "stops it at once", SlowStep, stacklevel=3)
 
 
