@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zosoma"
-FOUNDATION = {"errors", "config", "corpus", "download", "atomic", "arrays"}
+FOUNDATION = {"errors", "config", "corpus", "download", "atomic", "arrays", "version"}
 # what each part may import (README "Layout"; each folder's __init__ says the same)
 ALLOWED = {
     "foundation": {"foundation"},
@@ -63,10 +63,7 @@ def cli_sources():
 def zosoma_imports(path: Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zosoma"):
-            if node.module == "zosoma":
-                yield from (f"zosoma.{a.name}" for a in node.names if a.name != "__version__")
-            else:
-                yield from (f"{node.module}.{a.name}" for a in node.names)
+            yield from (f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("zosoma"))
 
@@ -81,6 +78,30 @@ def test_imports_point_down_the_layout(path):
     folder = engine_folder(module_name(path))
     others = [m for m in zosoma_imports(path) if folder and engine_folder(m) not in (None, "cpu", folder)]
     assert not others, f"{path.relative_to(ROOT)} (engines/{folder}) imports {others}"
+
+
+def root_imports(path: Path) -> list[str]:
+    """Imports of the package root itself: `import zosoma`, `from zosoma import x`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "zosoma" and not node.level:
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Import) and any(a.name == "zosoma" for a in node.names):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_module_reaches_up_to_the_package_root():
+    """zosoma/__init__.py sits above every module (it re-exports the API and the version), so no
+    module inside the package, nor the command line, imports it: the version is zosoma.version."""
+    offenders = {str(p.relative_to(ROOT)): found for p in sources() + cli_sources()
+                 if p != PACKAGE / "__init__.py" and (found := root_imports(p))}
+    assert not offenders, offenders
+
+
+def test_the_version_is_foundation():
+    assert part("zosoma.version") == "foundation"
+    assert root_imports(PACKAGE / "version.py") == [] and not list(zosoma_imports(PACKAGE / "version.py"))
 
 
 def test_the_device_is_chosen_in_one_place():
