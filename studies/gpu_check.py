@@ -24,7 +24,7 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    Then the same step at the expert sizes SOMA trains best (SOMA_SHAPES: E x H, L = 1; P = 64,
    B = 8, T = 32), where it is bound by kernel launches (docs/gpu.md): each row also counts its
    launches per step, zosoma's raw kernels and its batched GEMMs.
-3. Routed top-4 inference (zosoma.experiments.bench_route, as `zosoma bench route --device cuda`): tokens/s of
+3. Routed top-4 inference (zosoma.benchmarks.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
    same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
 
@@ -459,7 +459,7 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
 def routed_timing(checks: Checks) -> str:
     """bench_route on the CPU and the GPU (same ensembles and windows): its table, and a check that
     the GPU's nats/byte match the CPU's."""
-    from zosoma.experiments.bench_route import bench_route, format_route
+    from zosoma.benchmarks.bench_route import bench_route, format_route
 
     print("timing: routed top-4 inference, N=8 vs N=256, cpu and cuda", flush=True)
     records = bench_route(repeats=2, devices=("cpu", "cuda"))

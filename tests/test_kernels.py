@@ -531,7 +531,7 @@ def test_routed_inference_on_the_device_matches_the_cpu(rt, routed_setup):
 
 def test_bench_forward_on_the_device(rt, monkeypatch):
     """bench forward --device cuda: the cuda_ops.py forward timed beside torch and the GEMM peak."""
-    from zosoma.experiments import bench_forward as bench
+    from zosoma.benchmarks import bench_forward as bench
 
     if rt.xp is np:  # emulated: NumPy stands in for CuPy, and a small peak GEMM for the GPU's
         monkeypatch.setattr(bench, "_PEAK_N_CUDA", 64)
@@ -546,7 +546,7 @@ def test_bench_forward_on_the_device(rt, monkeypatch):
 def test_bench_eggroll_and_lstm_variance_on_the_device(rt):
     """bench eggroll --device cuda times the device populations; variance --device cuda measures
     the same scalars as the CPU (Rademacher directions are bit-identical on the device)."""
-    from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
+    from zosoma.benchmarks.bench_eggroll import bench_eggroll, format_eggroll
     from zosoma.config import ModelConfig
     from zosoma.experiments.variance import lstm_variance
 

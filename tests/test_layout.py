@@ -26,6 +26,9 @@ ALLOWED = {
     "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs"},
     "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
                     "experiments"},
+    # the benchmarks sit beside the experiments: the same parts below, neither imports the other
+    "benchmarks": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
+                   "benchmarks"},
     "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "porting"},
     "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "experiments",
             "api"},
@@ -102,6 +105,14 @@ def test_no_module_reaches_up_to_the_package_root():
 def test_the_version_is_foundation():
     assert part("zosoma.version") == "foundation"
     assert root_imports(PACKAGE / "version.py") == [] and not list(zosoma_imports(PACKAGE / "version.py"))
+
+
+def test_the_benchmarks_have_their_own_folder():
+    """Speed figures live in zosoma/benchmarks/, and nothing in the library (but the CLI) uses them."""
+    assert not list((PACKAGE / "experiments").glob("bench_*.py"))
+    users = [str(p.relative_to(ROOT)) for p in sources() if part(module_name(p)) != "benchmarks"
+             and any(part(m) == "benchmarks" for m in zosoma_imports(p))]
+    assert not users, users
 
 
 def test_the_device_is_chosen_in_one_place():
