@@ -24,7 +24,7 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    Then the same step at the expert sizes SOMA trains best (SOMA_SHAPES: E x H, L = 1; P = 64,
    B = 8, T = 32), where it is bound by kernel launches (docs/gpu.md): each row also counts its
    launches per step, zosoma's raw kernels and its batched GEMMs.
-3. Routed top-4 inference (zosoma.experiments.bench_route, as `zosoma bench route --device cuda`): tokens/s of
+3. Routed top-4 inference (zosoma.benchmarks.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
    same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
 
@@ -52,7 +52,7 @@ from zosoma.config import PRESETS, VOCAB, ModelConfig, TrainConfig  # noqa: E402
 from zosoma.engines.cpu import forward  # noqa: E402
 from zosoma.engines.cpu import lowrank as eggroll  # noqa: E402
 from zosoma.engines.cuda import backend  # noqa: E402
-from zosoma.engines.cuda import cuda_ops as gpu  # noqa: E402
+from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels  # noqa: E402
 from zosoma.engines.ops import Ops, perturbed  # noqa: E402
 from zosoma.model import reference  # noqa: E402
 from zosoma.model.noise import noise  # noqa: E402
@@ -133,14 +133,14 @@ def validate(cp, checks: Checks, rng):
 
     print("noise and SPSA kernels (paper expert, d = {:,})".format(d), flush=True)
     out = cp.full((len(PHILOX_KAT), 4), 0xDEADBEEF, np.uint32)
-    gpu._launch("philox_blocks", len(PHILOX_KAT), cp.asarray(np.array([c for c, _ in PHILOX_KAT], np.uint32)),
-                out, len(PHILOX_KAT))
+    counters = cp.asarray(np.array([c for c, _ in PHILOX_KAT], np.uint32))
+    custom_kernels.launch("philox_blocks", len(PHILOX_KAT), counters, out, len(PHILOX_KAT))
     checks.compare("philox4x32-10 known answers", out, np.array([e for _, e in PHILOX_KAT]), exact=True)
     for key in NOISE_KEYS:
         for kind, start in (("rademacher", 0), ("rademacher", 384), ("gaussian", 0), ("gaussian", 8)):
             n = d - start
             x = nan(n)
-            gpu.add_noise(x, cp.zeros(n, np.float32), 1.0, *key, kind, start)
+            cuda_noise.add_noise(x, cp.zeros(n, np.float32), 1.0, *key, kind, start)
             want = noise(n, *key, kind, start)
             if kind == "rademacher":
                 checks.compare(f"add_noise {kind} key={key} start={start}", x, want, exact=True)
@@ -150,7 +150,7 @@ def validate(cp, checks: Checks, rng):
     theta_d = cp.asarray(theta)
     for kind in ("rademacher", "gaussian"):
         members = range(5, 9)
-        got = gpu.perturbed(theta_d, 1e-3, members, 2**33 + 7, 1, 4, kind, out=nan((8, d)))
+        got = cuda_noise.perturbed(theta_d, 1e-3, members, 2**33 + 7, 1, 4, kind, out=nan((8, d)))
         want = perturbed(theta, Population(9, 1e-3, 2**33 + 7, 1, 4, kind), members)
         if kind == "rademacher":
             checks.compare(f"perturbed {kind} 4 directions", got, want, exact=True)
@@ -159,9 +159,9 @@ def validate(cp, checks: Checks, rng):
         coeffs = rng.standard_normal(64) * 5
         pop = Population(64, 1.0, 11, 1, 3, kind)
         ghat = Ops().noise_sum(coeffs, d, pop)
-        got = gpu.spsa_gradient(coeffs, d, 11, 1, 3, kind)
+        got = cuda_noise.spsa_gradient(coeffs, d, 11, 1, 3, kind)
         new = Ops().sgd_update(theta, coeffs, pop, 0.003, 0.01)
-        upd = gpu.spsa_update(theta_d, coeffs, 0.003, 11, 1, 3, kind, 0.01, out=nan(d))
+        upd = cuda_noise.spsa_update(theta_d, coeffs, 0.003, 11, 1, 3, kind, 0.01, out=nan(d))
         if kind == "rademacher":
             checks.compare(f"spsa_gradient {kind} P=64", got, ghat, exact=True)
             checks.compare(f"spsa_update (fused SGD, wd) {kind} P=64", upd, new, exact=True)
@@ -172,7 +172,7 @@ def validate(cp, checks: Checks, rng):
     # 64-bit offsets: a population of more than 2**31 floats (10 GB), its last rows checked
     P = 2**31 // (2 * d) + 2
     try:
-        big = gpu.perturbed(theta_d, 1e-3, range(P), 9, 0, 0, "rademacher")
+        big = cuda_noise.perturbed(theta_d, 1e-3, range(P), 9, 0, 0, "rademacher")
     except cp.cuda.memory.OutOfMemoryError:  # a GPU under 10 GB: said, not hidden; anything else fails
         checks._add("perturbed beyond 2**31 elements: not run (out of device memory)", 0.0, 0.0, "not run", True)
     else:
@@ -189,18 +189,18 @@ def validate(cp, checks: Checks, rng):
     out_b = f32(M, VOCAB)
     tokens = rng.integers(0, VOCAB, (M, B, T + 1), dtype=np.uint8)
     tok = cp.asarray(tokens)[..., :-1]
-    sm, sb = gpu._byte_strides(tok, M)
+    sm, sb = cuda_forward._byte_strides(tok, M)
     c, h, hs = cp.asarray(c0.copy()), nan((M, B, H)), nan((M, Tc, B, H))
-    gpu._launch("lstm_cell_embed", M * B * H, cp.asarray(gates), cp.asarray(table), tok, sm, sb, 30,
-                cp.asarray(bias), c, h, hs, M, B, H, Tc, t)
+    custom_kernels.launch("lstm_cell_embed", M * B * H, cp.asarray(gates), cp.asarray(table), tok, sm, sb, 30,
+                          cp.asarray(bias), c, h, hs, M, B, H, Tc, t)
     x = table[np.arange(M)[:, None], tokens[:, :, 30]]
     want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
     checks.compare("lstm_cell_embed h", h, want_h, atol=1e-6, rtol=1e-5)
     checks.compare("lstm_cell_embed c", c, want_c, atol=1e-6, rtol=1e-5)
     checks.compare("lstm_cell_embed hs[:, t]", hs[:, t], want_h, atol=1e-6, rtol=1e-5)
     c, h, hs = cp.asarray(c0.copy()), nan((M, B, H)), nan((M, Tc, B, H))
-    gpu._launch("lstm_cell_proj", M * B * H, cp.asarray(gates), cp.asarray(xproj), cp.asarray(bias), c, h, hs,
-                M, B, H, Tc, t)
+    custom_kernels.launch("lstm_cell_proj", M * B * H, cp.asarray(gates), cp.asarray(xproj), cp.asarray(bias),
+                          c, h, hs, M, B, H, Tc, t)
     want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + xproj[:, t] + bias[:, None], c0.astype(np.float64))
     checks.compare("lstm_cell_proj h", h, want_h, atol=1e-6, rtol=1e-5)
     checks.compare("lstm_cell_proj c", c, want_c, atol=1e-6, rtol=1e-5)
@@ -208,8 +208,8 @@ def validate(cp, checks: Checks, rng):
     tgt = cp.asarray(tokens)[..., 1:]
     nll, logp = nan((M, B, T)), nan((M, B, T, VOCAB))
     t0 = 8
-    gpu._launch("log_softmax_nll", M * Tc * B, cp.asarray(logits), cp.asarray(out_b), tgt,
-                *gpu._byte_strides(tgt, M), nll, logp, 1, M, B, T, t0, Tc)
+    custom_kernels.launch("log_softmax_nll", M * Tc * B, cp.asarray(logits), cp.asarray(out_b), tgt,
+                          *cuda_forward._byte_strides(tgt, M), nll, logp, 1, M, B, T, t0, Tc)
     z = logits.astype(np.float64).transpose(0, 2, 1, 3) + out_b[:, None, None]
     checks.compare("log_softmax_nll nll", nll[:, :, t0:t0 + Tc], reference.nll(z, tokens[:, :, 1 + t0:1 + t0 + Tc]),
                    atol=1e-5, rtol=1e-6)
@@ -220,7 +220,7 @@ def validate(cp, checks: Checks, rng):
         theta_s = (theta * scale).astype(np.float32)
         thetas = perturbed(theta_s, Population(4, 0.05, 3, 0, 0), range(4))  # (8, d)
         batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
-        got = gpu.population_loss(cp.asarray(thetas), paper, batch)
+        got = cuda_forward.population_loss(cp.asarray(thetas), paper, batch)
         checks.compare(f"population_loss paper M=8 B=8 T=128 init*{scale:g} vs numba", got,
                        forward.population_loss(thetas, paper, batch), rtol=2e-5)
         want = [reference.loss(thetas[m].astype(np.float64), paper, batch) for m in range(2)]
@@ -231,19 +231,19 @@ def validate(cp, checks: Checks, rng):
     per_member = rng.integers(0, VOCAB, (16, 3, 300), dtype=np.uint8)  # several time chunks
     want = [reference.loss(thetas[m].astype(np.float64), small, per_member[m]) for m in range(16)]
     checks.compare("population_loss E=24 H=40 L=3, per-member batches, T=299",
-                   gpu.population_loss(thetas, small, per_member), want, rtol=1e-5)
+                   cuda_forward.population_loss(thetas, small, per_member), want, rtol=1e-5)
     theta_small = thetas[0]
     data = rng.integers(0, VOCAB, (4, 201), dtype=np.uint8)
-    first, state = gpu.nll_stream(theta_small, small, data[:, :120], data[:, 1:121])
-    second, _ = gpu.nll_stream(theta_small, small, data[:, 120:-1], data[:, 121:], state)
+    first, state = cuda_forward.nll_stream(theta_small, small, data[:, :120], data[:, 1:121])
+    second, _ = cuda_forward.nll_stream(theta_small, small, data[:, 120:-1], data[:, 121:], state)
     want, _ = forward.nll_stream(theta_small, small, data[:, :-1], data[:, 1:])
     checks.compare("nll_stream in two segments (state carried) vs numba", np.concatenate([first, second], 1), want,
                    atol=1e-4)
-    logp, _ = gpu.log_probs(theta_small, small, data[:, 120:-1], state)
+    logp, _ = cuda_forward.log_probs(theta_small, small, data[:, 120:-1], state)
     want, _ = forward.log_probs(theta_small, small, data[:, 120:-1], state)
     checks.compare("log_probs from a carried state vs numba", logp, want, atol=1e-4)
     batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
-    plus, minus = gpu.spsa_losses(theta_d, paper, batch, 8, 1e-3, 5, 0, 1, "rademacher")
+    plus, minus = cuda_forward.spsa_losses(theta_d, paper, batch, 8, 1e-3, 5, 0, 1, "rademacher")
     cpu_plus, cpu_minus = Ops().perturbed_losses(theta, paper, batch, Population(8, 1e-3, 5, 0, 1))
     checks.compare("spsa_losses paper P=8 L+ and L- vs numba", np.stack([plus, minus]), np.stack([cpu_plus, cpu_minus]),
                    rtol=2e-5)
@@ -255,23 +255,23 @@ def validate(cp, checks: Checks, rng):
     shared = rng.integers(0, VOCAB, (4, 151), dtype=np.uint8)
     want = np.stack([forward.nll_stream(t, small, shared[:, :-1], shared[:, 1:])[0] for t in models])
     checks.compare("population_nll 3 models, shared rows vs numba nll_stream",
-                   gpu.population_nll(models, small, shared[:, :-1], shared[:, 1:]), want, atol=1e-4)
+                   cuda_forward.population_nll(models, small, shared[:, :-1], shared[:, 1:]), want, atol=1e-4)
     own = per_member[:3, :, :200]
     want = np.stack([forward.nll_stream(t, small, b[:, :-1], b[:, 1:])[0] for t, b in zip(models, own)])
     checks.compare("population_nll 3 models, one batch each vs numba nll_stream",
-                   gpu.population_nll(cp.asarray(np.stack(models)), small, own[..., :-1], own[..., 1:]), want,
+                   cuda_forward.population_nll(cp.asarray(np.stack(models)), small, own[..., :-1], own[..., 1:]), want,
                    atol=1e-4)
     args = (0.3, 2, 2**33 + 1, 1, 7, 3)  # sigma, r, seed, expert, step, n_pairs
     theta64 = theta_small.astype(np.float64)
     checks.compare("eggroll_population_loss E=24 H=40 L=3 r=2 vs float64 CPU",
-                   gpu.eggroll_population_loss(theta_small, small, per_member[0], *args),
+                   cuda_forward.eggroll_population_loss(theta_small, small, per_member[0], *args),
                    eggroll.eggroll_population_loss(theta64, small, per_member[0], *args), rtol=1e-5)
     theta_s = theta * np.float32(3.0)  # saturated gates, as for population_loss above
     for r in (1, 4):
         batch = rng.integers(0, VOCAB, (8, 129), dtype=np.uint8)
         args = (1e-2, r, 5, 0, 3, 4)
         checks.compare(f"eggroll_population_loss paper init*3 r={r} M=8 vs CPU float32",
-                       gpu.eggroll_population_loss(theta_s, paper, batch, *args),
+                       cuda_forward.eggroll_population_loss(theta_s, paper, batch, *args),
                        eggroll.eggroll_population_loss(theta_s, paper, batch, *args), rtol=2e-5)
 
 
@@ -295,11 +295,11 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
     rng = np.random.default_rng(1)
     batch = rng.integers(0, VOCAB, (B, T + 1), dtype=np.uint8)
     theta = cp.asarray(init_params(config, 0))
-    thetas = gpu.perturbed(theta, 1e-3, range(M // 2), 0, 0, 0, "rademacher")
+    thetas = cuda_noise.perturbed(theta, 1e-3, range(M // 2), 0, 0, 0, "rademacher")
     tokens = M * B * T
     print(f"timing: population forward M={M} B={B} T={T}", flush=True)
-    s = _timed(lambda: gpu.population_loss(thetas, layout, batch), sync)
-    rows.append((f"zosoma gpu.population_loss, M={M} members", tokens / s, s, None))
+    s = _timed(lambda: cuda_forward.population_loss(thetas, layout, batch), sync)
+    rows.append((f"zosoma population_loss, M={M} members", tokens / s, s, None))
     base = tokens / s
     try:
         import torch
@@ -343,9 +343,10 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
 
     for members in eggroll_members:
         print(f"timing: EGGROLL population forward M={members} r=1", flush=True)
-        s = _timed(lambda: gpu.eggroll_population_loss(theta, layout, batch, 1e-3, 1, 0, 0, 0, members // 2), sync)
+        s = _timed(lambda: cuda_forward.eggroll_population_loss(theta, layout, batch, 1e-3, 1, 0, 0, 0, members // 2),
+                   sync)
         tokens_e = members * B * T
-        rows.append((f"zosoma gpu.eggroll_population_loss r=1, M={members} ({s / members * 1e3:.2f} ms/member)",
+        rows.append((f"zosoma eggroll_population_loss r=1, M={members} ({s / members * 1e3:.2f} ms/member)",
                      tokens_e / s, s, tokens_e / s / base))
 
     for P in perturbations:
@@ -358,7 +359,7 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
 
 
 class Launches:
-    """Counts zosoma's kernel launches while active: its raw kernels (cuda_ops._launch) and its
+    """Counts zosoma's kernel launches while active: its raw kernels (custom_kernels.launch) and its
     GEMMs (xp.matmul: one cuBLAS batched GEMM each). CuPy's own small kernels (contiguous copies
     of the members' weights, fills, the loss sum) are not counted."""
 
@@ -366,7 +367,7 @@ class Launches:
         self.xp, self.kernels, self.gemms = xp, 0, 0
 
     def __enter__(self):
-        self._launch, self._matmul = gpu._launch, self.xp.matmul
+        self._launch, self._matmul = custom_kernels.launch, self.xp.matmul
 
         def launch(*args, **kwargs):
             self.kernels += 1
@@ -376,11 +377,14 @@ class Launches:
             self.gemms += 1
             return self._matmul(*args, **kwargs)
 
-        gpu._launch, self.xp.matmul = launch, matmul
+        custom_kernels.launch, self.xp.matmul = launch, matmul
         return self
 
     def __exit__(self, *exc):
-        gpu._launch, self.xp.matmul = self._launch, self._matmul
+        custom_kernels.launch, self.xp.matmul = self._launch, self._matmul
+
+
+ENGINE_MODULES = (cuda_ops, cuda_forward, cuda_noise)  # each calls zosoma.arrays.to_numpy by its own name
 
 
 class Transfers:
@@ -391,7 +395,7 @@ class Transfers:
         self.cp, self.up, self.down, self.up_bytes, self.down_bytes = cp, 0, 0, 0, 0
 
     def __enter__(self):
-        self._asarray, self._to_numpy = self.cp.asarray, gpu.to_numpy
+        self._asarray, self._to_numpy = self.cp.asarray, cuda_ops.to_numpy
 
         def asarray(x, *args, **kwargs):
             if isinstance(x, np.ndarray):
@@ -404,11 +408,15 @@ class Transfers:
                 self.down, self.down_bytes = self.down + 1, self.down_bytes + out.nbytes
             return out
 
-        self.cp.asarray, gpu.to_numpy = asarray, down
+        self.cp.asarray = asarray
+        for module in ENGINE_MODULES:
+            module.to_numpy = down
         return self
 
     def __exit__(self, *exc):
-        self.cp.asarray, gpu.to_numpy = self._asarray, self._to_numpy
+        self.cp.asarray = self._asarray
+        for module in ENGINE_MODULES:
+            module.to_numpy = self._to_numpy
 
 
 def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
@@ -430,7 +438,7 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
                       checkpoint_every=10**6, **extra)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(tmp, config, cfg, BatchSampler(Corpus(("random",), (text,)), T + 1),
-                          new_state(config, cfg), ops=gpu.CudaOps())
+                          new_state(config, cfg), ops=cuda_ops.CudaOps())
         split = []
         for i in range(steps + 1):  # the first step is a warm-up
             with Transfers(cp) as copies, Launches(cp) as launches:
@@ -446,7 +454,7 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
     noise = 0.0
     if optimizer == "sgd":
         theta = trainer.state.theta
-        noise = _timed(lambda: gpu.perturbed(theta, 1e-3, range(min(P, 64)), 0, 0, 1, "rademacher"), sync)
+        noise = _timed(lambda: cuda_noise.perturbed(theta, 1e-3, range(min(P, 64)), 0, 0, 1, "rademacher"), sync)
         noise *= P / min(P, 64)
     total = data + fwd + upd
     tokens = 2 * P * B * T
@@ -459,7 +467,7 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
 def routed_timing(checks: Checks) -> str:
     """bench_route on the CPU and the GPU (same ensembles and windows): its table, and a check that
     the GPU's nats/byte match the CPU's."""
-    from zosoma.experiments.bench_route import bench_route, format_route
+    from zosoma.benchmarks.bench_route import bench_route, format_route
 
     print("timing: routed top-4 inference, N=8 vs N=256, cpu and cuda", flush=True)
     records = bench_route(repeats=2, devices=("cpu", "cuda"))
@@ -497,7 +505,7 @@ def main(argv=None) -> int:
                         help="file the table is written to (default: $OUT/gpu_check.txt)")
     parser.add_argument("--skip-timing", action="store_true", help="validation only")
     args = parser.parse_args(argv)
-    gpu._signatures()  # the kernel sources parse
+    custom_kernels._signatures()  # the kernel sources parse
     why = backend.cuda_unavailable_reason()
     if why is not None:
         print(f"gpu_check: no CUDA device ({why}); nothing checked")

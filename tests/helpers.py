@@ -23,8 +23,7 @@ def assert_close(actual, reference, atol=0.0, rtol=1e-5, name="value"):
 
 
 def zosoma_cmd() -> list[str]:
-    """The installed console script (a `python -c` from the checkout would import the source tree,
-    where zosoma.cli does not exist: it is mapped from cli/ at install time)."""
+    """The installed console script, as a user runs it."""
     return [str(Path(sys.executable).parent / "zosoma")]
 
 

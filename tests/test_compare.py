@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import one_line_error, run_cli, zosoma_cmd
-from zosoma.experiments.compare import (Job, check_folder, curve_steps, find_config, jobs, load_comparison,
-                                       run_comparison)
+from zosoma.experiments.compare import Job, check_folder, curve_steps, jobs, run_comparison
+from zosoma.experiments.compare_config import find_config, load_comparison
 from zosoma.experiments.study import Run, run_job
 from zosoma.errors import ConfigError
 from zosoma.runs.folder import SETTINGS, RunFolder
@@ -514,7 +514,8 @@ train = {optimizer = "es", perturbations = 2}
 def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_path):
     """[tuning]: every method at each lr factor (and sigma factor for ES/EGGROLL), seed 0, the full
     budget, scored on the validation split; the main runs then use the winner."""
-    from zosoma.experiments.compare import Tuning, run_comparison, tuning_jobs
+    from zosoma.experiments.compare import run_comparison, tuning_jobs
+    from zosoma.experiments.compare_config import Tuning
 
     cmp = dataclasses.replace(mini, methods=mini.methods[1:], seeds=(0,), ablation=(), ablation_seeds=(),
                               tuning=Tuning(seed=0, lr_factors=(0.5, 2.0), sigma_factors=(1.0,)))
@@ -534,7 +535,8 @@ def test_equal_tuning_picks_each_methods_best_setting_on_validation(mini, tmp_pa
 @pytest.mark.slow
 def test_tuning_only_the_methods_named(mini, tmp_path):
     """[tuning] methods = [...]: only those are swept; the others run every seed as configured."""
-    from zosoma.experiments.compare import Tuning, run_comparison, tuning_jobs
+    from zosoma.experiments.compare import run_comparison, tuning_jobs
+    from zosoma.experiments.compare_config import Tuning
 
     cmp = dataclasses.replace(mini, seeds=(0,), ablation=(), ablation_seeds=(),
                               tuning=Tuning(seed=0, lr_factors=(0.5, 2.0), methods=("SPSA P=2",)))

@@ -24,7 +24,7 @@ def command_names(group, prefix=()):
 @pytest.mark.subprocess
 def test_the_site_builds_strictly_with_every_command_in_its_reference(tmp_path):
     # The console script, not `python -m mkdocs`: that would put the checkout first on sys.path,
-    # where zosoma.cli does not exist (it is mapped from cli/ at install time).
+    # where zosoma.data does not exist (it is mapped from data/ at install time).
     mkdocs = Path(sys.executable).parent / "mkdocs"
     if not mkdocs.exists():
         pytest.skip("mkdocs is not installed (pip install '.[test]')")

@@ -12,7 +12,7 @@ from helpers import assert_close
 from zosoma.config import VOCAB, ModelConfig, TrainConfig
 from zosoma.engines.cpu import lowrank as eggroll
 from zosoma.engines.ops import Ops
-from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
+from zosoma.benchmarks.bench_eggroll import bench_eggroll, format_eggroll
 from zosoma.model import reference
 from zosoma.model.noise import materialise, noise, noise_length, pair_factors
 from zosoma.model.params import Layout, init_params

@@ -148,7 +148,7 @@ def test_split_covers_the_range():
 @pytest.mark.slow
 def test_torch_peers_compute_the_reference_loss():
     pytest.importorskip("torch")
-    from zosoma.experiments import torch_peers
+    from zosoma.benchmarks import torch_peers
 
     theta, layout = scaled_model(6, 10, 2, scale=1.5)
     batch = random_bytes(5, (3, 9))
@@ -161,7 +161,7 @@ def test_torch_peers_compute_the_reference_loss():
 @pytest.mark.slow
 def test_bench_spsa_reports_peers_and_the_split():
     pytest.importorskip("torch")
-    from zosoma.experiments.bench_spsa import bench_spsa, format_spsa
+    from zosoma.benchmarks.bench_spsa import bench_spsa, format_spsa
 
     r = bench_spsa("tiny", perturbations=2, batch=2, seq_len=4, steps=1, peak_n=64)
     assert set(r["parts"]) == {"forward", "noise", "data", "update"}
@@ -175,7 +175,7 @@ def test_bench_spsa_reports_peers_and_the_split():
 
 def test_token_work_is_the_hand_count():
     from zosoma.config import ModelConfig
-    from zosoma.experiments.roofline import token_work
+    from zosoma.benchmarks.roofline import token_work
 
     # E=3, H=2, L=2: layer 0 2*4*2*(3+2) = 80, layer 1 2*4*2*(2+2) = 64, output 2*2*256 = 1024;
     # exps: 256 (log-softmax) + 5 gate nonlinearities x 2 units x 2 layers = 20
@@ -193,7 +193,7 @@ def _bench_json(monkeypatch, args):
     import json
 
     from helpers import run_cli
-    from zosoma.experiments import bench_spsa
+    from zosoma.benchmarks import bench_spsa
 
     monkeypatch.setattr(bench_spsa, "PEAK_N", 64)  # a short measurement
     monkeypatch.setattr(bench_spsa, "_PAUSE_S", 0.0)
@@ -207,7 +207,7 @@ def _bench_json(monkeypatch, args):
 @pytest.mark.slow
 def test_bench_spsa_at_a_shape_reports_its_roofline(monkeypatch):
     from zosoma.config import ModelConfig
-    from zosoma.experiments.roofline import token_work
+    from zosoma.benchmarks.roofline import token_work
 
     r = _bench_json(monkeypatch, ["--embed", "4", "--hidden", "6", "--layers", "2"])
     assert r["model"] == {"embed": 4, "hidden": 6, "layers": 2} and r["n_params"] == ModelConfig(4, 6, 2).n_params()

@@ -1,14 +1,14 @@
-"""The CUDA kernels (zosoma/engines/cuda/kernels/*.cu) and the CUDA engine (cuda_ops.py beside them),
+"""The CUDA kernels (zosoma/engines/cuda/kernels/*.cu) and the CUDA engine (the modules beside them),
 with or without a GPU.
 
 Three layers of checks:
 1. Every .cu file compiles for the GPU with `nvcc --ptx` (skipped where nvcc is absent).
 2. Emulation: each .cu file is compiled as C++ with g++ and kernels/emulate.h, which runs a launch's
-   blocks and threads one after another on the CPU. zosoma.engines.cuda.cuda_ops then runs unchanged
+   blocks and threads one after another on the CPU. the CUDA engine (zosoma.engines.cuda) then runs unchanged
    on an "emulated" runtime (NumPy arrays, NumPy matmul for the GEMMs, the kernels through ctypes), so the
-   kernels' arithmetic *and* cuda_ops.py's launches (argument order, strides, chunking) are checked
+   kernels' arithmetic *and* the engine's launches (argument order, strides, chunking) are checked
    against the CPU code on any machine with a C++ compiler.
-3. The same cuda_ops.py tests on the real CUDA runtime (CuPy + a GPU), where there is one.
+3. The same engine tests on the real CUDA runtime (CuPy + a GPU), where there is one.
 
 The `rt` fixture runs each backend test on both runtimes (on the emulated one only without a GPU). The emulated runtime caps the grid at a
 few blocks, so the kernels' grid-stride loops are exercised too.
@@ -29,7 +29,7 @@ from helpers import assert_close
 from zosoma.engines.cuda import backend
 from zosoma.engines.cpu import lowrank as eggroll
 from zosoma.engines.cpu import forward
-from zosoma.engines.cuda import cuda_ops as gpu
+from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import ConfigError
@@ -43,7 +43,7 @@ from zosoma.mixture.routing import Ensemble, Router, cut_segments, evaluate_rout
 from zosoma.mixture.sample import sample
 
 ROOT = Path(__file__).resolve().parents[1]
-EMULATE_H = gpu.KERNEL_DIR / "emulate.h"
+EMULATE_H = custom_kernels.KERNEL_DIR / "emulate.h"
 M32 = 0xFFFFFFFF
 
 PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10: (counter, key, expected output)
@@ -64,21 +64,21 @@ NLL_ATOL = 1e-4  # per-position nats and log-probabilities
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("file", gpu.KERNEL_FILES)
+@pytest.mark.parametrize("file", custom_kernels.KERNEL_FILES)
 def test_kernel_compiles_with_nvcc(file, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found")
-    result = subprocess.run([nvcc, "--ptx", "-arch=sm_80", str(gpu.KERNEL_DIR / file), "-o",
+    result = subprocess.run([nvcc, "--ptx", "-arch=sm_80", str(custom_kernels.KERNEL_DIR / file), "-o",
                              str(tmp_path / "out.ptx")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     ptx = (tmp_path / "out.ptx").read_text()
-    for name in gpu.kernel_signatures((gpu.KERNEL_DIR / file).read_text()):
+    for name in custom_kernels.kernel_signatures((custom_kernels.KERNEL_DIR / file).read_text()):
         assert f".entry {name}(" in ptx  # extern "C": unmangled, as cupy.RawModule looks them up
 
 
 def test_kernel_signatures_are_parsed():
-    sigs = gpu._signatures()
+    sigs = custom_kernels._signatures()
     assert set(sigs) == {"philox_blocks", "perturb", "spsa_update", "lstm_cell_embed",
                          "lstm_cell_proj", "log_softmax_nll"}
     file, params = sigs["perturb"]
@@ -87,7 +87,7 @@ def test_kernel_signatures_are_parsed():
         ("out", "float", True), ("base", "float", True), ("n", "long long", False),
         ("scale", "float", False)]
     with pytest.raises(ValueError, match="unsupported parameter type"):
-        gpu.kernel_signatures('extern "C" __global__ void k(const short* x) {}')
+        custom_kernels.kernel_signatures('extern "C" __global__ void k(const short* x) {}')
 
 
 # --- 2. the emulated runtime --------------------------------------------------------------------
@@ -98,7 +98,7 @@ _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_
 
 
 class EmulatedRuntime:
-    """cuda_ops.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
+    """custom_kernels.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
     as the driver API does (grid, block, an array of pointers to the arguments)."""
 
     xp = np
@@ -126,10 +126,11 @@ def emulated_libs(tmp_path_factory):
         pytest.skip("g++ not found: cannot emulate the kernels")
     out = tmp_path_factory.mktemp("emulated")
     jobs = {}
-    for file in gpu.KERNEL_FILES:
-        source = gpu.KERNEL_DIR / file
+    for file in custom_kernels.KERNEL_FILES:
+        source = custom_kernels.KERNEL_DIR / file
         wrapper = out / f"{file}.cpp"
-        exports = "".join(f"ZOSOMA_EMU_EXPORT({name})\n" for name in gpu.kernel_signatures(source.read_text()))
+        names = custom_kernels.kernel_signatures(source.read_text())
+        exports = "".join(f"ZOSOMA_EMU_EXPORT({name})\n" for name in names)
         wrapper.write_text(f'#include "{source}"\n{exports}')
         lib = out / f"{file}.so"
         cmd = [gxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-Wall", "-Werror",
@@ -154,9 +155,9 @@ def rt(request, monkeypatch):
         runtime = EmulatedRuntime(request.getfixturevalue("emulated_libs"))
     else:
         if not _cuda_runtime:
-            _cuda_runtime.append(gpu.CupyRuntime())  # one, so each kernel file compiles once
+            _cuda_runtime.append(custom_kernels.CupyRuntime())  # one, so each kernel file compiles once
         runtime = _cuda_runtime[0]
-    monkeypatch.setattr(gpu, "_runtime", runtime)
+    monkeypatch.setattr(custom_kernels, "_runtime", runtime)
     return runtime
 
 
@@ -174,7 +175,8 @@ def _poisoned(rt, shape):
 def test_philox_known_answers(rt):
     counters = np.array([c + k for c, k, _ in PHILOX_KAT], np.uint32)  # (n, 6)
     out = rt.xp.zeros((len(PHILOX_KAT), 4), np.uint32)
-    gpu._launch("philox_blocks", len(PHILOX_KAT), gpu.to_device(counters, np.uint32), out, len(PHILOX_KAT))
+    custom_kernels.launch("philox_blocks", len(PHILOX_KAT), custom_kernels.to_device(counters, np.uint32), out,
+                          len(PHILOX_KAT))
     assert [tuple(int(w) for w in row) for row in _host(out)] == [e for _, _, e in PHILOX_KAT]
 
 
@@ -182,7 +184,7 @@ def test_philox_known_answers(rt):
 @pytest.mark.parametrize("n, start", [(1, 0), (1001, 0), (2053, 384)])
 def test_rademacher_noise_is_bit_identical(rt, seed, expert, step, member, n, start):
     out = _poisoned(rt, n)
-    gpu.add_noise(out, np.zeros(n, np.float32), 1.0, seed, expert, step, member, "rademacher", start)
+    cuda_noise.add_noise(out, np.zeros(n, np.float32), 1.0, seed, expert, step, member, "rademacher", start)
     np.testing.assert_array_equal(_host(out), noise(n, seed, expert, step, member, "rademacher", start))
 
 
@@ -190,7 +192,7 @@ def test_rademacher_noise_is_bit_identical(rt, seed, expert, step, member, n, st
 @pytest.mark.parametrize("n, start", [(3, 0), (4099, 0), (1030, 8)])
 def test_gaussian_noise_matches_within_float32(rt, seed, expert, step, member, n, start):
     out = _poisoned(rt, n)
-    gpu.add_noise(out, np.zeros(n, np.float32), 1.0, seed, expert, step, member, "gaussian", start)
+    cuda_noise.add_noise(out, np.zeros(n, np.float32), 1.0, seed, expert, step, member, "gaussian", start)
     assert_close(_host(out), noise(n, seed, expert, step, member, "gaussian", start),
                  atol=GAUSSIAN_ATOL, rtol=0, name="gaussian noise")
 
@@ -199,8 +201,8 @@ def test_gaussian_noise_matches_within_float32(rt, seed, expert, step, member, n
 def test_add_noise_in_place_matches_cpu(rt, kind):
     base = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     want = add_noise(np.empty_like(base), base, -0.013, 2**33 + 1, 3, 4, 5, kind)
-    x = gpu.to_device(base.copy())
-    assert gpu.add_noise(x, x, -0.013, 2**33 + 1, 3, 4, 5, kind) is x
+    x = custom_kernels.to_device(base.copy())
+    assert cuda_noise.add_noise(x, x, -0.013, 2**33 + 1, 3, 4, 5, kind) is x
     if kind == "rademacher":
         np.testing.assert_array_equal(_host(x), want)
     else:
@@ -210,13 +212,13 @@ def test_add_noise_in_place_matches_cpu(rt, kind):
 def test_add_noise_rejects_bad_arguments(rt):
     out = rt.xp.zeros(10, np.float32)
     with pytest.raises(ValueError, match="multiple of 128"):
-        gpu.add_noise(out, out, 1.0, 0, 0, 0, 0, "rademacher", start=4)
+        cuda_noise.add_noise(out, out, 1.0, 0, 0, 0, 0, "rademacher", start=4)
     with pytest.raises(ValueError, match="noise kind"):
-        gpu.add_noise(out, out, 1.0, 0, 0, 0, 0, "uniform")
+        cuda_noise.add_noise(out, out, 1.0, 0, 0, 0, 0, "uniform")
     with pytest.raises(ValueError, match="float32"):
-        gpu.add_noise(rt.xp.zeros(10, np.float64), out, 1.0, 0, 0, 0, 0)
+        cuda_noise.add_noise(rt.xp.zeros(10, np.float64), out, 1.0, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="seed"):
-        gpu.add_noise(out, out, 1.0, -1, 0, 0, 0)
+        cuda_noise.add_noise(out, out, 1.0, -1, 0, 0, 0)
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
@@ -225,21 +227,21 @@ def test_perturbed_population_matches_cpu(rt, kind):
     members = range(3, 10)
     want = perturbed(theta, Population(10, 1e-3, 2**35 + 9, 2, 11, kind), members)
     out = _poisoned(rt, want.shape)
-    got = _host(gpu.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out))
+    got = _host(cuda_noise.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out))
     if kind == "rademacher":
         np.testing.assert_array_equal(got, want)
     else:
         assert_close(got, want, atol=2e-3 * GAUSSIAN_ATOL, rtol=1e-6, name="population")
-    assert gpu.perturbed(theta, 1e-3, range(0), 0, 0, 0, kind).shape == (0, theta.size)
+    assert cuda_noise.perturbed(theta, 1e-3, range(0), 0, 0, 0, kind).shape == (0, theta.size)
     with pytest.raises(ValueError, match="consecutive"):
-        gpu.perturbed(theta, 1e-3, range(0, 6, 2), 0, 0, 0, kind)
+        cuda_noise.perturbed(theta, 1e-3, range(0, 6, 2), 0, 0, 0, kind)
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 def test_spsa_gradient_matches_cpu(rt, kind):
     d, coeffs = 1537, np.random.default_rng(2).standard_normal(9) * 3.0
     want = Ops().noise_sum(coeffs, d, Population(len(coeffs), 1.0, 2**40 + 1, 4, 6, kind))
-    got = _host(gpu.spsa_gradient(coeffs, d, 2**40 + 1, 4, 6, kind))
+    got = _host(cuda_noise.spsa_gradient(coeffs, d, 2**40 + 1, 4, 6, kind))
     if kind == "rademacher":  # same float32 terms added in the same order
         np.testing.assert_array_equal(got, want)
     else:
@@ -255,9 +257,9 @@ def test_fused_spsa_update_matches_cpu(rt, kind, weight_decay):
     coeffs = rng.standard_normal(P) * 10.0
     want = Ops().sgd_update(theta, coeffs, Population(P, 1.0, 5, 1, 8, kind), 0.03, weight_decay)
     out = _poisoned(rt, d)
-    got = _host(gpu.spsa_update(theta, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=out))
-    x = gpu.to_device(theta.copy())  # in place (a copy: on the emulated runtime to_device does not copy)
-    gpu.spsa_update(x, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=x)
+    got = _host(cuda_noise.spsa_update(theta, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=out))
+    x = custom_kernels.to_device(theta.copy())  # in place (a copy: on the emulated runtime to_device does not copy)
+    cuda_noise.spsa_update(x, coeffs, 0.03, 5, 1, 8, kind, weight_decay, out=x)
     if kind == "rademacher":
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(_host(x), want)
@@ -279,12 +281,12 @@ def test_lstm_cell_embed_matches_reference(rt, shared_tokens):
     c0 = rng.standard_normal((M, B, H)).astype(np.float32)
     tokens = rng.integers(0, VOCAB, (1 if shared_tokens else M, B, T + 1), dtype=np.uint8)
     tt = 5  # absolute time of this step in tokens
-    d = gpu.to_device
+    d = custom_kernels.to_device
     c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
     tok = d(tokens, np.uint8)[..., :-1]  # a strided view, as population_loss passes
-    sm, sb = gpu._byte_strides(tok, M)
-    gpu._launch("lstm_cell_embed", M * B * H, d(gates), d(table), tok, sm, sb, tt, d(bias), c, h, hs,
-                M, B, H, Tc, t)
+    sm, sb = cuda_forward._byte_strides(tok, M)
+    custom_kernels.launch("lstm_cell_embed", M * B * H, d(gates), d(table), tok, sm, sb, tt, d(bias), c, h, hs,
+                          M, B, H, Tc, t)
     rows = tokens[np.arange(M) % tokens.shape[0], :, tt]  # (M, B) bytes
     x = table[np.arange(M)[:, None], rows]  # (M, B, G)
     want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + x + bias[:, None], c0.astype(np.float64))
@@ -301,9 +303,9 @@ def test_lstm_cell_proj_matches_reference(rt):
     gates, xproj = (rng.standard_normal(s).astype(np.float32) * 2 for s in [(M, B, G), (M, Tc, B, G)])
     bias = rng.standard_normal((M, G)).astype(np.float32)
     c0 = rng.standard_normal((M, B, H)).astype(np.float32)
-    d = gpu.to_device
+    d = custom_kernels.to_device
     c, h, hs = d(c0.copy()), _poisoned(rt, (M, B, H)), _poisoned(rt, (M, Tc, B, H))
-    gpu._launch("lstm_cell_proj", M * B * H, d(gates), d(xproj), d(bias), c, h, hs, M, B, H, Tc, t)
+    custom_kernels.launch("lstm_cell_proj", M * B * H, d(gates), d(xproj), d(bias), c, h, hs, M, B, H, Tc, t)
     want_h, want_c = reference.lstm_cell(gates.astype(np.float64) + xproj[:, t] + bias[:, None],
                                      c0.astype(np.float64))
     assert_close(_host(h), want_h, atol=1e-6, rtol=1e-5, name="h")
@@ -318,11 +320,11 @@ def test_log_softmax_nll_matches_reference(rt):
     logits[0, 0, 0, 7] = 60.0  # a confident row
     bias = rng.standard_normal((M, VOCAB)).astype(np.float32)
     targets = rng.integers(0, VOCAB, (M, B, T + 1), dtype=np.uint8)
-    d = gpu.to_device
+    d = custom_kernels.to_device
     tgt = d(targets, np.uint8)[..., 1:]
-    sm, sb = gpu._byte_strides(tgt, M)
+    sm, sb = cuda_forward._byte_strides(tgt, M)
     nll, logp = _poisoned(rt, (M, B, T)), _poisoned(rt, (M, B, T, VOCAB))
-    gpu._launch("log_softmax_nll", M * Tc * B, d(logits), d(bias), tgt, sm, sb, nll, logp, 1, M, B, T, t0, Tc)
+    custom_kernels.launch("log_softmax_nll", M * Tc * B, d(logits), d(bias), tgt, sm, sb, nll, logp, 1, M, B, T, t0, Tc)
     z = logits.astype(np.float64).transpose(0, 2, 1, 3) + bias[:, None, None]  # (M, B, Tc, V)
     want = reference.nll(z, targets[:, :, 1 + t0:1 + t0 + Tc])
     assert_close(_host(nll)[:, :, t0:t0 + Tc], want, atol=1e-5, rtol=1e-6, name="nll")
@@ -333,12 +335,12 @@ def test_log_softmax_nll_matches_reference(rt):
 def test_launch_checks_arguments(rt):
     out = rt.xp.zeros((1, 4), np.uint32)
     with pytest.raises(TypeError, match="takes 3 arguments"):
-        gpu._launch("philox_blocks", 1, out, out)
+        custom_kernels.launch("philox_blocks", 1, out, out)
     with pytest.raises(TypeError, match="counters must be a uint32"):
-        gpu._launch("philox_blocks", 1, rt.xp.zeros(6, np.float32), out, 1)
+        custom_kernels.launch("philox_blocks", 1, rt.xp.zeros(6, np.float32), out, 1)
 
 
-# --- cuda_ops.py end to end -----------------------------------------------------------------------
+# --- the CUDA engine end to end --------------------------------------------------------------
 
 def _model(embed, hidden, layers, seed=0, scale=3.0):
     """Parameters scaled up so gates saturate and predictions are far from uniform."""
@@ -364,12 +366,12 @@ def _population(theta, M, seed=0):
 @pytest.mark.parametrize("per_member_batch", [False, True])
 def test_population_loss_matches_reference(rt, monkeypatch, embed, hidden, layers, B, T,
                                            rows_per_chunk, per_member_batch):
-    monkeypatch.setattr(gpu, "ROWS_PER_CHUNK", rows_per_chunk)
+    monkeypatch.setattr(cuda_forward, "ROWS_PER_CHUNK", rows_per_chunk)
     theta, layout = _model(embed, hidden, layers)
     M = 4
     thetas = _population(theta, M)
     batch = _bytes(1, (M, B, T + 1) if per_member_batch else (B, T + 1))
-    got = gpu.population_loss(thetas, layout, batch)
+    got = cuda_forward.population_loss(thetas, layout, batch)
     assert got.shape == (M,) and got.dtype == np.float64
     want = [reference.loss(thetas[m].astype(np.float64), layout, batch[m] if per_member_batch else batch)
             for m in range(M)]
@@ -381,15 +383,15 @@ def test_population_loss_in_member_chunks(rt):
     theta, layout = _model(8, 8, 2)
     thetas = _population(theta, 5, seed=3)
     batch = _bytes(2, (2, 6))
-    whole = gpu.population_loss(thetas, layout, batch)
-    one_by_one = gpu.population_loss(thetas, layout, batch, workspace_bytes=1)  # chunks of 1 member
+    whole = cuda_forward.population_loss(thetas, layout, batch)
+    one_by_one = cuda_forward.population_loss(thetas, layout, batch, workspace_bytes=1)  # chunks of 1 member
     np.testing.assert_array_equal(whole, one_by_one)
     with pytest.raises(ValueError, match="theta must have shape"):
-        gpu.population_loss(theta, layout, batch)
+        cuda_forward.population_loss(theta, layout, batch)
     with pytest.raises(ValueError, match="batch must be"):
-        gpu.population_loss(thetas, layout, _bytes(0, (3, 2, 6)))
+        cuda_forward.population_loss(thetas, layout, _bytes(0, (3, 2, 6)))
     with pytest.raises(ValueError, match="uint8"):
-        gpu.population_loss(thetas, layout, batch.astype(np.int64))
+        cuda_forward.population_loss(thetas, layout, batch.astype(np.int64))
 
 
 def test_spsa_losses_match_cpu(rt):
@@ -397,7 +399,7 @@ def test_spsa_losses_match_cpu(rt):
     batch = _bytes(4, (3, 9))
     for kind in ("rademacher", "gaussian"):
         want = Ops().perturbed_losses(theta, layout, batch, Population(5, 1e-2, 7, 1, 2, kind))
-        got = gpu.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1)
+        got = cuda_forward.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1)
         for g, w in zip(got, want):
             assert_close(g, w, rtol=LOSS_RTOL, name=f"spsa losses {kind}")
 
@@ -406,9 +408,9 @@ def test_nll_stream_carries_state_and_log_probs_match(rt):
     theta, layout = _model(10, 12, 2)
     data = _bytes(5, (2, 25))
     tokens, targets = data[:, :-1], data[:, 1:]
-    whole, state_whole = gpu.nll_stream(theta, layout, tokens, targets)
-    first, state = gpu.nll_stream(theta, layout, tokens[:, :10], targets[:, :10])
-    second, state_halves = gpu.nll_stream(theta, layout, tokens[:, 10:], targets[:, 10:], state)
+    whole, state_whole = cuda_forward.nll_stream(theta, layout, tokens, targets)
+    first, state = cuda_forward.nll_stream(theta, layout, tokens[:, :10], targets[:, :10])
+    second, state_halves = cuda_forward.nll_stream(theta, layout, tokens[:, 10:], targets[:, 10:], state)
     assert whole.dtype == np.float32 and whole.shape == (2, 24)
     assert_close(np.concatenate([first, second], axis=1), whole, atol=NLL_ATOL, name="halves")
     want, _ = forward.nll_stream(theta, layout, tokens, targets)
@@ -416,32 +418,32 @@ def test_nll_stream_carries_state_and_log_probs_match(rt):
     for (h, c), (h2, c2) in zip(state_whole, state_halves):
         assert_close(h, h2, atol=1e-5, name="h")
         assert_close(c, c2, atol=1e-5, name="c")
-    logp, state_lp = gpu.log_probs(theta, layout, tokens[:, :10], state)
+    logp, state_lp = cuda_forward.log_probs(theta, layout, tokens[:, :10], state)
     want_logp, want_state = forward.log_probs(theta, layout, tokens[:, :10], state)
     assert logp.shape == (2, 10, VOCAB)
     assert_close(logp, want_logp, atol=NLL_ATOL, name="log_probs")
     assert_close(state_lp[1][0], want_state[1][0], atol=1e-5, name="log_probs state")
     with pytest.raises(ValueError, match="must match"):
-        gpu.nll_stream(theta, layout, tokens, targets[:, :5])
+        cuda_forward.nll_stream(theta, layout, tokens, targets[:, :5])
 
 
 def test_population_nll_runs_many_models_at_once(rt):
     theta, layout = _model(6, 10, 2)
     thetas = _population(theta, 3, seed=4)
     shared, own = _bytes(6, (2, 12)), _bytes(7, (3, 2, 12))
-    got = gpu.population_nll(list(thetas), layout, shared[:, :-1], shared[:, 1:])
+    got = cuda_forward.population_nll(list(thetas), layout, shared[:, :-1], shared[:, 1:])
     assert got.shape == (3, 2, 11) and got.dtype == np.float32
     for m in range(3):
         assert_close(got[m], forward.nll_stream(thetas[m], layout, shared[:, :-1], shared[:, 1:])[0],
                      atol=NLL_ATOL, name="shared rows")
-    got = gpu.population_nll(thetas, layout, own[..., :-1], own[..., 1:], workspace_bytes=1)  # 1 by 1
+    got = cuda_forward.population_nll(thetas, layout, own[..., :-1], own[..., 1:], workspace_bytes=1)  # 1 by 1
     for m in range(3):
         assert_close(got[m], forward.nll_stream(thetas[m], layout, own[m, :, :-1], own[m, :, 1:])[0],
                      atol=NLL_ATOL, name="one batch per model")
     with pytest.raises(ValueError, match="tokens must be"):
-        gpu.population_nll(thetas, layout, own[:2, :, :-1], own[:2, :, 1:])
+        cuda_forward.population_nll(thetas, layout, own[:2, :, :-1], own[:2, :, 1:])
     with pytest.raises(ValueError, match="must match"):
-        gpu.population_nll(thetas, layout, shared[:, :-1], shared[:, 2:])
+        cuda_forward.population_nll(thetas, layout, shared[:, :-1], shared[:, 2:])
 
 
 @pytest.mark.parametrize("embed, hidden, layers, r, B, T, rows_per_chunk", [
@@ -449,16 +451,16 @@ def test_population_nll_runs_many_models_at_once(rt):
     (6, 8, 3, 3, 2, 9, 4),  # time chunks of 2 steps, the last one short
 ])
 def test_eggroll_population_loss_matches_cpu(rt, monkeypatch, embed, hidden, layers, r, B, T, rows_per_chunk):
-    monkeypatch.setattr(gpu, "ROWS_PER_CHUNK", rows_per_chunk)
+    monkeypatch.setattr(cuda_forward, "ROWS_PER_CHUNK", rows_per_chunk)
     theta, layout = _model(embed, hidden, layers, scale=2.0)
     batch = _bytes(7, (B, T + 1))
     args = (0.3, r, 2**33 + 7, 2, 5, 3)  # sigma, r, seed, expert, step, n_pairs
     want = eggroll.eggroll_population_loss(theta.astype(np.float64), layout, batch, *args)
-    got = gpu.eggroll_population_loss(theta, layout, batch, *args)
+    got = cuda_forward.eggroll_population_loss(theta, layout, batch, *args)
     assert got.shape == (6,) and got.dtype == np.float64
     assert_close(got, want, rtol=LOSS_RTOL, name="eggroll population loss vs CPU (float64)")
     assert np.ptp(want) > 1e-3  # the perturbations change the losses
-    one_pair_at_a_time = gpu.eggroll_population_loss(theta, layout, batch, *args, workspace_bytes=1)
+    one_pair_at_a_time = cuda_forward.eggroll_population_loss(theta, layout, batch, *args, workspace_bytes=1)
     assert_close(one_pair_at_a_time, got, rtol=1e-6, name="pair chunks")
 
 
@@ -467,8 +469,8 @@ def test_eggroll_factors_are_the_cpu_slices(rt):
     r, pairs = 2, 3
     n = noise_length(layout, r)
     z = _poisoned(rt, (pairs, n))
-    gpu._perturb(z, rt.xp.zeros(n, np.float32), 1.0, 0, 11, 1, 4, 0, pairs, False, KINDS["gaussian"])
-    low = gpu._LowRank(gpu.to_device(theta), layout, z, 0.5, r)
+    cuda_noise.perturb(z, rt.xp.zeros(n, np.float32), 1.0, 0, 11, 1, 4, 0, pairs, False, KINDS["gaussian"])
+    low = cuda_forward._LowRank(custom_kernels.to_device(theta), layout, z, 0.5, r)
     want = population_factors(layout, r, 11, 1, 4, pairs, np.float64)
     for e in layout.entries:
         if len(e.shape) == 2:
@@ -484,9 +486,9 @@ def test_eggroll_factors_are_the_cpu_slices(rt):
             assert_close(v[:, 0], base + 0.5 * want[e.name], atol=GAUSSIAN_ATOL, name=f"+{e.name}")
             assert_close(v[:, 1], base - 0.5 * want[e.name], atol=GAUSSIAN_ATOL, name=f"-{e.name}")
     with pytest.raises(ValueError, match="n_pairs"):
-        gpu.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 1, 0, 0, 0, 0)
+        cuda_forward.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 1, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="rank"):
-        gpu.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 0, 0, 0, 0, 1)
+        cuda_forward.eggroll_population_loss(theta, layout, _bytes(0, (2, 5)), 0.1, 0, 0, 0, 0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -512,7 +514,7 @@ def test_routed_inference_on_the_device_matches_the_cpu(rt, routed_setup):
     path (batches of all experts of one size in one forward) and sampling agree with the CPU."""
     ensemble, text = routed_setup
     data = text[:900]
-    ops = gpu.CudaOps()
+    ops = cuda_ops.CudaOps()
     cpu = evaluate_routed(ensemble, data, segment=100, context=60, batch=4)
     dev = evaluate_routed(ensemble, data, segment=100, context=60, batch=4, ops=ops)
     assert list(dev) == list(cpu)
@@ -530,13 +532,13 @@ def test_routed_inference_on_the_device_matches_the_cpu(rt, routed_setup):
 
 
 def test_bench_forward_on_the_device(rt, monkeypatch):
-    """bench forward --device cuda: the cuda_ops.py forward timed beside torch and the GEMM peak."""
-    from zosoma.experiments import bench_forward as bench
+    """bench forward --device cuda: the cuda_forward.py forward timed beside torch and the GEMM peak."""
+    from zosoma.benchmarks import bench_forward as bench
 
     if rt.xp is np:  # emulated: NumPy stands in for CuPy, and a small peak GEMM for the GPU's
         monkeypatch.setattr(bench, "_PEAK_N_CUDA", 64)
     monkeypatch.setattr(bench, "_PAUSE_S", 0.0)
-    records = bench.bench_forward(embed=8, hidden=8, layers=2, batch=2, seq_len=5, repeats=1, ops=gpu.CudaOps())
+    records = bench.bench_forward(embed=8, hidden=8, layers=2, batch=2, seq_len=5, repeats=1, ops=cuda_ops.CudaOps())
     names = [r["name"] for r in records]
     assert names[1] == "cuda population_loss M=1" and names[2] == "torch cuDNN nn.LSTM no_grad"
     assert records[1]["tokens_per_s"] > 0 and "numpy reference" not in " ".join(names)
@@ -546,14 +548,14 @@ def test_bench_forward_on_the_device(rt, monkeypatch):
 def test_bench_eggroll_and_lstm_variance_on_the_device(rt):
     """bench eggroll --device cuda times the device populations; variance --device cuda measures
     the same scalars as the CPU (Rademacher directions are bit-identical on the device)."""
-    from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
+    from zosoma.benchmarks.bench_eggroll import bench_eggroll, format_eggroll
     from zosoma.config import ModelConfig
     from zosoma.experiments.variance import lstm_variance
 
-    rec = bench_eggroll(embed=6, hidden=8, layers=1, batch=2, seq_len=4, pairs=2, repeats=1, ops=gpu.CudaOps())
+    rec = bench_eggroll(embed=6, hidden=8, layers=1, batch=2, seq_len=4, pairs=2, repeats=1, ops=cuda_ops.CudaOps())
     assert rec["device"] == "cuda" and rec["eggroll_s_per_member"] > 0 and "device cuda" in format_eggroll([rec])
     kw = dict(Ns=(1, 2), model=ModelConfig(embed=4, hidden=6, layers=1), B=2, T=5, reps=3, P=2)
-    for cpu, dev in zip(lstm_variance(**kw), lstm_variance(ops=gpu.CudaOps(), **kw)):
+    for cpu, dev in zip(lstm_variance(**kw), lstm_variance(ops=cuda_ops.CudaOps(), **kw)):
         assert dev["N"] == cpu["N"]
         assert_close(np.array(dev["ratio"]), np.array(cpu["ratio"]), rtol=1e-3, name="variance ratio")
 
@@ -596,7 +598,7 @@ def test_get_ops_is_where_the_device_is_chosen(fresh_probe):
     with pytest.raises(ConfigError, match=r"^--device cuda: no CUDA device \(.+\)$"):
         get_ops("cuda")
     with pytest.raises(ConfigError, match="no CUDA device"):
-        gpu.CupyRuntime()
+        custom_kernels.CupyRuntime()
 
 
 def test_each_engine_says_what_it_is(rt, fresh_probe):
@@ -604,7 +606,7 @@ def test_each_engine_says_what_it_is(rt, fresh_probe):
     the note --device auto prints comes from the engine too."""
     from zosoma.engines import device_note, run_ops
 
-    cpu, bf16, device = get_ops("cpu"), get_ops("cpu", precision="bf16"), gpu.CudaOps()
+    cpu, bf16, device = get_ops("cpu"), get_ops("cpu", precision="bf16"), cuda_ops.CudaOps()
     assert (cpu.on_device, cpu.precision) == (False, "fp32")
     assert (bf16.on_device, bf16.precision, bf16.name) == (False, "bf16", "cpu-bf16")
     assert (device.on_device, device.precision) == (True, "fp32")
@@ -649,7 +651,7 @@ def test_array_module_and_to_numpy():
 
 def test_only_the_backend_imports_cupy():
     offenders = []
-    for path in sorted((ROOT / "zosoma").rglob("*.py")) + sorted((ROOT / "cli").rglob("*.py")):
+    for path in sorted((ROOT / "zosoma").rglob("*.py")):
         if path.name == "backend.py":
             continue
         for line in path.read_text().splitlines():
@@ -702,16 +704,16 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     text = np.frombuffer(b"a forward-only trainer checks its device path " * 20, np.uint8)
     sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)
     cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))
-    dev = Trainer(tmp_path / "dev", model, cfg, sampler, new_state(model, cfg), ops=gpu.CudaOps())
+    dev = Trainer(tmp_path / "dev", model, cfg, sampler, new_state(model, cfg), ops=cuda_ops.CudaOps())
     for a, b in zip(cpu.losses(), dev.losses()):
         assert_close(b, a, rtol=1e-5, name="device vs cpu losses")
     egg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3, optimizer="eggroll", rank=2)
     cpu_e = Trainer(tmp_path / "cpu_e", model, egg, sampler, new_state(model, egg))
-    dev_e = Trainer(tmp_path / "dev_e", model, egg, sampler, new_state(model, egg), ops=gpu.CudaOps())
+    dev_e = Trainer(tmp_path / "dev_e", model, egg, sampler, new_state(model, egg), ops=cuda_ops.CudaOps())
     for a, b in zip(cpu_e.losses(), dev_e.losses()):
         assert_close(b, a, rtol=1e-5, name="EGGROLL device vs cpu losses")
     theta = cpu.state.theta
-    assert_close(evaluate_bytes(theta, Layout(model), text, gpu.CudaOps(), streams=3, segment=50).nats,
+    assert_close(evaluate_bytes(theta, Layout(model), text, cuda_ops.CudaOps(), streams=3, segment=50).nats,
                  evaluate_bytes(theta, Layout(model), text, Ops(), streams=3, segment=50).nats, rtol=1e-5,
                  name="eval")
 
@@ -733,7 +735,7 @@ def test_a_device_resident_run_matches_the_cpu_run(rt, tmp_path, monkeypatch, op
                       **extra.get(optimizer, dict(lr=0.2, weight_decay=0.01)))
     text = np.frombuffer(b"the device keeps the weights where the work is " * 20, np.uint8)
     sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)
-    ops = gpu.CudaOps()
+    ops = cuda_ops.CudaOps()
     to_host = []
     monkeypatch.setattr(type(ops), "to_numpy", lambda self, x: to_host.append(np.shape(x)) or to_numpy(x))
     cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))

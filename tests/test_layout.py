@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zosoma"
-FOUNDATION = {"errors", "config", "corpus", "download", "atomic", "arrays"}
+FOUNDATION = {"errors", "config", "corpus", "download", "atomic", "arrays", "version"}
 # what each part may import (README "Layout"; each folder's __init__ says the same)
 ALLOWED = {
     "foundation": {"foundation"},
@@ -26,9 +26,14 @@ ALLOWED = {
     "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs"},
     "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
                     "experiments"},
+    # the benchmarks sit beside the experiments: the same parts below, neither imports the other
+    "benchmarks": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
+                   "benchmarks"},
     "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "porting"},
     "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "experiments",
             "api"},
+    "cli": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "experiments",
+            "benchmarks", "porting", "api", "cli"},
 }
 DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an address "auto")
 
@@ -56,17 +61,10 @@ def sources():
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def cli_sources():
-    return sorted((ROOT / "cli").rglob("*.py"))
-
-
 def zosoma_imports(path: Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zosoma"):
-            if node.module == "zosoma":
-                yield from (f"zosoma.{a.name}" for a in node.names if a.name != "__version__")
-            else:
-                yield from (f"{node.module}.{a.name}" for a in node.names)
+            yield from (f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("zosoma"))
 
@@ -81,6 +79,38 @@ def test_imports_point_down_the_layout(path):
     folder = engine_folder(module_name(path))
     others = [m for m in zosoma_imports(path) if folder and engine_folder(m) not in (None, "cpu", folder)]
     assert not others, f"{path.relative_to(ROOT)} (engines/{folder}) imports {others}"
+
+
+def root_imports(path: Path) -> list[str]:
+    """Imports of the package root itself: `import zosoma`, `from zosoma import x`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "zosoma" and not node.level:
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Import) and any(a.name == "zosoma" for a in node.names):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_module_reaches_up_to_the_package_root():
+    """zosoma/__init__.py sits above every module (it re-exports the API and the version), so no
+    module inside the package, the command line included, imports it: the version is zosoma.version."""
+    offenders = {str(p.relative_to(ROOT)): found for p in sources()
+                 if p != PACKAGE / "__init__.py" and (found := root_imports(p))}
+    assert not offenders, offenders
+
+
+def test_the_version_is_foundation():
+    assert part("zosoma.version") == "foundation"
+    assert root_imports(PACKAGE / "version.py") == [] and not list(zosoma_imports(PACKAGE / "version.py"))
+
+
+def test_the_benchmarks_have_their_own_folder():
+    """Speed figures live in zosoma/benchmarks/, and nothing in the library (but the CLI) uses them."""
+    assert not list((PACKAGE / "experiments").glob("bench_*.py"))
+    users = [str(p.relative_to(ROOT)) for p in sources() if part(module_name(p)) not in ("benchmarks", "cli")
+             and any(part(m) == "benchmarks" for m in zosoma_imports(p))]
+    assert not users, users
 
 
 def test_the_device_is_chosen_in_one_place():
@@ -137,7 +167,7 @@ def test_no_device_branches_outside_the_engines():
     """Code outside zosoma/engines/ never asks which device or engine it got by name: it asks the
     engine (ops.on_device, ops.precision); only get_ops turns names into engines."""
     engines = PACKAGE / "engines"
-    offenders = {str(p.relative_to(ROOT)): found for p in sources() + cli_sources()
+    offenders = {str(p.relative_to(ROOT)): found for p in sources()
                  if engines not in p.parents and (found := device_branches(p.read_text()))}
     assert not offenders, offenders
 
@@ -158,8 +188,10 @@ def test_the_device_branch_check_passes_plain_code():
 
 
 def test_no_two_modules_share_a_name():
-    """A file name says what the module is: no two modules, and no module and folder, share one."""
-    names = [p.stem for p in sources() if p.name != "__init__.py"]
+    """A file name says what the module is: no two modules, and no module and folder, share one
+    (the command line's modules are named after their commands: zosoma/cli/train.py is `zosoma train`)."""
+    commands = PACKAGE / "cli"
+    names = [p.stem for p in sources() if p.name != "__init__.py" and p.parent != commands]
     names += [p.parent.name for p in sources() if p.name == "__init__.py" and p.parent != PACKAGE]
     assert not [name for name, n in Counter(names).items() if n > 1]
 
@@ -187,5 +219,5 @@ def test_every_folder_and_data_file_is_installed():
 def test_run_folder_files_are_named_in_one_module():
     names = re.compile(r"""["'](checkpoint(\.prev|\.next)?\.h5|soma\.json|router\.h5|metrics\.jsonl|"""
                        r"""results?\.json|curve\.jsonl|settings\.json)["']""")
-    found = [str(p.relative_to(ROOT)) for p in sources() + cli_sources() if names.search(p.read_text())]
+    found = [str(p.relative_to(ROOT)) for p in sources() if names.search(p.read_text())]
     assert found == ["zosoma/runs/folder.py"]

@@ -245,7 +245,7 @@ def test_bench_forward_times_the_emulated_formats_beside_fp32():
 def test_bench_forward_of_an_emulated_engine_is_a_cpu_benchmark(monkeypatch):
     """An emulated engine runs on the CPU: timed beside the NumPy reference against the CPU's peak,
     not labelled as a GPU's."""
-    from zosoma.experiments import bench_forward as bench
+    from zosoma.benchmarks import bench_forward as bench
 
     monkeypatch.setattr(bench, "_PEAK_N", 64)
     monkeypatch.setattr(bench, "_PEAK_N_CUDA", 64)

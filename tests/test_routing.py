@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from zosoma.experiments.bench_route import bench_route, format_route, matched_config, matched_configs
+from zosoma.benchmarks.bench_route import bench_route, format_route, matched_config, matched_configs
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.mixture.cluster import ClusterConfig, fit_clusters, save_clustering
 from zosoma.config import ModelConfig, TrainConfig

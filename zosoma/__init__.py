@@ -1,11 +1,11 @@
 """zosoma: zero-order (forward-only) pretraining of byte-level LSTM language models.
 
 The Python API (zosoma.api) is here too: zosoma.train, zosoma.open_run, zosoma.load_corpus,
-zosoma.Optimizer and zosoma.Run, loaded when first used (the command line imports this module
-for its version alone).
+zosoma.Optimizer and zosoma.Run, loaded when first used; the version (zosoma.version) is
+re-exported. No module inside the package imports this one: it sits above them all.
 """
 
-__version__ = "0.1.0"
+from zosoma.version import __version__  # re-exported: zosoma.__version__
 
 _API = ("Optimizer", "Run", "load_corpus", "open_run", "train")
 

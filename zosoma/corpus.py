@@ -71,9 +71,7 @@ def default_corpus_dir() -> Path:
         return Path(str(importlib.resources.files("zosoma.data") / "corpus"))
     except ModuleNotFoundError:
         # Source checkout on PYTHONPATH: data/ is only mapped to zosoma.data at install time.
-        import zosoma
-
-        return Path(zosoma.__file__).resolve().parent.parent / "data" / "corpus"
+        return Path(__file__).resolve().parents[1] / "data" / "corpus"
 
 
 def load_text(path: PathLike) -> np.ndarray:

@@ -2,8 +2,8 @@
 
     ops            the Ops interface, implemented by the CPU engine (NumPy and Numba)
     cpu/           the CPU engine's compiled kernels (forward, lowrank, noise_kernels, threads)
-    cuda/          CUDA: CudaOps (cuda_ops), CuPy raw kernels in kernels/*.cu; only backend
-                   imports CuPy
+    cuda/          CUDA: CudaOps (cuda_ops) over cuda_forward, cuda_noise and custom_kernels
+                   (the launchers of the CuPy raw kernels in kernels/*.cu); only backend imports CuPy
     forward_only   the base of engines that run whole models only, fed perturbed copies:
     onnxruntime/     ONNX Runtime (onnxrt_ops)
     emulated/        the low-precision forwards, bf16, fp16 and int8 (precision_ops)

@@ -45,10 +45,10 @@ from typing import Union
 
 import numpy as np
 
-from zosoma import __version__
 from zosoma.config import ModelConfig, TrainConfig, from_json, to_json
 from zosoma.errors import CheckpointError, ConfigError
 from zosoma.atomic import atomic_write
+from zosoma.version import __version__
 from zosoma.formats.h5util import (attr_int, attr_text, check_global_heaps, content_digest, dataset_text,
                                    text_array, text_attr)
 from zosoma.model.params import Layout

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from zosoma import __version__
 from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
+from zosoma.version import __version__
 from zosoma.formats.onnx import build_model, save_model
 from zosoma.porting import kit_model, kit_precision, kit_router, kit_training
 from zosoma.porting.output_folder import MANIFEST, output_folder

@@ -1,6 +1,6 @@
 // The non-GEMM parts of the population LSTM forward: the fused gate/cell update and the
 // log-softmax + NLL of the output logits. The GEMMs (embed @ w_ih, h @ w_hh, hs @ w_ih, hs @ out.w)
-// run in cuBLAS through CuPy; zosoma/engines/cuda/cuda_ops.py drives the time loop. Mirrors
+// run in cuBLAS through CuPy; zosoma/engines/cuda/cuda_forward.py drives the time loop. Mirrors
 // zosoma/engines/cpu/forward.py (`lstm_cell_rows`, `output_rows`) and zosoma/model/reference.py (the
 // ground truth).
 //
@@ -8,7 +8,7 @@
 // H hidden, G = 4H gate columns (blocks i, f, g, o), V = 256. Every member has its own weights,
 // so every array carries a leading M axis.
 //
-// Launch (zosoma/engines/cuda/cuda_ops.py): 1-D, block = (256, 1, 1), grid.x = min(ceil(work / 256), cap), with
+// Launch (zosoma/engines/cuda/custom_kernels.py): 1-D, block = (256, 1, 1), grid.x = min(ceil(work / 256), cap), with
 // grid-stride loops over 64-bit indices. One thread per (member, row, hidden unit) in the cell
 // kernels; one thread per (member, time, row) in log_softmax_nll: a row of V = 256 logits is small,
 // and keeping each row in one thread needs no shared memory or barriers, so tests/test_kernels.py

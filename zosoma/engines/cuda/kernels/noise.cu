@@ -14,7 +14,7 @@
 // barriers: every thread is independent, so tests/test_kernels.py runs these kernels on the CPU
 // through emulate.h.
 //
-// Launch (zosoma/engines/cuda/cuda_ops.py): block = (256, 1, 1); grid.x = min(ceil(groups / 256), cap);
+// Launch (zosoma/engines/cuda/custom_kernels.py): block = (256, 1, 1); grid.x = min(ceil(groups / 256), cap);
 // perturb also uses grid.y over members (grid-stride as well).
 //
 // Rounding: out = base + scale*delta with the product and the sum rounded separately

@@ -27,8 +27,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     CONFIG: a TOML file, or a shipped one by name (cpu). Finished runs are never repeated; after
     Ctrl-C or a crash, the same command resumes the others from their checkpoints. An --out that
     another configuration made (another lr, budget, evaluation setting, ...) is refused."""
-    from zosoma.experiments.compare import (Stopped, check_folder, find_config, jobs as all_jobs, load_comparison,
-                                            run_comparison, tuning_jobs)
+    from zosoma.experiments.compare import Stopped, check_folder, jobs as all_jobs, run_comparison, tuning_jobs
+    from zosoma.experiments.compare_config import find_config, load_comparison
 
     check_executor_options(ctx, executor_kind, "--jobs", jobs)
     path = find_config(config)

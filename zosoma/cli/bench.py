@@ -43,7 +43,7 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
     """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
     configuration, and the fraction of the matmul peak measured in the same run. With --device
     cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
-    from zosoma.experiments.bench_forward import bench_forward, format_records
+    from zosoma.benchmarks.bench_forward import bench_forward, format_records
     from zosoma.engines import get_ops
     others = (get_ops("cpu", engine),) if engine != "native" else ()
     others += tuple(get_ops("cpu", precision=p) for p in dict.fromkeys(precisions))
@@ -88,7 +88,7 @@ def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, 
     the CPU in fp32, the step's roofline: FLOPs and exps per token against one core's GEMM peak
     and exp cost measured in the same run, and what bounds the step. With --shapes, --json's
     results are a list, one object per shape."""
-    from zosoma.experiments.roofline import format_shapes
+    from zosoma.benchmarks.roofline import format_shapes
     if shapes and (embed or hidden):
         raise click.UsageError("--shapes sets E and H: give it without --embed and --hidden")
     ops = device_ops(device)
@@ -108,7 +108,7 @@ def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, 
 def _bench_spsa_shape(precision: str, device: str, ops, peers: bool, **shape) -> dict:
     """bench_spsa at one shape; with an emulated precision, that step beside the fp32 one."""
     from zosoma.engines import get_ops
-    from zosoma.experiments.bench_spsa import bench_spsa
+    from zosoma.benchmarks.bench_spsa import bench_spsa
     if precision == "fp32":
         return bench_spsa(**shape, ops=ops, peers=peers)
     emulated_ops = get_ops(device, precision=precision)  # before any timing: a GPU device is a one-line error
@@ -117,7 +117,7 @@ def _bench_spsa_shape(precision: str, device: str, ops, peers: bool, **shape) ->
 
 
 def _format_spsa_shape(r: dict) -> str:
-    from zosoma.experiments.bench_spsa import format_spsa
+    from zosoma.benchmarks.bench_spsa import format_spsa
     text = format_spsa(r)
     if "fp32_step_s" in r:
         text += (f"\n{r['precision']} step {r['step_s']:.4f} s, the fp32 step {r['fp32_step_s']:.4f} s in the same run: "
@@ -138,7 +138,7 @@ def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, de
     """Tokens/s of top-k routed inference (routing included) for N=8 vs N=256 experts of similar
     total size, random weights (the paper: 257k vs 2.36M tokens/s, 9.19x). With --device cuda the
     experts also run on the GPU, beside the CPU in the same run."""
-    from zosoma.experiments.bench_route import bench_route, format_route
+    from zosoma.benchmarks.bench_route import bench_route, format_route
     devices = tuple(dict.fromkeys(("cpu", device_ops(device).name)))  # the CPU, and the GPU when asked for
     show("route", bench_route(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
                               n_segments=segments, repeats=repeats, devices=devices), format_route)
@@ -155,7 +155,7 @@ def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeat
     """Forward seconds per population member: EGGROLL's shared-GEMM low-rank population vs
     full-rank SPSA's dense perturbed copies, same model and batch (defaults: the CPU comparison's
     monolithic model)."""
-    from zosoma.experiments.bench_eggroll import bench_eggroll, format_eggroll
+    from zosoma.benchmarks.bench_eggroll import bench_eggroll, format_eggroll
     show("eggroll", [bench_eggroll(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
                                    pairs=pairs, rank=rank, repeats=repeats, ops=device_ops(device))], format_eggroll)
 
@@ -166,7 +166,7 @@ def bench_comm_cmd(workers, as_json):
     """Bytes exchanged per training step for each preset: SOMA's experts (none while training),
     one model's population sharded over W workers (its P scalars) and data-parallel backprop's
     gradient all-reduce (about 2 x 4d per worker), side by side."""
-    from zosoma.experiments.bench_comm import bench_comm, format_comm
+    from zosoma.benchmarks.bench_comm import bench_comm, format_comm
     show("comm", bench_comm(workers), format_comm)
 
 
@@ -180,5 +180,5 @@ def bench_comm_cmd(workers, as_json):
 def bench_executors_cmd(preset, experts, steps, no_ray, address, as_json):
     """Training time by where it runs: SOMA's experts inline, in local processes and as Ray tasks;
     one model's population here and over W = 1 and 2 workers (local processes, Ray actors)."""
-    from zosoma.experiments.bench_executors import bench_executors, format_executors
+    from zosoma.benchmarks.bench_executors import bench_executors, format_executors
     show("executors", bench_executors(preset, experts, steps, not no_ray, address), format_executors)

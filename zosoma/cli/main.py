@@ -13,7 +13,6 @@ import sys
 
 import click
 
-from zosoma import __version__
 from zosoma.cli.bench import bench
 from zosoma.cli.cluster import cluster
 from zosoma.cli.compare import compare
@@ -27,6 +26,7 @@ from zosoma.cli.sample import sample
 from zosoma.cli.stop import abort
 from zosoma.cli.train import train
 from zosoma.cli.variance import variance
+from zosoma.version import __version__
 
 
 class ZosomaGroup(click.Group):

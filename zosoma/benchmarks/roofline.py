@@ -62,7 +62,7 @@ def core_peak(n: int = 2048, repeats: int = 3) -> dict:
     libraries loaded (threadpoolctl: internal_api, version, architecture, file)."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    from zosoma.experiments.bench_forward import _dot
+    from zosoma.benchmarks.bench_forward import _dot
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))

@@ -8,7 +8,7 @@ the forward ("noise": engines that take materialised members) and the update (re
 directions into the estimate and applying it, "update").
 
 Beside it, in the same interleaved rounds (a load that comes and goes on a shared machine hits
-every path alike): the PyTorch peers of zosoma.experiments.torch_peers for the same model, P, B, T
+every path alike): the PyTorch peers of zosoma.benchmarks.torch_peers for the same model, P, B, T
 and noise (CPU engine, torch installed), each warmed up at 1 thread and at the BLAS thread count
 and timed at the faster of the two (on a loaded machine torch's spinning threads can make 2
 threads 10x slower than 1); then the fp32 matmul peak (`peak_gflops`). FLOP rates:
@@ -19,7 +19,7 @@ threads 10x slower than 1); then the fp32 matmul peak (`peak_gflops`). FLOP rate
               embed @ w_ih over the batch's U distinct bytes (2 x U x E x 4H per member) instead
               of a GEMM over the B x T bytes
 
-Last, on the CPU engine in fp32, the step's roofline (zosoma.experiments.roofline): its work per
+Last, on the CPU engine in fp32, the step's roofline (zosoma.benchmarks.roofline): its work per
 token against one core's GEMM peak and exp cost measured in the same run, and what bounds it.
 The model is the preset's, or any shape (embed, hidden, layers).
 """
@@ -33,8 +33,8 @@ import numpy as np
 
 from zosoma.config import ModelConfig
 from zosoma.corpus import BatchSampler, load_corpus
-from zosoma.experiments import roofline
-from zosoma.experiments.bench_forward import peak_gflops
+from zosoma.benchmarks import roofline
+from zosoma.benchmarks.bench_forward import peak_gflops
 from zosoma.engines.cpu import noise_kernels, threads
 from zosoma.model import noise as noise_mod
 from zosoma.runs.trainer import Trainer, new_state
@@ -98,7 +98,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
         trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), ops=ops)
         fp32_on_host = not trainer.ops.on_device and trainer.ops.precision == "fp32"  # the PyTorch peers' terms
         if peers and fp32_on_host:
-            from zosoma.experiments import torch_peers
+            from zosoma.benchmarks import torch_peers
             peer_batch = sampler.batch(seed, 0, 0, B)
             for name, make in torch_peers.available().items():
                 for n in sorted({1, n_threads}):
@@ -158,7 +158,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
 
 def _peers_skipped(wanted: bool, fp32_on_host: bool, engine: str) -> str | None:
     """Why no PyTorch peer was timed, or None."""
-    from zosoma.experiments import torch_peers
+    from zosoma.benchmarks import torch_peers
 
     if not wanted:
         return "not run (--no-peers)"

@@ -1,0 +1,144 @@
+"""The CUDA engine's kernel launchers (as thinc keeps its raw kernels in _custom_kernels.py beside
+cupy_ops.py): the kernels' signatures, read from kernels/*.cu, the runtime that compiles and
+launches them, and device arrays. Every launch goes through `launch` (studies/gpu_check.py counts
+them there; tests/test_kernels.py swaps in a runtime of the same kernels compiled for the CPU).
+
+Kernels are compiled on first use with cupy.RawModule (NVRTC; CuPy caches the binaries on disk).
+Their argument types are read from the .cu sources (`kernel_signatures`), and every launch is
+checked against them, so a Python scalar is always passed at the width the kernel declares.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from zosoma.engines.cuda import backend
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+KERNEL_FILES = ("noise.cu", "lstm.cu")
+BLOCK = 256  # threads per block of every kernel
+
+
+# --- kernel signatures: the one place Python learns the kernels' argument types ------------------
+
+_SCALAR_TYPES = {"float": np.float32, "double": np.float64, "int": np.int32,
+                 "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64}
+_POINTER_TYPES = {"float": np.float32, "double": np.float64, "int": np.int32,
+                  "unsigned int": np.uint32, "unsigned char": np.uint8}
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter: its name, C base type, and whether it is a pointer."""
+    name: str
+    ctype: str
+    pointer: bool
+
+    @property
+    def dtype(self) -> np.dtype:
+        table = _POINTER_TYPES if self.pointer else _SCALAR_TYPES
+        return np.dtype(table[self.ctype])
+
+
+def kernel_signatures(source: str) -> dict[str, tuple[Param, ...]]:
+    """The parameters of every `extern "C" __global__` kernel in CUDA source text."""
+    source = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    kernels = {}
+    for name, params in _KERNEL_RE.findall(source):
+        parsed = []
+        for text in params.split(","):
+            words = text.replace("*", " * ").split()
+            pointer = "*" in words
+            words = [w for w in words if w not in ("*", "const", "__restrict__")]
+            ctype = " ".join(words[:-1])
+            if ctype not in (_POINTER_TYPES if pointer else _SCALAR_TYPES):
+                raise ValueError(f"kernel {name}: unsupported parameter type in {text.strip()!r}")
+            parsed.append(Param(words[-1], ctype, pointer))
+        kernels[name] = tuple(parsed)
+    return kernels
+
+
+@lru_cache(maxsize=None)
+def _signatures() -> dict[str, tuple[str, tuple[Param, ...]]]:
+    """kernel name -> (its .cu file, its parameters), over every shipped kernel file."""
+    found = {}
+    for file in KERNEL_FILES:
+        for name, params in kernel_signatures((KERNEL_DIR / file).read_text()).items():
+            found[name] = (file, params)
+    return found
+
+
+# --- the runtime: where arrays live and how kernels are launched ---------------------------------
+
+class CupyRuntime:
+    """CuPy arrays and kernels compiled from kernels/*.cu with cupy.RawModule, one module per file,
+    compiled on first use. (tests/test_kernels.py swaps in a runtime of NumPy arrays and the same
+    kernels compiled for the CPU, to run this module without a GPU.)"""
+
+    max_grid = (1 << 16, 65535)  # blocks along x and y; the kernels' grid-stride loops do the rest
+
+    def __init__(self):
+        self.xp = backend.require_cupy()
+        self._modules = {}  # file -> cupy.RawModule
+        self._kernels = {}  # name -> its function in the module
+
+    def launch(self, file: str, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            if file not in self._modules:
+                self._modules[file] = self.xp.RawModule(code=(KERNEL_DIR / file).read_text())
+            kernel = self._kernels[name] = self._modules[file].get_function(name)
+        kernel(grid, block, args)
+
+
+_runtime = None
+
+
+def runtime():
+    """The active runtime, created on first use (raises ConfigError without a CUDA device)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = CupyRuntime()
+    return _runtime
+
+
+def launch(name: str, work: int, *args, rows: int = 1) -> None:
+    """Launch kernel `name` over `work` items along x (and `rows` along y) with BLOCK threads per
+    block, checking the arguments against the kernel's signature: arrays for pointers (of the
+    pointee's dtype), scalars converted to the declared type."""
+    rt = runtime()
+    file, params = _signatures()[name]
+    if len(args) != len(params):
+        raise TypeError(f"{name} takes {len(params)} arguments, got {len(args)}")
+    converted = []
+    for p, a in zip(params, args):
+        if p.pointer:
+            if not isinstance(a, rt.xp.ndarray) or a.dtype != p.dtype:
+                raise TypeError(f"{name}: {p.name} must be a {p.dtype} {rt.xp.__name__} array, got {a!r:.60}")
+            converted.append(a)
+        else:
+            converted.append(p.dtype.type(a))
+    grid = (max(1, min(-(-work // BLOCK), rt.max_grid[0])), max(1, min(rows, rt.max_grid[1])), 1)
+    rt.launch(file, name, grid, (BLOCK, 1, 1), tuple(converted))
+
+
+def to_device(x, dtype=np.float32):
+    """x as a C-contiguous device array of dtype (copied only when needed): keep weights that are
+    used again on the device, so that calls do not copy them each time."""
+    xp = runtime().xp
+    return xp.ascontiguousarray(xp.asarray(x), dtype=dtype)
+
+
+def check_out(out, shape: tuple, name: str = "out"):
+    xp = runtime().xp
+    if not isinstance(out, xp.ndarray) or out.dtype != np.float32 or out.shape != shape \
+            or not out.flags.c_contiguous:
+        want = "(n,)" if shape == (None,) else str(shape)
+        raise ValueError(f"{name} must be a C-contiguous float32 {xp.__name__} array of shape {want}")
+    return out
