@@ -56,6 +56,18 @@ def two_domains(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def text(tmp_path_factory):
+    """a.txt: 3,000 words and digit groups in lines, a small training text (a module may define a
+    `text` of its own)."""
+    import numpy as np
+    root = tmp_path_factory.mktemp("text")
+    rng = np.random.default_rng(1)
+    words = [b"river", b"stone", b"light", b"green", b"0123", b"4567", b"\n"]
+    (root / "a.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 7, 3000)))
+    return root / "a.txt"
+
+
 @pytest.fixture
 def scratch_cwd(tmp_path, monkeypatch):
     """Work from a scratch folder without the developers' WikiText-103, so final evaluations score

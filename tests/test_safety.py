@@ -26,15 +26,6 @@ from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFol
 TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
 
 
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    rng = np.random.default_rng(1)
-    words = [b"river", b"stone", b"light", b"green", b"0123", b"4567", b"\n"]
-    (root / "a.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 7, 3000)))
-    return root / "a.txt"
-
-
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
 
 def invoke(args):
