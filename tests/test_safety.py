@@ -48,7 +48,9 @@ def train_args(text, run_dir, steps, *extra):
 
 
 def steps_logged(folder: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (folder / METRICS).read_text().splitlines()]
+    """The steps a live run has logged: its last line may be half written, so only whole lines count."""
+    lines = (folder / METRICS).read_text().split("\n")[:-1]
+    return [json.loads(line)["step"] for line in lines]
 
 
 def wait_for(predicate, timeout=120.0):
