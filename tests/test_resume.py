@@ -28,7 +28,11 @@ MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 BASE = dict(steps=12, batch=2, seq_len=16, perturbations=4, warmup=2, checkpoint_every=5)
 STRATEGY = {"sgd": dict(lr=0.2, weight_decay=0.01), "momentum": dict(lr=0.05, momentum=0.8),
             "adam": dict(lr=0.01, weight_decay=0.01), "eggroll": dict(eps=0.01, lr=0.5, rank=2),
-            "es": dict(eps=0.02, lr=0.05)}
+            "es": dict(eps=0.02, lr=0.05),
+            # the stateful pieces (docs/cut-price.md): the last update kept, the schedule's P
+            "guided": dict(optimizer="sgd", probes="guided", lr=0.2),
+            "es-adam-guided": dict(optimizer="es", transforms=("adam",), probes="guided", eps=0.02, lr=0.01),
+            "doubling": dict(optimizer="sgd", queries="doubling", lr=0.2)}
 STOP = 7  # steps before the stop: past one checkpoint (5), short of the next (10)
 
 
@@ -98,8 +102,9 @@ class PopulationWorkers:
 
 RUNS = {"loop": TrainingLoop, "soma": lambda data: Soma(data, "independent"),
         "soma-summed": lambda data: Soma(data, "summed"), "population-workers": PopulationWorkers}
-CASES = [(s, "loop") for s in STRATEGY] + [("sgd", "soma"), ("eggroll", "soma"), ("sgd", "soma-summed"),
-                                            ("sgd", "population-workers")]
+CASES = [(s, "loop") for s in STRATEGY] + [("sgd", "soma"), ("eggroll", "soma"), ("es-adam-guided", "soma"),
+                                            ("sgd", "soma-summed"), ("sgd", "population-workers"),
+                                            ("guided", "population-workers")]
 
 
 def logged(folder: RunFolder) -> list[tuple[int, float]]:
@@ -109,7 +114,7 @@ def logged(folder: RunFolder) -> list[tuple[int, float]]:
 @pytest.mark.usefixtures("scratch_cwd")
 @pytest.mark.parametrize("optimizer, run", CASES, ids=[f"{s}-{r}" for s, r in CASES])
 def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, two_domains, optimizer, run):
-    cfg = TrainConfig(optimizer=optimizer, **BASE, **STRATEGY[optimizer])
+    cfg = TrainConfig(**{"optimizer": optimizer, **BASE, **STRATEGY[optimizer]})
     runner = RUNS[run](two_domains)
     runner.start(tmp_path / "full", cfg, stop=False)
     records = runner.start(tmp_path / "part", cfg, stop=True)

@@ -149,20 +149,21 @@ class Optimizer:
         _, self.cfg = resolve(None, options)
         self.d, self.ops = int(d), Ops()
         self.strategy = make_strategy(self.cfg)
+        self.strategy.check(None)  # no model's layout here: --probes blocks is refused
         self.state = self.strategy.init(self.ops, self.d)
         self.shaping = self.strategy.shaping.init()
 
     def ask(self, theta, step: int) -> np.ndarray:
         """(2P, d) float32: rows 2k and 2k+1 are theta + eps delta_k and theta - eps delta_k, the
         step's members (regenerated from (seed, step, k), never stored)."""
-        from zosoma.engines.ops import perturbed
-        return perturbed(self._theta(theta), self.strategy.ask(0, step), range(self.cfg.perturbations))
+        return self.strategy.members(self.ops, self._theta(theta), None, self.strategy.ask(0, step), self.state)
 
     def tell(self, theta, step: int, losses) -> np.ndarray:
         """The parameters after the step, from one loss per member of ask(theta, step)."""
         losses = np.asarray(losses, np.float64).reshape(-1)
-        if losses.size != 2 * self.cfg.perturbations:
-            raise ConfigError(f"tell needs {2 * self.cfg.perturbations} losses (one per member), got {losses.size}")
+        P = self.strategy.pairs(step)
+        if losses.size != 2 * P:
+            raise ConfigError(f"tell needs {2 * P} losses (one per member), got {losses.size}")
         coeffs, _ = self.strategy.coefficients(losses[0::2], losses[1::2])
         told = self.strategy.tell(self.ops, None, self._theta(theta), self.state, self.shaping, coeffs,
                                   self.strategy.ask(0, step))  # the training loop's step (Strategy.tell)

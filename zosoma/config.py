@@ -95,6 +95,12 @@ class TrainConfig:
     # 2.863; results/defaults-single, measured when the reference was the window's mean), and it
     # bounds a cliff-step. () is plain SPSA (the paper's).
     shaping: tuple = ("normalize",)
+    # Cutting the price (docs/cut-price.md): pieces that compose with the shaping and each other.
+    # The paper's estimator is every default: i.i.d. directions from the counters, a constant P,
+    # the strategy's own update rule.
+    probes: str = "iid"  # zosoma.strategies.probes: iid, orthogonal, guided (last update), blocks
+    queries: str = "constant"  # zosoma.strategies.queries: constant P, or doubling (P/2, P, 2P)
+    transforms: tuple = ()  # zosoma.strategies.transforms chained onto the estimate: momentum, adam
     clip_at: float = 5.0  # clip: each scalar bounded at this many running medians of |g|
     normalize_window: int = 50  # normalize: the first steps, whose mean (bounded) spread is the reference
     # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint; goes
@@ -139,6 +145,10 @@ class TrainConfig:
                 raise ConfigError("shaping none is plain SPSA: it takes no other piece")
             shaping = ()
         object.__setattr__(self, "shaping", shaping)  # a list read from JSON or TOML
+        transforms = (self.transforms,) if isinstance(self.transforms, str) else self.transforms
+        if not isinstance(transforms, (list, tuple)) or not all(isinstance(p, str) for p in transforms):
+            raise ConfigError(f"transforms must be a transform's name or a list of them, got {self.transforms!r}")
+        object.__setattr__(self, "transforms", tuple(transforms))
         if not 0 < self.restart_lr_factor <= 1 or not math.isfinite(self.clip_at) or self.clip_at <= 0:
             raise ConfigError("restart_lr_factor must lie in (0, 1] and clip_at be a positive number")
         if self.max_restarts < 0 or self.normalize_window < 1:

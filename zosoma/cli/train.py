@@ -13,7 +13,10 @@ from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig
 from zosoma.errors import ClusterLost
 from zosoma.strategies import STRATEGIES
+from zosoma.strategies.probes import PROBES
+from zosoma.strategies.queries import QUERIES
 from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
+from zosoma.strategies.transforms import TRANSFORMS
 
 _TC = TrainConfig()  # defaults shown in --help
 
@@ -55,6 +58,9 @@ _TC = TrainConfig()  # defaults shown in --help
 @click.option("--shaping", type=click.Choice(["none", *SHAPING_NAMES]), multiple=True, help=f"SPSA: shape each step's P scalars before the update, in the order given (repeat the option): clip bounds each at --clip-at running medians of |g|; normalize rescales every step after the 10th to the mean spread of the steps before (each at most twice it; frozen after --normalize-window steps); none is plain SPSA (the paper's).  [default: {'+'.join(_TC.shaping) or 'none'}]")
 @click.option("--clip-at", type=float, callback=positive_float, help=f"--shaping clip: the bound in running medians of |g|.  [default: {_TC.clip_at}]")
 @click.option("--normalize-window", type=int, callback=positive, help=f"--shaping normalize: steps whose mean spread (each at most twice the mean before it) is the reference.  [default: {_TC.normalize_window}]")
+@click.option("--probes", type=click.Choice(list(PROBES)), help=f"SPSA, ES: the step's P directions: iid from the counters (the paper's); orthogonal (orthogonalised, norm sqrt(d)); guided (mixed with the last update, Guided ES); blocks (each pair perturbs one block of the model: block-coordinate SPSA). See docs/cut-price.md.  [default: {_TC.probes}]")
+@click.option("--queries", type=click.Choice(list(QUERIES)), help=f"The pairs per step over the run: constant P, or doubling (P/2, P, 2P, each a third of the forward budget).  [default: {_TC.queries}]")
+@click.option("--transforms", type=click.Choice(list(TRANSFORMS)), multiple=True, help="SPSA, ES: update transforms chained onto the estimate before the step, in the order given (repeat the option): --optimizer es --transforms adam is ES with Adam.  [default: none]")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
 @click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
 @click.option("--engine", type=click.Choice(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")

@@ -60,8 +60,11 @@ class Method:
         return self.train.optimizer if self.train.optimizer in ("eggroll", "es") else "spsa"
 
     def flops_per_step(self) -> float:
+        """Forward FLOPs of a mean step: N experts x 2 P x B x T tokens, P the query schedule's
+        mean (zosoma.strategies.queries: the constant P, unless it grows)."""
+        from zosoma.strategies.queries import make_queries
         t = self.train
-        return self.experts * 2 * t.perturbations * t.batch * t.seq_len * self.model.flops_per_token()
+        return self.experts * 2 * make_queries(t).mean_pairs() * t.batch * t.seq_len * self.model.flops_per_token()
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,9 @@ def check_shardable(cfg: TrainConfig, W: int) -> None:
     if W > 1 and make_strategy(cfg).ask(0, 0).rank:
         raise ConfigError(f"--optimizer {cfg.optimizer} evaluates its population as one shared GEMM, whose "
                           "rounding depends on the split: it is not sharded over --population-workers")
+    if W > 1 and cfg.queries != "constant":
+        raise ConfigError(f"--queries {cfg.queries} changes P during the run; the workers' shares of the pairs are "
+                          "fixed: it is not sharded over --population-workers")
     shard_pairs(cfg.perturbations, W)
 
 
@@ -136,8 +139,8 @@ class Shard:
         cfg = self.cfg
         batch = self.sampler.batch(cfg.seed, self.stream, step, cfg.batch)
         timings = {"data": time.perf_counter() - t0, "update": self.update_s}
-        plus, minus = self.ops.perturbed_losses(self.theta, self.layout, batch, self.strategy.ask(self.stream, step),
-                                                pairs=self.pairs, timings=timings)
+        plus, minus = self.strategy.losses(self.ops, self.theta, self.layout, batch, self.strategy.ask(self.stream, step),
+                                           self.optimizer, pairs=self.pairs, timings=timings)
         return plus, minus, timings
 
     def state(self):

@@ -113,7 +113,8 @@ class Trainer:
         self.layout = Layout(model)
         self.strategy.check(self.layout)
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
-        self.tokens_per_step = 2 * cfg.perturbations * cfg.batch * cfg.seq_len
+        self.tokens_per_pair = 2 * cfg.batch * cfg.seq_len  # a pair's two members' predicted bytes
+        self.total_tokens = self.tokens_per_pair * self.strategy.total_pairs()  # P_t summed (the query schedule)
         self.comm_bytes = 0  # exchanged per step with other processes: none, the model is here
         self.folder.make()
         self._go_on(state)
@@ -145,7 +146,7 @@ class Trainer:
         """The run's compute is spent: cfg.steps steps' forward passes, counting the steps a
         restart re-ran, so a model that restarted ends at a lower step (one that did not, at
         cfg.steps as before)."""
-        return self.state.tokens >= self.cfg.steps * self.tokens_per_step
+        return self.state.tokens >= self.total_tokens
 
     def losses(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's members' losses on its minibatch: plus (P,) and minus (P,)."""
@@ -154,7 +155,8 @@ class Trainer:
         batch = self.sampler.batch(cfg.seed, self.stream, step, cfg.batch)
         self.timings = {"data": time.perf_counter() - t0}
         self._pop = self.strategy.ask(self.stream, step)
-        return self.ops.perturbed_losses(self.state.theta, self.layout, batch, self._pop, timings=self.timings)
+        return self.strategy.losses(self.ops, self.state.theta, self.layout, batch, self._pop, self.state.optimizer,
+                                    timings=self.timings)
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
         """The strategy's P scalars and the minibatch loss estimate at theta."""
@@ -171,9 +173,10 @@ class Trainer:
         theta, opt, lr, skipped = self.apply(coeffs, pop)
         self.timings["update"] = self.timings.get("update", 0.0) + time.perf_counter() - t0
         dt = sum(self.timings.values())
+        tokens = self.tokens_per_pair * pop.P
         record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,
-                  "tokens": state.tokens + self.tokens_per_step, "wall_s": state.wall_s + dt,
-                  "tokens_per_s": self.tokens_per_step / dt, "skipped": bool(skipped),
+                  "tokens": state.tokens + tokens, "wall_s": state.wall_s + dt,
+                  "tokens_per_s": tokens / dt, "skipped": bool(skipped),
                   "comm_bytes": self.comm_bytes, **shaped,
                   **{f"{k}_s": v for k, v in self.timings.items()}}
         record["flops"] = record["tokens"] * self.model.flops_per_token()

@@ -36,7 +36,11 @@ from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
+from zosoma.strategies.probes import make_probes
+from zosoma.strategies.probes.design import members
+from zosoma.strategies.queries import make_queries
 from zosoma.strategies.shaping import Chain, spread
+from zosoma.strategies.transforms import Chain as Transforms
 
 # Fields every strategy reads (the schedule, the population size and scale, the run's bookkeeping,
 # and where its forwards run).
@@ -52,21 +56,59 @@ class Strategy:
     name = ""
     options: frozenset = frozenset()  # TrainConfig fields read beyond COMMON
     defaults: dict = {}  # TrainConfig values this strategy suggests when the user gives none
+    builtin: tuple = ()  # update transforms (zosoma.strategies.transforms) the strategy always applies
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        # the scalars' shaping pieces: none unless the strategy reads cfg.shaping
-        self.shaping = Chain(cfg if "shaping" in self.options else dataclasses.replace(cfg, shaping=()))
+        # the pieces it reads (zosoma.strategies: shaping, probes, queries, transforms); the
+        # paper's where it reads none
+        reads = lambda name, paper: getattr(cfg, name) if name in self.options else paper
+        self.shaping = Chain(dataclasses.replace(cfg, shaping=reads("shaping", ())))
+        self.probes = make_probes(dataclasses.replace(cfg, probes=reads("probes", "iid")))  # None: the counters'
+        self.queries = make_queries(dataclasses.replace(cfg, queries=reads("queries", "constant")))
+        self.transforms = Transforms(cfg, self.builtin + tuple(reads("transforms", ())))
+        self.options = self.options | self.transforms.reads  # momentum, beta2: read only by their transforms
 
     def check(self, layout: Layout) -> None:
         """A ConfigError when this strategy's settings cannot train the model of `layout`."""
+        if self.probes is not None:
+            self.probes.check(layout, min(self.pairs(0), self.pairs(self.cfg.steps - 1)))
 
     def init(self, ops, d: int) -> dict:
-        """Optimizer state for d parameters, as engine arrays (none by default)."""
-        return {}
+        """Optimizer state for d parameters, as engine arrays: the update transforms' and the
+        probe design's (none by default)."""
+        return {**self.transforms.init(ops, d), **(self.probes.init(ops, d) if self.probes else {})}
+
+    def pairs(self, step: int) -> int:
+        """P_t, the pairs step `step` evaluates (the query schedule's)."""
+        return self.queries.pairs(step)
+
+    def total_pairs(self) -> int:
+        """The pairs of the whole run, sum_t P_t over cfg.steps steps (2 B T tokens each)."""
+        return sum(self.pairs(t) for t in range(self.cfg.steps))
 
     def ask(self, expert: int, step: int) -> Population:
         raise NotImplementedError
+
+    def losses(self, ops, theta, layout: Layout, batch, pop: Population, state: dict, pairs: range | None = None,
+               timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(plus, minus) losses of the members of `pop` (its `pairs`, default all) on the step's
+        batch: the engine's own from the counters, or, under a probe design, its directions'."""
+        if self.probes is None:
+            return ops.perturbed_losses(theta, layout, batch, pop, pairs, timings)
+        pairs = range(pop.P) if pairs is None else pairs
+        U = self.probes.directions(pop, layout, theta.size, state)
+        host = ops.to_numpy(theta)
+        return ops.materialised_losses(theta, layout, batch, pairs, {} if timings is None else timings,
+                                       lambda chunk, out: members(host, U, pop.scale, chunk, out))
+
+    def members(self, ops, theta, layout: Layout, pop: Population, state: dict) -> np.ndarray:
+        """(2P, d) float32: rows 2k, 2k+1 the members theta +/- perturbation_k of `pop`."""
+        from zosoma.engines.ops import perturbed
+        if self.probes is None:
+            return perturbed(theta, pop, range(pop.P))
+        U = self.probes.directions(pop, layout, theta.size, state)
+        return members(theta, U, pop.scale, range(pop.P), np.empty((2 * pop.P, theta.size), np.float32))
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
         """The P per-pair scalars of the update from the members' losses (each (P,)), and the
@@ -74,8 +116,31 @@ class Strategy:
         raise NotImplementedError
 
     def update(self, ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop: Population, lr: float):
-        """(new theta, new state) from the P scalars; the inputs are left untouched."""
-        raise NotImplementedError
+        """(new theta, new state) from the P scalars; the inputs are left untouched. A dense
+        strategy's: the estimate, its update transforms, a step down the result; with neither a
+        probe design nor a transform, the engine's fused regenerate-and-apply step (the paper's)."""
+        if self.probes is None and not self.transforms:
+            return ops.sgd_update(theta, coeffs, pop, lr, self.cfg.weight_decay), state
+        direction, state = self.transforms(self.estimate(ops, layout, theta, state, coeffs, pop), state, pop.step)
+        if self.probes is not None:
+            state = self.probes.after(direction, state)
+        return self.descend(ops, theta, direction, lr), state
+
+    def estimate(self, ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop: Population):
+        """(d,) float32 engine array: ghat = sum_k w_k coeffs[k] U_k, the directions regenerated
+        (the counters': w_k = 1/P, ops.noise_sum)."""
+        if self.probes is None:
+            return ops.noise_sum(coeffs, theta.size, pop)
+        U = self.probes.directions(pop, layout, theta.size, state)
+        w = self.probes.weights(pop.P, layout) * np.asarray(coeffs, np.float64)
+        return ops.asarray(w @ U.astype(np.float64))
+
+    def descend(self, ops, theta, direction, lr: float):
+        """theta - lr * direction - lr * weight_decay * theta, a new float32 array."""
+        new = theta - np.float32(lr) * direction.astype(np.float32)
+        if self.cfg.weight_decay:
+            new -= np.float32(lr * self.cfg.weight_decay) * theta
+        return new.astype(np.float32)
 
     def tell(self, ops, layout: Layout, theta, state: dict, shaping: dict, coeffs: np.ndarray, pop: Population,
              restarts: int = 0) -> "Told":

@@ -34,7 +34,7 @@ def zscore(fitness) -> np.ndarray:
 
 class Eggroll(Strategy):
     name = "eggroll"
-    options = frozenset({"rank"})
+    options = frozenset({"rank", "queries"})
     defaults = {"shaping": ()}  # z-scored fitness is its shaping
 
     def check(self, layout: Layout) -> None:
@@ -49,7 +49,7 @@ class Eggroll(Strategy):
 
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg
-        return Population(cfg.perturbations, cfg.eps, cfg.seed, expert, step, "gaussian", cfg.rank)
+        return Population(self.pairs(step), cfg.eps, cfg.seed, expert, step, "gaussian", cfg.rank)
 
     def coefficients(self, plus, minus):
         loss = float(np.mean((plus + minus) / 2))

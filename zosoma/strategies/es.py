@@ -32,12 +32,12 @@ def centered_ranks(x) -> np.ndarray:
 
 class OpenES(Strategy):
     name = "es"
-    options = frozenset({"weight_decay"})
+    options = frozenset({"weight_decay", "probes", "queries", "transforms"})
     defaults = {"eps": 0.02, "lr": 0.005, "shaping": ()}  # a sweep on the tiny preset; ranks are its shaping
 
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg
-        return Population(cfg.perturbations, cfg.eps, cfg.seed, expert, step, "gaussian")
+        return Population(self.pairs(step), cfg.eps, cfg.seed, expert, step, "gaussian")
 
     def coefficients(self, plus, minus):
         loss = float(np.mean((plus + minus) / 2))
@@ -45,6 +45,3 @@ class OpenES(Strategy):
             return np.full(plus.shape, np.nan), loss
         r = centered_ranks(-np.stack([plus, minus], axis=1).ravel())  # fitness ranks, + then - of each pair
         return -(r[0::2] - r[1::2]) / (2 * self.cfg.eps), loss
-
-    def update(self, ops, layout, theta, state, coeffs, pop, lr):
-        return ops.sgd_update(theta, coeffs, pop, lr, self.cfg.weight_decay), state

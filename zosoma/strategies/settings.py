@@ -47,9 +47,9 @@ def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}
     coupled = {"on_divergence": "stop"} if loss == "summed" else {}
     cfg = dataclasses.replace(TrainConfig(), **{**base_train, **strategy.defaults, **coupled,
                                                 **{k: v for k, v in merged.items() if k in TRAIN_KEYS}})
-    check_options(strategy, cfg, given=[k for k in given if k in TRAIN_KEYS],
+    # its own checks (the pieces named) now rather than when training starts; then what it reads
+    check_options(strategy(cfg), cfg, given=[k for k in given if k in TRAIN_KEYS],
                   shared=[k for k in shared if k in TRAIN_KEYS and k not in given])
-    strategy(cfg)  # its own checks (the shaping pieces named), now rather than when training starts
     check_memory(model, cfg)
     warn_slow_step(model, cfg)
     return model, cfg

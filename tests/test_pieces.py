@@ -1,0 +1,210 @@
+"""The pieces that cut zero-order's price (docs/cut-price.md), each against a reference: a probe
+design's directions (orthogonality, norms, antithetic members, determinism by seed), the block
+structure's losses and estimate against a direct NumPy computation on a tiny model, the query
+schedule's FLOP accounting, update transforms against the built-in rules and a hand-written
+Adam; and the refusals. Resume bit for bit of the stateful pieces is in test_resume.py."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from helpers import assert_close, one_line_error, run_cli
+from zosoma.api import Optimizer
+from zosoma.config import ModelConfig, TrainConfig
+from zosoma.corpus import BatchSampler, Corpus
+from zosoma.engines.ops import Ops
+from zosoma.errors import ConfigError
+from zosoma.model import reference
+from zosoma.model.noise import noise
+from zosoma.model.params import Layout, init_params
+from zosoma.runs.population_workers import check_shardable
+from zosoma.runs.records import Step
+from zosoma.runs.trainer import Trainer, new_state, train
+from zosoma.strategies import make_strategy
+from zosoma.strategies.probes.blocks import blocks
+from zosoma.strategies.settings import resolve
+
+MODEL = ModelConfig(embed=8, hidden=16, layers=1)
+
+
+def corpus():
+    text = np.frombuffer(b"zero-order training needs nothing but forward passes. " * 80, np.uint8)
+    return Corpus(("t",), (text,))
+
+
+def directions(probes, P=6, d=500, seed=0, step=3, state=None, **options):
+    strategy = make_strategy(TrainConfig(probes=probes, perturbations=P, seed=seed, **options))
+    state = strategy.init(Ops(), d) if state is None else state
+    return strategy.probes.directions(strategy.ask(1, step), None, d, state)
+
+
+def test_orthogonal_probes_are_orthogonal_of_norm_sqrt_d_and_fixed_by_the_seed():
+    d, P = 500, 6
+    U = directions("orthogonal", P, d).astype(np.float64)
+    assert U.shape == (P, d)
+    assert_close(U @ U.T, d * np.eye(P), atol=1e-3 * d, rtol=0, name="U U^T")
+    assert np.array_equal(U, directions("orthogonal", P, d))  # the counters fix them
+    assert not np.allclose(U, directions("orthogonal", P, d, seed=1))
+    assert not np.allclose(U, directions("orthogonal", P, d, step=4))
+    # they span what the counters' i.i.d. directions span: Gram-Schmidt of them, in order
+    G = np.stack([noise(d, 0, 1, 3, k) for k in range(P)]).astype(np.float64)
+    assert_close(U[0], G[0] / np.linalg.norm(G[0]) * np.sqrt(d), atol=1e-5, name="first direction")
+    residual = G - (G @ U.T) @ U / d
+    assert np.abs(residual).max() < 1e-3
+    # more pairs than parameters: orthogonal blocks of d
+    V = directions("orthogonal", P=12, d=8).astype(np.float64)
+    for block in (V[:8], V[8:]):
+        assert_close(block @ block.T, 8 * np.eye(len(block)), atol=1e-4, rtol=0, name="block")
+
+
+def test_a_probe_designs_members_are_antithetic_pairs_along_its_directions():
+    opt = Optimizer(40, probes="orthogonal", perturbations=4, eps=0.01)
+    theta = np.linspace(-1, 1, 40).astype(np.float32)
+    members = opt.ask(theta, step=2)
+    U = opt.strategy.probes.directions(opt.strategy.ask(0, 2), None, 40, opt.state)
+    assert members.shape == (8, 40)
+    assert np.array_equal(members[0::2], theta + np.float32(0.01) * U)
+    assert np.array_equal(members[1::2], theta - np.float32(0.01) * U)
+
+
+def test_guided_probes_mix_the_last_update_in_and_keep_it_as_state():
+    d, P = 300, 5
+    Z = np.stack([noise(d, 0, 1, 3, k) for k in range(P)])
+    assert np.array_equal(directions("guided", P, d), Z)  # no update yet: the i.i.d. directions
+    guide = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    U = directions("guided", P, d, state={"guide": guide}).astype(np.float64)
+    u = guide / np.linalg.norm(guide.astype(np.float64))
+    along = U - np.sqrt(0.5) * Z  # what is not the counters' share lies along the guide
+    c = along @ u / np.sqrt(0.5 * d)
+    assert_close(along, np.sqrt(0.5 * d) * c[:, None] * u[None, :], atol=1e-4, name="guide share")
+    assert np.array_equal(U, directions("guided", P, d, state={"guide": guide}))  # fixed by the counters
+    assert not np.allclose(c, directions("guided", P, d, step=4, state={"guide": guide}).astype(np.float64) @ u)
+    # the state after a step is the direction it stepped along
+    opt = Optimizer(d, probes="guided", perturbations=P, eps=0.01, lr=0.1, warmup=0, schedule="constant",
+                    shaping="none")
+    theta = np.zeros(d, np.float32)
+    losses = np.random.default_rng(1).standard_normal(2 * P)
+    new = opt.tell(theta, 0, losses)
+    assert_close(opt.state["guide"], (theta - new) / 0.1, atol=1e-6, name="guide")
+
+
+def test_block_probes_measure_each_block_alone_against_numpy():
+    """Each pair's members differ from theta in its own block only, their losses are the
+    reference forward's, and the estimate is the mean over each block's own pairs."""
+    P, eps = 7, 0.01
+    cfg = TrainConfig(probes="blocks", perturbations=P, eps=eps, batch=3, seq_len=12, shaping=())
+    layout, theta = Layout(MODEL), init_params(MODEL, 2)
+    batch = BatchSampler(corpus(), cfg.seq_len + 1).batch(0, 0, 0, cfg.batch)
+    strategy = make_strategy(cfg)
+    strategy.check(layout)
+    pop = strategy.ask(1, 3)
+    spans = blocks(layout)
+    assert [name for name, _, _ in spans] == ["embed", "lstm0", "out"]
+    assert spans[0][1] == 0 and spans[-1][2] == theta.size
+    plus, minus = strategy.losses(Ops(), theta, layout, batch, pop, {})
+    g, _ = strategy.coefficients(plus, minus)
+    ghat = np.zeros(theta.size)
+    for k in range(P):
+        _, start, stop = spans[k % 3]
+        delta = np.zeros(theta.size, np.float32)
+        delta[start:stop] = noise(theta.size, 0, 1, 3, k)[start:stop]
+        want_plus = reference.loss(theta + np.float32(eps) * delta, layout, batch)
+        want_minus = reference.loss(theta - np.float32(eps) * delta, layout, batch)
+        assert plus[k] == pytest.approx(want_plus, rel=1e-5) and minus[k] == pytest.approx(want_minus, rel=1e-5)
+        assert g[k] == pytest.approx((want_plus - want_minus) / (2 * eps), rel=1e-3, abs=1e-4)
+        ghat += g[k] * delta / len(range(k % 3, P, 3))  # block b's pairs: k = b, b + 3, ...
+    est = strategy.estimate(Ops(), layout, theta, {}, g, pop)
+    assert_close(est, ghat, atol=1e-6, rtol=1e-5, name="block estimate")
+
+
+def test_block_probes_need_a_pair_per_block_and_a_models_layout():
+    with pytest.raises(ConfigError, match="at least one pair per block"):
+        make_strategy(TrainConfig(probes="blocks", perturbations=2)).check(Layout(MODEL))
+    with pytest.raises(ConfigError, match="needs an LSTM's layout"):
+        Optimizer(10, probes="blocks")
+
+
+def test_the_doubling_schedule_keeps_the_forward_budget():
+    cfg = TrainConfig(queries="doubling", perturbations=16, steps=70)
+    strategy = make_strategy(cfg)
+    P = [strategy.pairs(t) for t in range(cfg.steps)]
+    assert P == [8] * 40 + [16] * 20 + [32] * 10  # 4/7, 2/7, 1/7 of the steps
+    assert [8 * 40, 16 * 20, 32 * 10] == [320] * 3  # each stage a third of the forward budget
+    assert strategy.total_pairs() == sum(P) == 70 * 16 * 6 / 7
+    assert [strategy.ask(0, t).P for t in (0, 39, 40, 59, 60, 69)] == [8, 8, 16, 16, 32, 32]
+    assert make_strategy(dataclasses.replace(cfg, queries="constant")).total_pairs() == 70 * 16
+
+
+def test_a_scheduled_runs_records_count_its_own_pairs(tmp_path):
+    cfg = TrainConfig(queries="doubling", perturbations=4, steps=7, batch=2, seq_len=8, warmup=1, lr=0.05,
+                      checkpoint_every=7)
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg))
+    records = [r.metrics for r in train(trainer) if isinstance(r, Step)]
+    tokens = np.diff([0] + [r["tokens"] for r in records])
+    assert list(tokens) == [2 * P * 2 * 8 for P in (2, 2, 2, 2, 4, 4, 8)]
+    assert records[-1]["flops"] == 2 * 2 * 8 * 24 * MODEL.flops_per_token()  # 2 B T sum_t P_t
+    assert trainer.done and trainer.state.step == 7
+
+
+def test_the_comparison_turns_a_budget_into_the_schedules_steps(tmp_path):
+    from zosoma.experiments.compare_config import load_comparison
+    path = tmp_path / "c.toml"
+    path.write_text('seeds = [0]\nflops = 1e11\ntrain = {batch = 4, seq_len = 16, perturbations = 8}\n'
+                    '[[method]]\nname = "constant"\nmodel = {embed = 8, hidden = 16}\n'
+                    '[[method]]\nname = "doubling"\nmodel = {embed = 8, hidden = 16}\ntrain = {queries = "doubling"}\n')
+    constant, doubling = load_comparison(path).methods
+    assert doubling.train.steps == pytest.approx(constant.train.steps * 7 / 6, abs=2)
+    spent = make_strategy(doubling.train).total_pairs() * 2 * 4 * 16 * MODEL.flops_per_token()
+    assert abs(spent - 1e11) <= doubling.flops_per_step() * 2  # within rounding of a stage end
+
+
+@pytest.mark.parametrize("rule", ["momentum", "adam"])
+def test_a_chained_transform_is_the_built_in_rule_bit_for_bit(rule):
+    theta = np.linspace(-1, 1, 64).astype(np.float32)
+    built_in, chained = (Optimizer(64, optimizer=rule, perturbations=4, lr=0.01),
+                         Optimizer(64, transforms=[rule], perturbations=4, lr=0.01))
+    a = b = theta
+    for step in range(4):
+        losses = np.cos(np.arange(8) + step)
+        a, b = built_in.tell(a, step, losses), chained.tell(b, step, losses)
+        assert np.array_equal(a, b)
+    assert built_in.state.keys() == chained.state.keys()
+
+
+def test_es_with_adam_is_the_es_estimate_through_adam():
+    d, P, lr = 50, 4, 0.01
+    opt = Optimizer(d, optimizer="es", transforms=["adam"], perturbations=P, lr=lr, warmup=0, schedule="constant",
+                    beta2=0.99)
+    theta = np.linspace(-1, 1, d).astype(np.float32)
+    losses = np.sin(np.arange(2 * P))
+    coeffs, _ = opt.strategy.coefficients(losses[0::2], losses[1::2])
+    ghat = sum(coeffs[k] * noise(d, 0, 0, 0, k, "gaussian").astype(np.float64) for k in range(P)) / P
+    m, v = 0.1 * ghat, 0.01 * ghat ** 2  # one step from zero moments
+    want = theta - lr * (m / 0.1) / (np.sqrt(v / 0.01) + 1e-8)
+    assert_close(opt.tell(theta, 0, losses), want, atol=1e-5, rtol=1e-4, name="ES + Adam")
+
+
+def test_pieces_are_refused_where_they_cannot_work():
+    with pytest.raises(ConfigError, match="--probes is not used by --optimizer eggroll"):
+        resolve(None, {"optimizer": "eggroll", "probes": "guided"})
+    with pytest.raises(ConfigError, match="--beta2 is not used by --optimizer es"):
+        resolve(None, {"optimizer": "es", "beta2": 0.9})  # ES reads it only through --transforms adam
+    assert resolve(None, {"optimizer": "es", "transforms": "adam", "beta2": 0.9})[1].transforms == ("adam",)
+    with pytest.raises(ConfigError, match="would share a moment"):
+        resolve(None, {"transforms": ["momentum", "adam"]})
+    with pytest.raises(ConfigError, match="probes must be one of iid, orthogonal, guided, blocks"):
+        resolve(None, {"probes": "sobol"})
+    with pytest.raises(ConfigError, match="not sharded over --population-workers"):
+        check_shardable(TrainConfig(queries="doubling"), 2)
+    error = one_line_error(run_cli(["train", "--optimizer", "eggroll", "--probes", "orthogonal", "--steps", "1"]), 2)
+    assert "--probes is not used by --optimizer eggroll" in error
+
+
+def test_the_papers_estimator_is_the_default_and_available_by_name():
+    cfg = TrainConfig()
+    assert (cfg.probes, cfg.queries, cfg.transforms) == ("iid", "constant", ())
+    named = resolve(None, {"probes": "iid", "queries": "constant"})[1]
+    assert named == resolve(None, {})[1]
+    strategy = make_strategy(named)
+    assert strategy.probes is None and not strategy.transforms  # the engine's fused step
