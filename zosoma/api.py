@@ -156,7 +156,11 @@ class Optimizer:
     def ask(self, theta, step: int) -> np.ndarray:
         """(2P, d) float32: rows 2k and 2k+1 are theta + eps delta_k and theta - eps delta_k, the
         step's members (regenerated from (seed, step, k), never stored)."""
-        return self.strategy.members(self.ops, self._theta(theta), None, self.strategy.ask(0, step), self.state)
+        from zosoma.engines.ops import perturbed
+        pop = self.strategy.ask(0, step)
+        if self.strategy.probes is None:
+            return perturbed(self._theta(theta), pop, range(pop.P))
+        return self.strategy.members(self._theta(theta), None, pop, self.state)
 
     def tell(self, theta, step: int, losses) -> np.ndarray:
         """The parameters after the step, from one loss per member of ask(theta, step)."""

@@ -130,6 +130,9 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                        f"--optimizer {t.optimizer} P={t.perturbations} eps={t.eps} lr={t.lr}, "
                        f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}"
                        + (f", shaping {'+'.join(t.shaping)}" if t.shaping else "")
+                       + "".join(f", {name} {value}" for name, value in (
+                           ("probes", t.probes), ("queries", t.queries), ("transforms", "+".join(t.transforms)))
+                           if value not in ("iid", "constant", ""))
                        + (f", on divergence {t.on_divergence}" if t.on_divergence != "stop" else "")
                        + (f", {r.loss} losses" if n > 1 else "") + f", device {r.device}")
             click.echo(f"data: {r.data}")

@@ -3,8 +3,8 @@
 One step (zosoma.strategies.base):
 
     batch        = sampler.batch(seed, expert, step)                  a pure function of the counters
-    pop          = strategy.ask(expert, step)                         which 2P members
-    plus, minus  = ops.perturbed_losses(theta, layout, batch, pop)    forward passes only
+    pop          = strategy.ask(expert, step)                         which 2P_t members
+    plus, minus  = strategy.losses(ops, theta, layout, batch, pop, state)   forward passes only
     coeffs, loss = strategy.coefficients(plus, minus)                 P scalars
     coeffs       = strategy.shape(coeffs, shaping)                    raw spread recorded; the default
                                                                       run normalizes them

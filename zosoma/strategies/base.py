@@ -3,15 +3,20 @@
 A strategy (after evosax's ask/tell, `algorithms/base.py`) estimates one step from forward passes
 only. Per step and expert:
 
-    pop            = strategy.ask(expert, step)                 which 2P members to evaluate (counters)
-    plus, minus    = ops.perturbed_losses(theta, layout, batch, pop)     the engine's forwards
+    pop            = strategy.ask(expert, step)                 which 2P_t members to evaluate (counters;
+                                                                 P_t the query schedule's, zosoma.strategies.queries)
+    plus, minus    = strategy.losses(ops, theta, layout, batch, pop, state)   the engine's forwards along
+                                                                 the counters' directions, or a probe
+                                                                 design's (zosoma.strategies.probes)
     coeffs, loss   = strategy.coefficients(plus, minus)          P scalars (NaN: skip this step)
     told           = strategy.tell(ops, layout, theta, state, shaping, coeffs, pop, restarts)
         shape:  spread = rms(coeffs), recorded raw; coeffs, shaping = the shaping chain (the
                 default run: normalize, zosoma.strategies.shaping)
         apply:  lr = learning_rate(step) * restart_lr_factor ** restarts   (lr_at)
                 not all coeffs finite: theta and state unchanged, the step skipped
-                else theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr)
+                else theta, state = strategy.update(ops, layout, theta, state, coeffs, pop, lr):
+                  the default run: the engine's fused step; else ghat = estimate(coeffs), then the
+                  update transforms (zosoma.strategies.transforms), then descend
 
 The bookkeeping (shaping, the rate, the skip) is this base's, written once (evosax's `tell`
 shapes fitness, then calls the strategy's `_tell`); a subclass writes only the maths (ask,
@@ -102,11 +107,9 @@ class Strategy:
         return ops.materialised_losses(theta, layout, batch, pairs, {} if timings is None else timings,
                                        lambda chunk, out: members(host, U, pop.scale, chunk, out))
 
-    def members(self, ops, theta, layout: Layout, pop: Population, state: dict) -> np.ndarray:
-        """(2P, d) float32: rows 2k, 2k+1 the members theta +/- perturbation_k of `pop`."""
-        from zosoma.engines.ops import perturbed
-        if self.probes is None:
-            return perturbed(theta, pop, range(pop.P))
+    def members(self, theta: np.ndarray, layout: Layout, pop: Population, state: dict) -> np.ndarray:
+        """(2P, d) float32: rows 2k, 2k+1 the members theta +/- eps U_k of a probe design's `pop`
+        (the counters' own: zosoma.engines.ops.perturbed)."""
         U = self.probes.directions(pop, layout, theta.size, state)
         return members(theta, U, pop.scale, range(pop.P), np.empty((2 * pop.P, theta.size), np.float32))
 
