@@ -67,12 +67,15 @@ class Strategy:
         self.cfg = cfg
         # the pieces it reads (zosoma.strategies: shaping, probes, queries, transforms); the
         # paper's where it reads none
-        reads = lambda name, paper: getattr(cfg, name) if name in self.options else paper
-        self.shaping = Chain(dataclasses.replace(cfg, shaping=reads("shaping", ())))
-        self.probes = make_probes(dataclasses.replace(cfg, probes=reads("probes", "iid")))  # None: the counters'
-        self.queries = make_queries(dataclasses.replace(cfg, queries=reads("queries", "constant")))
-        self.transforms = Transforms(cfg, self.builtin + tuple(reads("transforms", ())))
+        self.shaping = Chain(dataclasses.replace(cfg, shaping=self._read("shaping", ())))
+        self.probes = make_probes(dataclasses.replace(cfg, probes=self._read("probes", "iid")))  # None: the counters'
+        self.queries = make_queries(dataclasses.replace(cfg, queries=self._read("queries", "constant")))
+        self.transforms = Transforms(cfg, self.builtin + tuple(self._read("transforms", ())))
         self.options = self.options | self.transforms.reads  # momentum, beta2: read only by their transforms
+
+    def _read(self, field: str, paper):
+        """cfg's `field` if this strategy reads it, else `paper` (the paper's setting)."""
+        return getattr(self.cfg, field) if field in self.options else paper
 
     def check(self, layout: Layout) -> None:
         """A ConfigError when this strategy's settings cannot train the model of `layout`."""
