@@ -105,15 +105,25 @@ class Strategy:
         if self.probes is None:
             return ops.perturbed_losses(theta, layout, batch, pop, pairs, timings)
         pairs = range(pop.P) if pairs is None else pairs
-        U = self.probes.directions(pop, layout, theta.size, state)
+        U = self.directions(pop, layout, theta.size, state)
         host = ops.to_numpy(theta)
         return ops.materialised_losses(theta, layout, batch, pairs, {} if timings is None else timings,
                                        lambda chunk, out: members(host, U, pop.scale, chunk, out))
 
+    _kept = None  # (pop, state, U): the directions of the step in progress, for its update
+
+    def directions(self, pop: Population, layout: Layout, d: int, state: dict) -> np.ndarray:
+        """(P, d) float32: the probe design's directions of `pop` from `state`, built once per step
+        (the losses and the update of a step ask with the same population and state objects)."""
+        kept = self._kept
+        if kept is None or kept[0] != pop or kept[1] is not state:
+            kept = self._kept = (pop, state, self.probes.directions(pop, layout, d, state))
+        return kept[2]
+
     def members(self, theta: np.ndarray, layout: Layout, pop: Population, state: dict) -> np.ndarray:
         """(2P, d) float32: rows 2k, 2k+1 the members theta +/- eps U_k of a probe design's `pop`
         (the counters' own: zosoma.engines.ops.perturbed)."""
-        U = self.probes.directions(pop, layout, theta.size, state)
+        U = self.directions(pop, layout, theta.size, state)
         return members(theta, U, pop.scale, range(pop.P), np.empty((2 * pop.P, theta.size), np.float32))
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
@@ -137,7 +147,7 @@ class Strategy:
         (the counters': w_k = 1/P, ops.noise_sum)."""
         if self.probes is None:
             return ops.noise_sum(coeffs, theta.size, pop)
-        U = self.probes.directions(pop, layout, theta.size, state)
+        U = self.directions(pop, layout, theta.size, state)
         w = self.probes.weights(pop.P, layout) * np.asarray(coeffs, np.float64)
         return ops.asarray(w @ U.astype(np.float64))
 
