@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,10 +105,12 @@ class Strategy:
         batch: the engine's own from the counters, or, under a probe design, its directions'."""
         if self.probes is None:
             return ops.perturbed_losses(theta, layout, batch, pop, pairs, timings)
-        pairs = range(pop.P) if pairs is None else pairs
+        pairs, timings = range(pop.P) if pairs is None else pairs, {} if timings is None else timings
+        t0 = time.perf_counter()
         U = self.directions(pop, layout, theta.size, state)
+        timings["noise"] = timings.get("noise", 0.0) + time.perf_counter() - t0  # building the members' noise
         host = ops.to_numpy(theta)
-        return ops.materialised_losses(theta, layout, batch, pairs, {} if timings is None else timings,
+        return ops.materialised_losses(theta, layout, batch, pairs, timings,
                                        lambda chunk, out: members(host, U, pop.scale, chunk, out))
 
     _kept = None  # (pop, state, U): the directions of the step in progress, for its update
