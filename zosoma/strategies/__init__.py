@@ -1,7 +1,9 @@
 """How a step is estimated: zero-order strategies with explicit, checkpointable state.
 
 Owns each strategy (SPSA with its update rules, EGGROLL, OpenAI-ES, the summed-loss ablation
-wrapper), the registry that maps `--optimizer` names to them, and the one path from options to a
+wrapper), the registry that maps `--optimizer` names to them, the pieces they compose with (each
+a package with its own registry: shaping/, probes/ for the step's directions, queries/ for P over
+the run, transforms/ for update rules chained onto the estimate), and the one path from options to a
 run's configuration (settings.resolve: preset, then the strategy's defaults, then what was
 given). A strategy says which population to evaluate (ask) and turns the population's losses into
 an update (tell); the array work goes through the Ops it is handed. May import the foundation and zosoma.model.
