@@ -163,7 +163,7 @@ def port_es(kit, layout):
     coefficients, _ = strategy.coefficients(plus, minus)
     theta_new, _ = strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))
     return {"plus": plus, "minus": minus, "ranks": centered_ranks(-np.stack([plus, minus], axis=1).ravel()),
-            "coefficients": coefficients, "theta_new": theta_new}
+            "coefficients": coefficients, "theta_new": theta_new, "tie_ranks": centered_ranks(-f["tie_losses"])}
 
 
 def port_eggroll(kit, layout):
@@ -181,14 +181,21 @@ def port_eggroll(kit, layout):
             "theta_new": strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))[0]}
 
 
-def port_train(kit, layout, schedule=True, skip_counts=True):
+def port_train(kit, layout, schedule=True, skip_counts=True, stage="train", shape=None):
     """The training loop with zosoma's engine, updating from the kit's scalars (Strategy.apply: the
-    trainer's rate and skip rule). schedule / skip_counts False: a port that takes the peak rate every
-    step, or whose counter does not advance on a skipped step (the deliberately wrong ports)."""
-    f = load(kit, "train")
+    trainer's rate and skip rule), shaped by zosoma's shaping Chain in stage train_normalize.
+    schedule / skip_counts False: a port that takes the peak rate every step, or whose counter does
+    not advance on a skipped step; shape: a port's own shaping of the kit's scalars (the deliberately
+    wrong ports)."""
+    f = load(kit, stage)
     N, P, eps, wd = int(f["steps"]), int(f["P"]), float(f["eps"]), float(f["weight_decay"])
+    normalize = stage == "train_normalize"
     cfg = TrainConfig(steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
-                      warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]))
+                      warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]),
+                      shaping=("normalize",) if normalize else (),
+                      normalize_window=int(f["normalize_window"]) if normalize else 50)
+    chain, state = Chain(cfg), Chain(cfg).init()
+    shaped, states = [], []
     if not schedule:  # the peak rate at every step
         cfg = dataclasses.replace(cfg, schedule="constant", warmup=0)
     sampler = BatchSampler(_corpus(f), int(f["T"]) + 1)
@@ -203,11 +210,18 @@ def port_train(kit, layout, schedule=True, skip_counts=True):
         plus, minus = ops.perturbed_losses(theta, layout, batch, pop)
         if t == int(f["fault_step"]):
             plus[0] = np.nan
-        theta, _, lr, skipped = strategy.apply(ops, layout, theta, {}, f["scalars"][t], pop)
+        g = f["scalars"][t]
+        if normalize:
+            g, state, _ = chain(g, state)
+            shaped.append(g)
+            states.append(list(state["normalize"].values()))
+        theta, _, lr, skipped = strategy.apply(ops, layout, theta, {}, f["shaped"][t] if normalize else g, pop)
         skips += skipped
         for k, v in zip(out, (batch, lr, plus, minus, central_differences(plus, minus, eps)[0])):
             out[k].append(v)
-    return {**{k: np.array(v) for k, v in out.items()}, "theta_final": theta}
+    extra = {"shaped": np.array(shaped) if shape is None else shape(f["scalars"]),
+             "normalize_states": np.array(states, np.float64)} if normalize else {}
+    return {**{k: np.array(v) for k, v in out.items()}, "theta_final": theta, **extra}
 
 
 def port_shaping(kit):
@@ -287,8 +301,13 @@ def port_router(kit):
     k, tau = int(f["top_k"]), float(f["temperature"])
     experts, weights = Router(clustering, k, tau).select(contexts)
     gone, gone_w = Router(clustering, k, tau, tuple(int(i) for i in f["dropped"])).select(contexts)
+    logits = -f["tie_distances"].astype(np.float64) / tau  # as Router.select ranks them
+    tie = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, tie, axis=1)
+    tie_w = np.exp(top - top[:, :1])
     return {"counts": counts, "features": features, "embeddings": emb, "distances": clustering.sq_distances(emb),
-            "experts": experts, "weights": weights, "experts_dropped": gone, "weights_dropped": gone_w}
+            "experts": experts, "weights": weights, "experts_dropped": gone, "weights_dropped": gone_w,
+            "tie_experts": tie, "tie_weights": tie_w / tie_w.sum(axis=1, keepdims=True)}
 
 
 def _shifted(kit_values, first):
@@ -404,7 +423,8 @@ def zosoma_port(kit: Path, port: Path) -> dict:
               "init": port_init(kit), "batches": port_batches(kit), "schedule": port_schedule(kit),
               "spsa_step": port_spsa(kit, layout), "momentum": port_momentum(kit, layout),
               "adam": port_adam(kit, layout), "es": port_es(kit, layout), "eggroll": port_eggroll(kit, layout),
-              "train": port_train(kit, layout), "shaping": port_shaping(kit), "restart": port_restart(kit),
+              "train": port_train(kit, layout), "train_normalize": port_train(kit, layout, stage="train_normalize"),
+              "shaping": port_shaping(kit), "restart": port_restart(kit),
               "router": port_router(kit), "bf16": port_float_format(kit, layout, "bf16"),
               "fp16": port_float_format(kit, layout, "fp16"), "int8": port_int8(kit, layout)}
     for name, outputs in stages.items():

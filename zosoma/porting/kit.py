@@ -45,7 +45,7 @@ SAMPLE = 4096  # a misreading of a larger output is stored (and compared) at eve
 
 # The stages in the order a port is best written in; each one's file is <name>.npz.
 STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "momentum", "adam", "es",
-          "eggroll", "train", "shaping", "restart", "router", "bf16", "fp16", "int8")
+          "eggroll", "train", "train_normalize", "shaping", "restart", "router", "bf16", "fp16", "int8")
 
 
 def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
@@ -67,6 +67,7 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
         "es": kit_training.es_stage(theta, layout, rng),
         "eggroll": kit_training.eggroll_stage(theta, layout, rng),
         "train": kit_training.train_stage(theta, layout, seed),
+        "train_normalize": kit_training.train_stage(theta, layout, seed, "normalize"),
         "shaping": kit_training.shaping_stage(rng),
         "restart": kit_training.restart_stage(seed),
         "bf16": kit_precision.float_stage("bf16", theta, layout, rng),
