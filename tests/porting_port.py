@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from zosoma.config import ModelConfig, TrainConfig
-from zosoma.corpus import BatchSampler, Corpus
+from zosoma.corpus import BatchSampler, Corpus, load_corpus
 from zosoma.engines.ops import Ops
 from zosoma.engines.cpu import forward, lowrank
 from zosoma.engines.emulated import precision_kernels, precision_reference
@@ -21,12 +21,13 @@ from zosoma.model import noise as noise_spec, number_formats
 from zosoma.model.reference import sigmoid
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
+from zosoma.porting import kit_run
 from zosoma.model.population import Population
 from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
 from zosoma.runs.trainer import stream
 from zosoma.mixture.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
-from zosoma.mixture.routing import Router
+from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
@@ -310,6 +311,38 @@ def port_router(kit):
             "tie_experts": tie, "tie_weights": tie_w / tie_w.sum(axis=1, keepdims=True)}
 
 
+def port_routed(kit):
+    """SOMA's evaluation with zosoma's router, float32 forward (Ops.models_nll) and mixture."""
+    f = load(kit, "routed")
+    config = ClusterConfig.from_json(str(f["config"]))
+    router = Router(Clustering(config, f["idf"], f["projection"], f["centroids"]), int(f["top_k"]),
+                    float(f["temperature"]))
+    layout = Layout(ModelConfig(int(f["embed"]), int(f["hidden"]), int(f["layers"])))
+    experts = [(theta, layout) for theta in f["experts"]]
+    out = {k: [] for k in ("segment_experts", "segment_weights", "segment_nats")}
+    for a, b in zip(f["offsets"][:-1], f["offsets"][1:]):
+        segs = cut_segments(f["text"][a:b], int(f["segment"]), int(f["context"]))
+        chosen, weights = router.select(segs.contexts)
+        every = np.stack(Ops().models_nll(experts, [(segs.tokens, segs.targets)] * len(experts)))
+        mixed = mix_nll(every[chosen, np.arange(len(segs))[:, None]], weights)
+        for k, v in zip(out, (chosen, weights, segment_sums(mixed, segs.mask()))):
+            out[k].append(v)
+    out = {k: np.concatenate(v) for k, v in out.items()}
+    return {**out, "routed": out["segment_nats"].sum() / int((np.diff(f["offsets"]) - 1).sum())}
+
+
+def port_run(kit, run_dir: Path, **options):
+    """The run stage with zosoma's trainer and evaluation (a minute): its batches are the kit's."""
+    f = load(kit, "run")
+    model, cfg = kit_run.run_config()
+    sampler = BatchSampler(load_corpus(None, split="train"), cfg.seq_len + 1)
+    for t in (0, 1, cfg.steps - 1):
+        doc, start = sampler.positions(int(f["seed"]), 0, t, int(f["batch"]))
+        assert np.array_equal(doc, f["batch_doc"][t]) and np.array_equal(start, f["batch_start"][t])
+    ran = kit_run.train_reference(run_dir, **options)
+    return {"losses": np.array(ran["losses"]), "heldout": np.float64(ran["heldout"])}
+
+
 def _shifted(kit_values, first):
     """(B, T, n) the kit's values of step t-1 at t, `first` (B, n) at t = 0: teacher forcing."""
     return np.concatenate([first[:, None], kit_values[:, :-1]], axis=1)
@@ -414,7 +447,8 @@ def port_int8(kit, layout):
 
 
 def zosoma_port(kit: Path, port: Path) -> dict:
-    """Every stage's outputs from zosoma's own code, written as a port would; returns them too."""
+    """Every stage's outputs from zosoma's own code, written as a port would; returns them too. All
+    but the run stage, which trains for a minute (port_run; tests/test_porting_run.py)."""
     port.mkdir(exist_ok=True)
     manifest = json.loads((kit / "manifest.json").read_text())
     cfg = ModelConfig(**{k: manifest["model"][k] for k in ("embed", "hidden", "layers")})
@@ -425,7 +459,7 @@ def zosoma_port(kit: Path, port: Path) -> dict:
               "adam": port_adam(kit, layout), "es": port_es(kit, layout), "eggroll": port_eggroll(kit, layout),
               "train": port_train(kit, layout), "train_normalize": port_train(kit, layout, stage="train_normalize"),
               "shaping": port_shaping(kit), "restart": port_restart(kit),
-              "router": port_router(kit), "bf16": port_float_format(kit, layout, "bf16"),
+              "router": port_router(kit), "routed": port_routed(kit), "bf16": port_float_format(kit, layout, "bf16"),
               "fp16": port_float_format(kit, layout, "fp16"), "int8": port_int8(kit, layout)}
     for name, outputs in stages.items():
         np.savez(port / f"{name}.npz", **outputs)

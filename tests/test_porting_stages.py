@@ -26,7 +26,7 @@ from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.porting import check_port
-from zosoma.porting.kit import write_kit
+from zosoma.porting.kit import STAGES, write_kit
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Step
 from zosoma.runs.trainer import RunState, Trainer, train
@@ -66,10 +66,13 @@ def test_zosomas_own_code_passes_every_stage_with_a_margin(kit, good):
     output with room to spare (1 value of a 16-bit format where its float32 sums straddle a
     rounding point)."""
     out = io.StringIO()
-    assert check_port.check(kit, good[0], strict=True, out=out) == 0, out.getvalue()
-    assert "stages: 19 passed; 0 failed; 0 skipped" in out.getvalue()
+    stages = [s for s in STAGES if s != "run"]  # the run stage trains for a minute: tests/test_porting_run.py
+    assert check_port.check(kit, good[0], strict=True, out=out, stages=stages) == 0, out.getvalue()
+    assert f"stages: {len(stages)} passed; 0 failed; 0 skipped" in out.getvalue()
     margins = {}
     for name, stage in _manifest(kit).items():
+        if name not in stages:
+            continue
         ref, got = load(kit, name), load(good[0], name)
         for output, tol in stage["outputs"].items():
             if tol.get("format") or ref[output].dtype.kind in "biuU":

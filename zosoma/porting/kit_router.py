@@ -60,13 +60,18 @@ def _near_tie(dist, k: int) -> bool:
     return bool(np.any(np.diff(np.sort(dist, axis=1)[:, :k + 1], axis=1) < GAP))
 
 
-def router_stage(seed: int) -> Stage:
-    """A small clustering of the shipped corpus and held-out contexts through the router (top-2,
-    tau = 0.1): one context per held-out document, without near-ties, and the empty context."""
+def kit_clustering(seed: int) -> tuple:
+    """(a small clustering of the shipped corpus: 4 clusters, F = 1024, D = 8, its config)."""
     corpus = load_corpus(None, split="train")
     chunks = chunk(Corpus(corpus.names, tuple(d[:16384] for d in corpus.docs)), 1024)
     cfg = ClusterConfig(n_clusters=4, n_features=2**10, svd_dim=8, seed=seed)
-    clustering, _ = fit_clusters(chunks, cfg)
+    return fit_clusters(chunks, cfg)[0], cfg
+
+
+def router_stage(seed: int) -> Stage:
+    """The kit's clustering and held-out contexts through the router (top-2, tau = 0.1): one
+    context per held-out document, without near-ties, and the empty context."""
+    clustering, cfg = kit_clustering(seed)
     router = Router(clustering, top_k=TOP_K, temperature=TAU)
     heldout = load_corpus(None, split="heldout")
     contexts = []
