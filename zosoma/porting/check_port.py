@@ -162,8 +162,11 @@ def compare(name: str, got, want, atol: float, rtol: float, ulps: int = 0, fmt: 
     if off.any():
         notes.append(f"{int(off.sum())} values that are not {fmt} values (round to the format)")
     if nan_off.any():
+        i = tuple(int(k) for k in np.argwhere(nan_off)[0])
+        with np.errstate(invalid="ignore"):
+            bits = [f"{int(np.float32(a[i]).view(np.uint32)):#010x}" for a in (got, want)]
         notes.append(f"{int(nan_off.sum())} NaN not bit for bit the kit's (sign, quiet bit and payload: the format's "
-                     "NaN rule)")
+                     f"NaN rule; at {i}: port {bits[0]} vs kit {bits[1]} as float32 bits)")
     note = f" ({'; '.join(notes)})" if notes else ""
     rule = f"{within}" if fmt else f"atol {atol:g}, rtol {rtol:g}"
     return False, (f"{name}: {int(bad.sum())} of {w.size} mismatches ({rule}); "
