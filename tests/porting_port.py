@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from zosoma.config import ModelConfig, TrainConfig
-from zosoma.corpus import BatchSampler, Corpus
+from zosoma.corpus import BatchSampler, Corpus, load_corpus
 from zosoma.engines.ops import Ops
 from zosoma.engines.cpu import forward, lowrank
 from zosoma.engines.emulated import precision_kernels, precision_reference
@@ -21,12 +21,13 @@ from zosoma.model import noise as noise_spec, number_formats
 from zosoma.model.reference import sigmoid
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
+from zosoma.porting import kit_run
 from zosoma.model.population import Population
 from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
 from zosoma.runs.trainer import stream
 from zosoma.mixture.cluster import ClusterConfig, Clustering, _ngram_counts, _tfidf
-from zosoma.mixture.routing import Router
+from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
@@ -163,7 +164,7 @@ def port_es(kit, layout):
     coefficients, _ = strategy.coefficients(plus, minus)
     theta_new, _ = strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))
     return {"plus": plus, "minus": minus, "ranks": centered_ranks(-np.stack([plus, minus], axis=1).ravel()),
-            "coefficients": coefficients, "theta_new": theta_new}
+            "coefficients": coefficients, "theta_new": theta_new, "tie_ranks": centered_ranks(-f["tie_losses"])}
 
 
 def port_eggroll(kit, layout):
@@ -181,14 +182,21 @@ def port_eggroll(kit, layout):
             "theta_new": strategy.update(ops, layout, f["theta"], {}, f["coefficients"], pop, float(f["lr"]))[0]}
 
 
-def port_train(kit, layout, schedule=True, skip_counts=True):
+def port_train(kit, layout, schedule=True, skip_counts=True, stage="train", shape=None):
     """The training loop with zosoma's engine, updating from the kit's scalars (Strategy.apply: the
-    trainer's rate and skip rule). schedule / skip_counts False: a port that takes the peak rate every
-    step, or whose counter does not advance on a skipped step (the deliberately wrong ports)."""
-    f = load(kit, "train")
+    trainer's rate and skip rule), shaped by zosoma's shaping Chain in stage train_normalize.
+    schedule / skip_counts False: a port that takes the peak rate every step, or whose counter does
+    not advance on a skipped step; shape: a port's own shaping of the kit's scalars (the deliberately
+    wrong ports)."""
+    f = load(kit, stage)
     N, P, eps, wd = int(f["steps"]), int(f["P"]), float(f["eps"]), float(f["weight_decay"])
+    normalize = stage == "train_normalize"
     cfg = TrainConfig(steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
-                      warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]))
+                      warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]),
+                      shaping=("normalize",) if normalize else (),
+                      normalize_window=int(f["normalize_window"]) if normalize else 50)
+    chain, state = Chain(cfg), Chain(cfg).init()
+    shaped, states = [], []
     if not schedule:  # the peak rate at every step
         cfg = dataclasses.replace(cfg, schedule="constant", warmup=0)
     sampler = BatchSampler(_corpus(f), int(f["T"]) + 1)
@@ -203,11 +211,18 @@ def port_train(kit, layout, schedule=True, skip_counts=True):
         plus, minus = ops.perturbed_losses(theta, layout, batch, pop)
         if t == int(f["fault_step"]):
             plus[0] = np.nan
-        theta, _, lr, skipped = strategy.apply(ops, layout, theta, {}, f["scalars"][t], pop)
+        g = f["scalars"][t]
+        if normalize:
+            g, state, _ = chain(g, state)
+            shaped.append(g)
+            states.append(list(state["normalize"].values()))
+        theta, _, lr, skipped = strategy.apply(ops, layout, theta, {}, f["shaped"][t] if normalize else g, pop)
         skips += skipped
         for k, v in zip(out, (batch, lr, plus, minus, central_differences(plus, minus, eps)[0])):
             out[k].append(v)
-    return {**{k: np.array(v) for k, v in out.items()}, "theta_final": theta}
+    extra = {"shaped": np.array(shaped) if shape is None else shape(f["scalars"]),
+             "normalize_states": np.array(states, np.float64)} if normalize else {}
+    return {**{k: np.array(v) for k, v in out.items()}, "theta_final": theta, **extra}
 
 
 def port_shaping(kit):
@@ -287,8 +302,45 @@ def port_router(kit):
     k, tau = int(f["top_k"]), float(f["temperature"])
     experts, weights = Router(clustering, k, tau).select(contexts)
     gone, gone_w = Router(clustering, k, tau, tuple(int(i) for i in f["dropped"])).select(contexts)
+    logits = -f["tie_distances"].astype(np.float64) / tau  # as Router.select ranks them
+    tie = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, tie, axis=1)
+    tie_w = np.exp(top - top[:, :1])
     return {"counts": counts, "features": features, "embeddings": emb, "distances": clustering.sq_distances(emb),
-            "experts": experts, "weights": weights, "experts_dropped": gone, "weights_dropped": gone_w}
+            "experts": experts, "weights": weights, "experts_dropped": gone, "weights_dropped": gone_w,
+            "tie_experts": tie, "tie_weights": tie_w / tie_w.sum(axis=1, keepdims=True)}
+
+
+def port_routed(kit):
+    """SOMA's evaluation with zosoma's router, float32 forward (Ops.models_nll) and mixture."""
+    f = load(kit, "routed")
+    config = ClusterConfig.from_json(str(f["config"]))
+    router = Router(Clustering(config, f["idf"], f["projection"], f["centroids"]), int(f["top_k"]),
+                    float(f["temperature"]))
+    layout = Layout(ModelConfig(int(f["embed"]), int(f["hidden"]), int(f["layers"])))
+    experts = [(theta, layout) for theta in f["experts"]]
+    out = {k: [] for k in ("segment_experts", "segment_weights", "segment_nats")}
+    for a, b in zip(f["offsets"][:-1], f["offsets"][1:]):
+        segs = cut_segments(f["text"][a:b], int(f["segment"]), int(f["context"]))
+        chosen, weights = router.select(segs.contexts)
+        every = np.stack(Ops().models_nll(experts, [(segs.tokens, segs.targets)] * len(experts)))
+        mixed = mix_nll(every[chosen, np.arange(len(segs))[:, None]], weights)
+        for k, v in zip(out, (chosen, weights, segment_sums(mixed, segs.mask()))):
+            out[k].append(v)
+    out = {k: np.concatenate(v) for k, v in out.items()}
+    return {**out, "routed": out["segment_nats"].sum() / int((np.diff(f["offsets"]) - 1).sum())}
+
+
+def port_run(kit, run_dir: Path, **options):
+    """The run stage with zosoma's trainer and evaluation (a minute): its batches are the kit's."""
+    f = load(kit, "run")
+    model, cfg = kit_run.run_config()
+    sampler = BatchSampler(load_corpus(None, split="train"), cfg.seq_len + 1)
+    for t in (0, 1, cfg.steps - 1):
+        doc, start = sampler.positions(int(f["seed"]), 0, t, int(f["batch"]))
+        assert np.array_equal(doc, f["batch_doc"][t]) and np.array_equal(start, f["batch_start"][t])
+    ran = kit_run.train_reference(run_dir, **options)
+    return {"losses": np.array(ran["losses"]), "heldout": np.float64(ran["heldout"])}
 
 
 def _shifted(kit_values, first):
@@ -395,7 +447,8 @@ def port_int8(kit, layout):
 
 
 def zosoma_port(kit: Path, port: Path) -> dict:
-    """Every stage's outputs from zosoma's own code, written as a port would; returns them too."""
+    """Every stage's outputs from zosoma's own code, written as a port would; returns them too. All
+    but the run stage, which trains for a minute (port_run; tests/test_porting_run.py)."""
     port.mkdir(exist_ok=True)
     manifest = json.loads((kit / "manifest.json").read_text())
     cfg = ModelConfig(**{k: manifest["model"][k] for k in ("embed", "hidden", "layers")})
@@ -404,8 +457,9 @@ def zosoma_port(kit: Path, port: Path) -> dict:
               "init": port_init(kit), "batches": port_batches(kit), "schedule": port_schedule(kit),
               "spsa_step": port_spsa(kit, layout), "momentum": port_momentum(kit, layout),
               "adam": port_adam(kit, layout), "es": port_es(kit, layout), "eggroll": port_eggroll(kit, layout),
-              "train": port_train(kit, layout), "shaping": port_shaping(kit), "restart": port_restart(kit),
-              "router": port_router(kit), "bf16": port_float_format(kit, layout, "bf16"),
+              "train": port_train(kit, layout), "train_normalize": port_train(kit, layout, stage="train_normalize"),
+              "shaping": port_shaping(kit), "restart": port_restart(kit),
+              "router": port_router(kit), "routed": port_routed(kit), "bf16": port_float_format(kit, layout, "bf16"),
               "fp16": port_float_format(kit, layout, "fp16"), "int8": port_int8(kit, layout)}
     for name, outputs in stages.items():
         np.savez(port / f"{name}.npz", **outputs)

@@ -57,6 +57,18 @@ def test_bf16_rounding_keeps_every_nan():
     assert np.array_equal(got.view(np.uint32), want)
 
 
+def test_fp16_rounding_keeps_every_nan():
+    # as bf16's (PORTING.md): quiet, sign kept, payload cut to fp16's; the carry made a low payload inf
+    # in the kernel, and NumPy's float16 cast keeps a signalling NaN signalling
+    bits = np.array([0x7F800001, 0xFF800FFF, 0xFFA00000, 0x7FC12345, 0x7F800000], np.uint32)
+    x = bits.view(np.float32)
+    want = np.array([0x7FC00000, 0xFFC00000, 0xFFE00000, 0x7FC12000, 0x7F800000], np.uint32)
+    assert np.array_equal(number_formats.round_to(x, "fp16").view(np.uint32), want)
+    got = x.copy()
+    precision_kernels.round_array(got, precision_kernels.FP16)
+    assert np.array_equal(got.view(np.uint32), want)
+
+
 def test_fp16_rounding_matches_ieee_and_the_kernel():
     x = _values()
     with np.errstate(over="ignore"):

@@ -75,8 +75,11 @@ def round_to(x, fmt: str) -> np.ndarray:
     """x rounded to `fmt` (round-to-nearest-even, via fp32), as float32 values."""
     x = np.asarray(x, np.float32)
     if fmt == "fp16":
-        with np.errstate(over="ignore"):  # beyond 65504: +-inf, as the format does
-            return x.astype(np.float16).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond 65504: +-inf, as the format does
+            r = x.astype(np.float16).astype(np.float32)
+        u = np.ascontiguousarray(x).view(np.uint32)  # a NaN: quiet, its sign kept, its payload cut, as
+        nan = ((u | np.uint32(0x400000)) & np.uint32(0xFFFFE000)).view(np.float32)  # bf16's (NumPy keeps
+        return np.where(np.isnan(x), nan, r).reshape(x.shape)  # a signalling NaN signalling)
     if fmt == "bf16":
         u = np.ascontiguousarray(x).view(np.uint32).astype(np.uint64)
         nan = (u & 0x7FFFFFFF) > 0x7F800000  # a NaN stays one: quiet, its payload cut (the carry would

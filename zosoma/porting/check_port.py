@@ -14,8 +14,8 @@ output "(kit's)", the KIT's value of that output (so each output is checked in i
 Each output is compared with the kit's at the tolerance the manifest states: |port - kit| <= atol
 + rtol |kit| elementwise; integers and booleans within atol (0: exactly); outputs of a 16-bit
 float format ("format", "ulps") must be values of that format at most `ulps` representable values
-from the kit's; the kit's NaN and inf must be matched exactly, and NaN or inf from the port where
-the kit's value is finite fails at any tolerance. A failure prints the largest difference, the
+from the kit's; the kit's NaN and inf must be matched exactly (a 16-bit format's NaN bit for bit, as float32
+bits), and NaN or inf from the port where the kit's value is finite fails at any tolerance. A failure prints the largest difference, the
 first mismatches (port value vs kit value), what the output is computed from, the hint naming the
 likeliest causes and, when the port's values match one, the wrong reading that produces them
 (gate blocks in another order, rows in another order, a misreading the kit computed). Each stage
@@ -127,7 +127,8 @@ def compare(name: str, got, want, atol: float, rtol: float, ulps: int = 0, fmt: 
                 f"{name}: within {atol:g} ({int(np.sum(got != want))} of {want.size} differ)"
         return False, (f"{name}: {int(bad.sum())} of {want.size} differ ({rule}); "
                        f"first: {_first(bad, got, want, '')}")
-    g, w = got.astype(np.float64), want.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a signalling NaN warns when cast
+        g, w = got.astype(np.float64), want.astype(np.float64)
     finite = np.isfinite(w)
     with np.errstate(invalid="ignore"):
         same = (g == w) | (np.isnan(g) & np.isnan(w))
@@ -136,15 +137,20 @@ def compare(name: str, got, want, atol: float, rtol: float, ulps: int = 0, fmt: 
     blown = finite & ~np.isfinite(g)  # fails at any tolerance, an infinite one included
     ok = diff <= atol + rtol * np.abs(np.where(finite, w, 0.0))
     off = np.zeros(w.shape, bool)
+    nan_off = np.zeros(w.shape, bool)
     apart = 0
-    if fmt:
+    if fmt:  # a format's NaN is matched bit for bit (its sign and payload follow the format's NaN rule)
+        kit_nan = np.isnan(w)
+        with np.errstate(invalid="ignore"):
+            nan_off[kit_nan] = got[kit_nan].astype(np.float32).view(np.uint32) != want[kit_nan].astype(
+                np.float32).view(np.uint32)
         on, pos = _grid(g, fmt)
         _, pos_w = _grid(w, fmt)
         steps = np.abs(pos - pos_w)
         off = finite & np.isfinite(g) & ~on
         ok = ok | (finite & np.isfinite(g) & on & (steps <= ulps))
         apart = int(np.where(finite & on & np.isfinite(g), steps, 0).max()) if w.size else 0
-    bad = blown | off | ~ok
+    bad = blown | off | nan_off | ~ok
     worst = float(diff.max()) if diff.size else 0.0
     within = f"within {ulps} {fmt} value{'s' if ulps != 1 else ''}" if fmt else f"within atol {atol:g} + rtol {rtol:g} |kit|"
     if not bad.any():
@@ -155,6 +161,12 @@ def compare(name: str, got, want, atol: float, rtol: float, ulps: int = 0, fmt: 
         notes.append(f"{int(blown.sum())} NaN or inf from the port where the kit's is finite")
     if off.any():
         notes.append(f"{int(off.sum())} values that are not {fmt} values (round to the format)")
+    if nan_off.any():
+        i = tuple(int(k) for k in np.argwhere(nan_off)[0])
+        with np.errstate(invalid="ignore"):
+            bits = [f"{int(np.float32(a[i]).view(np.uint32)):#010x}" for a in (got, want)]
+        notes.append(f"{int(nan_off.sum())} NaN not bit for bit the kit's (sign, quiet bit and payload: the format's "
+                     f"NaN rule; at {i}: port {bits[0]} vs kit {bits[1]} as float32 bits)")
     note = f" ({'; '.join(notes)})" if notes else ""
     rule = f"{within}" if fmt else f"atol {atol:g}, rtol {rtol:g}"
     return False, (f"{name}: {int(bad.sum())} of {w.size} mismatches ({rule}); "

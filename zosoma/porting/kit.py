@@ -33,7 +33,7 @@ from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.version import __version__
 from zosoma.formats.onnx import build_model, save_model
-from zosoma.porting import kit_model, kit_precision, kit_router, kit_training
+from zosoma.porting import kit_model, kit_precision, kit_router, kit_run, kit_training
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
 
@@ -45,7 +45,8 @@ SAMPLE = 4096  # a misreading of a larger output is stored (and compared) at eve
 
 # The stages in the order a port is best written in; each one's file is <name>.npz.
 STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "momentum", "adam", "es",
-          "eggroll", "train", "shaping", "restart", "router", "bf16", "fp16", "int8")
+          "eggroll", "train", "train_normalize", "shaping", "restart", "router", "routed", "bf16", "fp16", "int8",
+          "run")
 
 
 def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
@@ -67,11 +68,14 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
         "es": kit_training.es_stage(theta, layout, rng),
         "eggroll": kit_training.eggroll_stage(theta, layout, rng),
         "train": kit_training.train_stage(theta, layout, seed),
+        "train_normalize": kit_training.train_stage(theta, layout, seed, "normalize"),
         "shaping": kit_training.shaping_stage(rng),
         "restart": kit_training.restart_stage(seed),
         "bf16": kit_precision.float_stage("bf16", theta, layout, rng),
         "fp16": kit_precision.float_stage("fp16", theta, layout, rng),
         "int8": kit_precision.int8_stage(theta, layout, rng),
+        "routed": kit_run.routed_stage(seed),  # the whole-run stages (kit_run)
+        "run": kit_run.run_stage(),
     })
     return [built[name] for name in STAGES]
 

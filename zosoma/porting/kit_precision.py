@@ -146,8 +146,34 @@ def _float_edges(fmt: str) -> dict:
                   [-8.0, 8.0, -0.5, 0.5], [1e-7, -1e-7, 3.0, -3.0]]),
         rng.standard_normal((8, 4)) * 3.0])
     c = np.concatenate([[0.0, 5.0, -5.0, 100.0, -100.0, 3e4, 1e-5, -2.0], rng.standard_normal(8) * 2.0])
-    return {"edge_values": np.array(values, np.float32), "edge_wide": np.array(wide, np.float64),
-            "edge_gates": round_to(gates, fmt), "edge_c": round_to(c, fmt)}
+    gates, c = round_to(gates, fmt), round_to(c, fmt)
+    rows, cs = _double_rounding_cells(fmt, rng)
+    return {"edge_values": np.concatenate([np.array(values, np.float32), NANS.view(np.float32)]),
+            "edge_wide": np.array(wide, np.float64),
+            "edge_gates": np.concatenate([gates, rows]), "edge_c": np.concatenate([c, cs])}
+
+
+# NaNs as float32 bits: low payloads (the rounding's carry would make them inf, -inf or -0), signs,
+# a signalling one, a payload the format keeps in part
+NANS = np.array([0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFA00000, 0x7FC12345], np.uint32)
+
+
+def single_rounded_h(o, cell, fmt: str) -> np.ndarray:
+    """A misreading: h = R(o tanh(c)), tanh(c) not rounded to the format before the product."""
+    return round_to(np.asarray(o, np.float64) * np.tanh(np.asarray(cell, np.float64)), fmt).astype(np.float64)
+
+
+def _double_rounding_cells(fmt: str, rng, n: int = 4) -> tuple:
+    """(n, 4) gates and (n,) cells (format values) whose h = R(o R(tanh(c))) is not R(o tanh(c)):
+    rows where rounding tanh(c) first moves h by a value of the format."""
+    rows, cs = [], []
+    while len(rows) < n:
+        g, c = round_to(rng.standard_normal((1, 4)) * 2.0, fmt), round_to(rng.standard_normal(1), fmt)
+        a, cell, h = float_cell(g, c, fmt)
+        if h[0] != single_rounded_h(a[:, 3], cell, fmt)[0]:
+            rows.append(g[0])
+            cs.append(c[0])
+    return np.array(rows), np.array(cs, np.float32)
 
 
 def _toward_zero(x, fmt):
@@ -205,17 +231,19 @@ def float_stage(fmt: str, theta, layout: Layout, rng) -> Stage:
     outputs["edge_rounded"] = Out(round_to(edges["edge_values"], fmt), "format", ("edge_values",),
                                   "round-to-nearest-even with ties to even" + (
                                       ", subnormals kept (not flushed), overflow to +-inf past 65504"
-                                      if fmt == "fp16" else ", fp32's exponent range (overflow to inf)"))
+                                      if fmt == "fp16" else ", fp32's exponent range (overflow to inf)")
+                                  + f"; a NaN stays a NaN, bit for bit: (u | 0x00400000) & {NAN_MASK[fmt]} "
+                                    "(quiet, sign kept, payload cut), not through the carry", 0, fmt)
     outputs["edge_wide_rounded"] = Out(round_to(edges["edge_wide"], fmt), "format", ("edge_wide",),
                                        "a float64 value is rounded to fp32 FIRST, then to the format "
                                        "(two roundings, as a wide accumulator written through fp32)")
-    outputs["edge_activations"] = Out(acts, "format_ulp", ("edge_gates",),
+    outputs["edge_activations"] = Out(acts, "format", ("edge_gates",),
                                       "sigmoid/tanh computed exactly (float64) and rounded; columns i, f, g, o; "
-                                      "saturating inputs (+-inf) give 0, 1, -1", 1, fmt)
-    outputs["edge_cells"] = Out(cells, "format_ulp", ("edge_activations (kit's)", "edge_c"),
-                                "c = R(f c + i g)", 1, fmt)
-    outputs["edge_hidden"] = Out(hidden, "format_ulp", ("edge_activations (kit's o)", "edge_cells (kit's)"),
-                                 "h = R(o R(tanh(c)))", 1, fmt)
+                                      "saturating inputs (+-inf) give 0, 1, -1", 0, fmt)
+    outputs["edge_cells"] = Out(cells, "format", ("edge_activations (kit's)", "edge_c"),
+                                "c = R(f c + i g): the products exact, the sum rounded to fp32, then R", 0, fmt)
+    outputs["edge_hidden"] = Out(hidden, "format", ("edge_activations (kit's o)", "edge_cells (kit's)"),
+                                 "h = R(o R(tanh(c))): tanh(c) is rounded to the format BEFORE the product", 0, fmt)
     misreadings = {
         "edge_rounded": [("truncation (rounding toward zero) instead of round-to-nearest-even",
                           _toward_zero(edges["edge_values"], fmt))],
@@ -223,7 +251,11 @@ def float_stage(fmt: str, theta, layout: Layout, rng) -> Stage:
                                _direct(edges["edge_wide"], fmt))],
         "weights": [("truncation (rounding toward zero) instead of round-to-nearest-even",
                      _toward_zero(theta, fmt))],
+        "edge_hidden": [("h = R(o tanh(c)): one rounding, tanh(c) not rounded first",
+                         single_rounded_h(acts[:, 3], cells, fmt))],
     }
+    misreadings["edge_rounded"].append(("a NaN rounded through the carry like a number (the NaN rule keeps it a "
+                                        "NaN: quiet, sign kept, payload cut)", _nan_by_carry(edges["edge_values"], fmt)))
     if fmt == "fp16":
         flushed = np.where(np.abs(round_to(edges["edge_values"], fmt)) < 2.0 ** -14, 0.0,
                            round_to(edges["edge_values"], fmt)).astype(np.float32)
@@ -237,6 +269,17 @@ def float_stage(fmt: str, theta, layout: Layout, rng) -> Stage:
                       "edge cases and a free-running loss", all_inputs, outputs,
                  settings={"format": (fmt, "bf16: 8 significant bits, fp32's range; fp16: IEEE binary16")},
                  misreadings=misreadings)
+
+
+NAN_MASK = {"bf16": "0xFFFF0000", "fp16": "0xFFFFE000"}
+
+
+def _nan_by_carry(x, fmt):
+    """A misreading: NaNs rounded by the numbers' rule, the carry included (low payloads become inf)."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    shift = 16 if fmt == "bf16" else 13
+    carried = ((u + (1 << (shift - 1)) - 1 + ((u >> shift) & 1)) & int(NAN_MASK[fmt], 16)).astype(np.uint32)
+    return np.where(np.isnan(x), carried.view(np.float32), round_to(x, fmt))
 
 
 def _direct(x, fmt):
@@ -406,7 +449,7 @@ def int8_stage(theta, layout: Layout, rng) -> Stage:
         outputs[f"hidden{layer}"] = Out(
             chain[f"hidden{layer}"], "exact", needs[f"hidden{layer}"],
             "h = clip(rint(127 o T_tanh(clip(2 c)) / 2^30), -127, 127): tanh(c) through the table at Q3.12")
-    outputs["logits"] = Out(chain["logits"], "dequant", needs["logits"],
+    outputs["logits"] = Out(chain["logits"].astype(np.float32), "dequant", needs["logits"],
                             "(q_h @ q_out_w + q_out_b) (s_out / 127), the bias at the accumulator's scale")
     outputs["nll"] = Out(nll64(chain["logits"].astype(np.float32), inputs["targets"]), "nll",
                          ("logits (kit's)", "targets"), "log-softmax of the kit's logits in fp32")

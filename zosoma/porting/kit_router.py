@@ -60,13 +60,18 @@ def _near_tie(dist, k: int) -> bool:
     return bool(np.any(np.diff(np.sort(dist, axis=1)[:, :k + 1], axis=1) < GAP))
 
 
-def router_stage(seed: int) -> Stage:
-    """A small clustering of the shipped corpus and held-out contexts through the router (top-2,
-    tau = 0.1): one context per held-out document, without near-ties, and the empty context."""
+def kit_clustering(seed: int) -> tuple:
+    """(a small clustering of the shipped corpus: 4 clusters, F = 1024, D = 8, its config)."""
     corpus = load_corpus(None, split="train")
     chunks = chunk(Corpus(corpus.names, tuple(d[:16384] for d in corpus.docs)), 1024)
     cfg = ClusterConfig(n_clusters=4, n_features=2**10, svd_dim=8, seed=seed)
-    clustering, _ = fit_clusters(chunks, cfg)
+    return fit_clusters(chunks, cfg)[0], cfg
+
+
+def router_stage(seed: int) -> Stage:
+    """The kit's clustering and held-out contexts through the router (top-2, tau = 0.1): one
+    context per held-out document, without near-ties, and the empty context."""
+    clustering, cfg = kit_clustering(seed)
     router = Router(clustering, top_k=TOP_K, temperature=TAU)
     heldout = load_corpus(None, split="heldout")
     contexts = []
@@ -119,13 +124,35 @@ def router_stage(seed: int) -> Stage:
                                                             "temperature", "embeddings (kit's)"),
                                    "softmax over the K chosen; a zero embedding: 1/K each"),
     }
+    tie_experts, tie_weights = top_k_of(TIES, TOP_K)
+    inputs["tie_distances"] = (TIES, "(n, N) float32 given squared distances with exact ties")
+    outputs["tie_experts"] = Out(tie_experts, "exact", ("tie_distances", "top_k"),
+                                 f"the K nearest, {order}: an exact tie goes to the LOWER index (a stable sort)")
+    outputs["tie_weights"] = Out(tie_weights, "weights", ("tie_distances", "tie_experts (kit's)", "temperature"),
+                                 "softmax(-d / tau) over the K chosen, in their order")
     every = _route(counts, *args, lambda c: 1.0 + np.log(np.maximum(np.asarray(c, np.float64), 1)), TOP_K)
     misreadings = {"experts": [("experts in index order, not nearest first", np.sort(out["experts"], axis=1))],
                    "features": [("tf = 1 + ln(max(count, 1)) for every bucket: an empty bucket's tf must be 0",
                                  every["features"])],
-                   "weights": [("softmax over all N then cut to the top-k (not renormalised)", _uncut(out))]}
+                   "weights": [("softmax over all N then cut to the top-k (not renormalised)", _uncut(out))],
+                   "tie_experts": [("an exact tie to the higher index", TIES.shape[1] - 1 - top_k_of(TIES[:, ::-1], TOP_K)[0])]}
     return Stage("router", "hashed n-gram counts, tf-idf features, embedding, distances, top-k experts and weights, "
                            "the empty context, a dropped expert", inputs, outputs, misreadings=misreadings)
+
+
+# Distances with exact ties (the contexts above avoid them): between the nearest two, the second and
+# third, all four, and a pair nearer than the rest
+TIES = np.array([[0.5, 0.3, 0.3, 0.9], [0.2, 0.7, 0.2, 0.2], [0.4, 0.4, 0.4, 0.4], [1.0, 0.6, 0.8, 0.6]], np.float32)
+
+
+def top_k_of(dist, k: int) -> tuple:
+    """(experts (n, k) int64, weights (n, k) float64) of given distances: nearest first, ties to the
+    lower index; softmax(-d / tau) over the chosen."""
+    d = np.asarray(dist, np.float64)
+    experts = np.argsort(d, axis=1, kind="stable")[:, :k]
+    top = -np.take_along_axis(d, experts, axis=1) / TAU
+    w = np.exp(top - top[:, :1])
+    return experts.astype(np.int64), w / w.sum(axis=1, keepdims=True)
 
 
 def _uncut(out: dict) -> np.ndarray:

@@ -10,6 +10,7 @@ specification these vectors serve.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -314,10 +315,12 @@ def es_stage(theta, layout: Layout, rng) -> Stage:
     plus, minus = losses[0::2], losses[1::2]
     ranks = centered_ranks(-losses)
     coeffs = -(ranks[0::2] - ranks[1::2]) / (2 * sigma)
+    tie_losses = np.array([3.25, 3.5, 3.25, 3.0, 3.5, 3.25, 3.0, 3.75])  # exact ties: twos and a three
     theta_new = t64 - lr * (coeffs @ eps_k) / P - lr * wd * t64
     inputs = {"theta": (theta, "(d,) float32"), "batch": (batch, "(B, T+1) uint8"), "P": (np.int64(P), "pairs"),
               "sigma": (np.float64(sigma), "the perturbation scale"), "lr": (np.float64(lr), SCHEDULED),
-              "weight_decay": (np.float64(wd), "decoupled"), **_counters(seed, expert, step)}
+              "weight_decay": (np.float64(wd), "decoupled"), **_counters(seed, expert, step),
+              "tie_losses": (tie_losses, "(2P,) float64 given member losses with exact ties, in member order")}
     hint = "members theta +/- sigma eps_k, eps_k the dense GAUSSIAN noise of member k"
     outputs = {
         "plus": Out(plus, "loss", ("theta", "batch", "sigma", "seed", "expert", "step"), hint),
@@ -326,16 +329,26 @@ def es_stage(theta, layout: Layout, rng) -> Stage:
                      "centred ranks of the fitness -loss over the 2P members in the order +0, -0, +1, -1, ...: "
                      "rank / (2P - 1) - 0.5, the lowest fitness -0.5"),
         "coefficients": Out(coeffs, "host64", ("ranks (kit's)", "sigma"), "c_k = -(r_{k+} - r_{k-}) / (2 sigma)"),
+        "tie_ranks": Out(centered_ranks(-tie_losses), "host64", ("tie_losses",),
+                         "centred ranks of the fitness -loss; equal fitness: the LOWER index ranks lower (a stable "
+                         "ascending sort), never averaged"),
         "theta_new": Out(theta_new, "update", ("theta", "coefficients (kit's)", "lr", "weight_decay", "P", "seed",
                                                "expert", "step"),
                          "theta - lr (1/P) sum_k c_k eps_k - lr wd theta (the SGD update with the ES coefficients)"),
     }
     misreadings = {"ranks": [("ranks of the losses, not of the fitness -loss", centered_ranks(losses)),
-                             ("members ordered all plus, then all minus", _unpaired_ranks(plus, minus))]}
+                             ("members ordered all plus, then all minus", _unpaired_ranks(plus, minus))],
+                   "tie_ranks": [("ties to the higher index", centered_ranks(-tie_losses[::-1])[::-1]),
+                                 ("tied ranks averaged", _averaged_ranks(-tie_losses))]}
     return Stage("es", "one OpenAI-ES step: Gaussian members, centred ranks, coefficients, the update", inputs,
                  outputs, settings={"noise": ("gaussian", "ES perturbs with dense Gaussian noise"),
                                     "lr_scheduled": (True, SCHEDULED)},
                  misreadings=misreadings)
+
+
+def _averaged_ranks(f) -> np.ndarray:
+    ranks = np.array([np.mean(np.flatnonzero(np.sort(f) == v)) for v in f])
+    return ranks / (f.size - 1) - 0.5
 
 
 def _unpaired_ranks(plus, minus) -> np.ndarray:
@@ -384,7 +397,8 @@ def eggroll_stage(theta, layout: Layout, rng) -> Stage:
                    "coefficients": [("sample std (ddof 1) instead of the population's", ddof1[0::2] - ddof1[1::2])]}
     return Stage("eggroll", "one EGGROLL step: the low-rank perturbation, the members' losses, z-scored "
                             "coefficients, the update", inputs, outputs,
-                 settings={"noise": ("gaussian", "one Gaussian stream per pair, sliced into factors")},
+                 settings={"noise": ("gaussian", "one Gaussian stream per pair, sliced into factors"),
+                           "lr_scheduled": (True, SCHEDULED)},
                  misreadings=misreadings, tol=tol)
 
 
@@ -418,13 +432,22 @@ def _variant_perturbation(layout: Layout, sigma, r, seed, expert, step, how: str
 # --- N steps of training ----------------------------------------------------------------------------
 
 LOOP = dict(P=4, eps=1e-3, lr=0.1, warmup=5, steps=24, weight_decay=0.01, stream=3, fault_step=9)
+# zosoma's default shaping over a run long enough to see all of it: measuring (steps 0-9), held while
+# measuring (10-49), frozen (50 on); the fault step is inside the hold
+LOOP_NORMALIZE = dict(LOOP, steps=64, stream=4, fault_step=23, normalize_window=50)
 
 
-def train_stage(theta, layout: Layout, seed: int) -> Stage:
+def train_stage(theta, layout: Layout, seed: int, shaping: str = "none") -> Stage:
     """LOOP["steps"] steps of ZO-SGD with weight decay from theta, every step's batch, rate,
     losses and scalars, and theta at the end; step fault_step's member 0 returns a NaN loss (as
-    a diverged forward would), so that step is skipped."""
-    c = dict(LOOP, seed=2**33 + 11 + seed)
+    a diverged forward would), so that step is skipped. With shaping "normalize" (stage
+    train_normalize, LOOP_NORMALIZE), every step's scalars are shaped before the update, and the
+    shaped scalars and normalize's state are outputs too."""
+    normalize = shaping == "normalize"
+    c = dict(LOOP_NORMALIZE if normalize else LOOP, seed=2**33 + 11 + seed)
+    pieces = Chain(TrainConfig(shaping=("normalize",), normalize_window=LOOP_NORMALIZE["normalize_window"]))
+    state = {"normalize": pieces.init()["normalize"]} if normalize else {}
+    shaped_rows, states = [], []
     corpus = small_corpus()
     sampler = BatchSampler(corpus, T_LOOP + 1)
     P, eps, N, wd = c["P"], c["eps"], c["steps"], c["weight_decay"]
@@ -438,6 +461,10 @@ def train_stage(theta, layout: Layout, seed: int) -> Stage:
             losses[0] = np.nan
         lr_t = learning_rate(t, c["lr"], N, c["warmup"], "cosine")
         g = (losses[0::2] - losses[1::2]) / (2 * eps)
+        if normalize:
+            g, state, _ = pieces(g, state)
+            shaped_rows.append(np.asarray(g, np.float64))
+            states.append([float(v) for v in state["normalize"].values()])
         if np.all(np.isfinite(g)):
             theta64 = theta64 - lr_t * (g @ deltas) / P - lr_t * wd * theta64
         batches.append(batch)
@@ -448,14 +475,15 @@ def train_stage(theta, layout: Layout, seed: int) -> Stage:
     plus, minus = np.array(plus), np.array(minus)
     scalars = (plus - minus) / (2 * eps)
     rates = np.array(rates)
+    rows = np.array(shaped_rows) if normalize else scalars  # what each update uses
 
     def replay(lr_of, counter_of=lambda t: t, decay=lambda t64, lr: lr * wd * t64) -> np.ndarray:
         th = theta.astype(np.float64)
         for t in range(N):
-            if np.all(np.isfinite(scalars[t])):
+            if np.all(np.isfinite(rows[t])):
                 d = all_deltas[t] if counter_of(t) == t else _directions(layout.size, P, c["seed"], c["stream"],
                                                                           counter_of(t), "rademacher")
-                th = th - lr_of(t) * (scalars[t] @ d) / P - decay(th, lr_of(t))
+                th = th - lr_of(t) * (rows[t] @ d) / P - decay(th, lr_of(t))
         return th
 
     lag = lambda t: t if t <= c["fault_step"] else t - 1  # noqa: E731  the counter not advanced by the skip
@@ -489,13 +517,49 @@ def train_stage(theta, layout: Layout, seed: int) -> Stage:
         ("a skipped step does not advance the step counter", replay(lambda t: rates[lag(t)], lag)),
         ("no weight decay", replay(lambda t: rates[t], decay=lambda t64, lr: 0.0)),
         ("weight decay of the new theta (theta - lr ghat)(1 - lr wd)",
-         _replay_coupled(theta, scalars, all_deltas, rates, wd, P))]}
-    return Stage("train", f"{N} steps of training: batches, schedule, noise counters, a skipped step, weight "
-                          "decay; theta at the end", inputs, outputs,
-                 settings={"optimizer": ("sgd", "ZO-SGD"), "noise": ("rademacher", ""),
-                           "shaping": ("none", "plain scalars (the shaping stage checks clip and normalize)"),
-                           "schedule": ("cosine", ""), "restarts": (0, "none: stream = expert")},
-                 misreadings=misreadings)
+         _replay_coupled(theta, rows, all_deltas, rates, wd, P))]}
+    settings = {"optimizer": ("sgd", "ZO-SGD"), "noise": ("rademacher", ""),
+                "shaping": ("none", "plain scalars: no shaping (zosoma's default, normalize, is stage "
+                                    "train_normalize's)"),
+                "schedule": ("cosine", ""), "restarts": (0, "none: stream = expert")}
+    if not normalize:
+        return Stage("train", f"{N} steps of training: batches, schedule, noise counters, a skipped step, weight "
+                              "decay; theta at the end", inputs, outputs, settings=settings, misreadings=misreadings)
+    W = c["normalize_window"]
+    inputs["normalize_window"] = (np.int64(W), "W: normalize's window (zosoma's default, 50)")
+    outputs["shaped"] = Out(rows, "host64", ("scalars (kit's)", "normalize_window"),
+                            "normalize (stage 7) applied to the KIT's scalars of each step, its state carried from "
+                            "step 0 (steps 0, sum 0): steps 0-9 as they are, then held to the mean spread of the steps "
+                            "before (each entering at most at twice it), frozen after W steps; a skipped step "
+                            "passes through and leaves the state")
+    outputs["normalize_states"] = Out(np.array(states), "host64", ("scalars (kit's)", "normalize_window"),
+                                      "normalize's state [steps, sum] after each step")
+    outputs["theta_final"] = dataclasses.replace(outputs["theta_final"], needs=step_needs + ("P", "shaped (kit's)"),
+                                                 hint="theta after the steps, each updated from the KIT's shaped "
+                                                      "scalars of that step with its scheduled rate and counter; a "
+                                                      "skipped step counts but makes no update")
+    misreadings["shaped"] = [("no shaping (the stage's shaping is normalize, zosoma's default)", scalars),
+                             ("normalize's rule before the change log's 2026-12-03 entry: the first W steps as they "
+                              "are, then the mean of their spreads", _normalize_before_33(scalars, W))]
+    settings["shaping"] = ("normalize", "zosoma's default: every step's scalars shaped before the update")
+    return Stage("train_normalize", f"{N} steps of training under zosoma's default shaping (normalize, W = {W}): "
+                                    "the train stage's loop with every step's scalars normalized before the update",
+                 inputs, outputs, settings=settings, misreadings=misreadings)
+
+
+def _normalize_before_33(scalars, W: int) -> np.ndarray:
+    """Normalize as it was before issue 33 (the independent port's reading): steps 0 .. W-1 unscaled,
+    recording their spreads; then every step held to their mean."""
+    steps, total, out = 0, 0.0, []
+    for g in scalars:
+        if not np.all(np.isfinite(g)):
+            out.append(g)
+            continue
+        s = float(np.sqrt(np.mean(g * g)))
+        out.append(g if steps < W else g * (total / steps) / s)
+        if steps < W:
+            steps, total = steps + 1, total + s
+    return np.array(out)
 
 
 def _replay_coupled(theta, scalars, deltas, rates, wd, P) -> np.ndarray:
@@ -609,7 +673,7 @@ def _normalize_variant(scalars) -> np.ndarray:
 
 def _scenarios(rng) -> list[dict]:
     """Guard histories: a rising loss (restart), a run of non-finite steps (restart, second time), the
-    same with no checkpoint before the window (the course's oldest), one past max_restarts (drop), and
+    same with no checkpoint before the window (several inside it: the course's oldest), one past max_restarts (drop), and
     the non-finite run with a checkpoint at the step just before the window (it is the one)."""
     def decay(n):
         return 3.0 + 2.5 * np.exp(-np.arange(n) / 40.0) + rng.normal(0.0, 0.03, n)
@@ -624,7 +688,7 @@ def _scenarios(rng) -> list[dict]:
     return [dict(losses=a, skipped=np.zeros(300, bool), run_steps=400, restarts=0, expert=1,
                  checkpoints=[50, 100, 150, 200, 250]),
             dict(losses=b, skipped=skipped_b, run_steps=400, restarts=1, expert=2, checkpoints=[100, 125, 150, 175]),
-            dict(losses=b, skipped=skipped_b, run_steps=400, restarts=1, expert=2, checkpoints=[175]),
+            dict(losses=b, skipped=skipped_b, run_steps=400, restarts=1, expert=2, checkpoints=[165, 170, 175]),
             dict(losses=a, skipped=np.zeros(300, bool), run_steps=400, restarts=3, expert=0,
                  checkpoints=[100, 150, 200, 250]),
             dict(losses=b, skipped=skipped_b, run_steps=400, restarts=0, expert=3, checkpoints=[150, 160])]
@@ -692,7 +756,7 @@ def restart_stage(seed: int) -> Stage:
         out["philox_after"].append(np.zeros(4, np.uint32) if dropped else np.array(
             philox4x32_10(0, 0, to, stream_, *stream_key(run_seed)), np.uint32))
     assert out["action"] == ["restart", "restart", "restart", "drop", "restart"] and out["verdict"][0] == "rising"
-    assert out["verdict"][1] == "non-finite" and out["rollback_to"][0] == 150 and out["rollback_to"][2] == 175
+    assert out["verdict"][1] == "non-finite" and out["rollback_to"][0] == 150 and out["rollback_to"][2] == 165
     assert out["window_start"][4] == 161 and out["rollback_to"][4] == 160
     pad = lambda rows, fill: np.array([list(r) + [fill] * (max(map(len, rows)) - len(r)) for r in rows])  # noqa: E731
     inputs = {"losses": (pad([s["losses"] for s in scen], np.nan), "(n, S) each step's loss (the guard's input: "
@@ -757,7 +821,11 @@ def restart_stage(seed: int) -> Stage:
                    "healthy": [("healthy[s] as after the 0-based step s, not after the first s records (a "
                                 "checkpoint's step)", zero_based)],
                    "rollback_to": [("a checkpoint eligible only when its step < window_start - 1 (it may be the step "
-                                    "just before the window)", _rollback_variant(scen, out))],
+                                    "just before the window)", _rollback_variant(scen, out)),
+                                   ("with no eligible checkpoint, the course's newest (it is the course's oldest)",
+                                    np.array([s["checkpoints"][-1] if to >= 0 and to == s["checkpoints"][0] and
+                                              s["checkpoints"][0] >= start else to for s, to, start in
+                                              zip(scen, out["rollback_to"], out["window_start"])]))],
                    "lr_scale": [("the factor applied once, not once per restart",
                                  np.array([RESTART["factor"] if a == "restart" else RESTART["factor"] ** s["restarts"]
                                            for s, a in zip(scen, out["action"])]))]}

@@ -58,7 +58,8 @@ def round_array(a, code):
         v = np.uint64(u[k])
         normal = np.uint32((v + np.uint64(0xFFF) + ((v >> np.uint64(13)) & np.uint64(1))) & np.uint64(0xFFFFE000))
         sub = np.rint(x * np.float32(16777216.0)) * np.float32(1.0 / 16777216.0)  # exact: powers of 2
-        u[k] = normal
+        # a NaN stays one: quiet, payload cut (the carry would make one with a low payload inf)
+        u[k] = np.uint32((v | np.uint64(0x400000)) & np.uint64(0xFFFFE000)) if x != x else normal
         r = flat[k]
         r = sub if abs(x) < FP16_MIN_NORMAL else r
         flat[k] = np.float32(np.copysign(np.inf, x)) if abs(r) > FP16_MAX else r
