@@ -119,3 +119,15 @@ def test_a_bad_gemm_setting_is_refused_before_a_run_starts(tmp_path, monkeypatch
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="ZOSOMA_CPU_GEMM"):
         _trainer(tmp_path, "api", ModelConfig(embed=4, hidden=6), TrainConfig(steps=1))
+
+
+def test_a_steps_losses_do_not_depend_on_how_its_pairs_are_grouped(monkeypatch):
+    """perturbed_sums hands the threads a few pairs per call: every pair's losses are the ones it
+    gets alone, bit for bit."""
+    model = ModelConfig(embed=16, hidden=20, layers=1)
+    theta, layout = init_params(model, 0), Layout(model)
+    batch = random_bytes(3, (8, 33))
+    whole = forward.perturbed_sums(theta, layout, batch, 1e-3, 0, 0, 0, "gaussian", range(40))
+    alone = [forward.perturbed_sums(theta, layout, batch, 1e-3, 0, 0, 0, "gaussian", range(k, k + 1))
+             for k in range(40)]
+    assert np.array_equal(whole[0], [p[0] for p, _ in alone]) and np.array_equal(whole[1], [m[0] for _, m in alone])
