@@ -221,6 +221,12 @@ def test_bench_spsa_at_a_shape_reports_its_roofline(monkeypatch):
     assert roof["fraction_of_peak"] == pytest.approx(roof["gflops"] / (roof["threads"] * roof["core_peak_gflops"]))
     assert roof["core_peak_gflops"] > 0 and roof["np_exp_ns"] > 0 and roof["forward_exp_ns"] > 0
     assert roof["blas"] and all(b["internal_api"] and b["filepath"] for b in roof["blas"])
+    # the CPU forward's two GEMM paths, timed in the same rounds; the step above is auto's choice
+    paths = r["gemm_paths"]
+    assert set(paths) == {"blas", "loops"} and [p["chosen"] for p in paths.values()].count(True) == 1
+    chosen = next(p for p in paths.values() if p["chosen"])
+    assert chosen["roofline"]["step_s"] == chosen["step_s"] and chosen["tokens_per_s"] == pytest.approx(
+        roof["tokens"] / chosen["step_s"])
 
 
 @pytest.mark.slow
@@ -233,7 +239,10 @@ def test_bench_spsa_runs_several_shapes_in_one_command(monkeypatch):
     text = run_cli(["bench", "spsa", *SHORT, "--shapes", "4x6,3x5", "--layers", "2"]).output
     assert text.count("\nroofline\n  per token") == 2
     table = text[text.index("shapes at P=2 B=2 T=4"):].splitlines()
-    assert [line.split()[:3] for line in table[2:]] == [["E=4", "H=6", "L=2"], ["E=3", "H=5", "L=2"]]
+    assert [line.split()[:3] for line in table[2:4]] == [["E=4", "H=6", "L=2"], ["E=3", "H=5", "L=2"]]
+    paths = text[text.index("GEMM paths at each shape"):].splitlines()
+    assert [line.split()[:3] for line in paths[2:]] == [["E=4", "H=6", "L=2"], ["E=3", "H=5", "L=2"]]
+    assert all(line.split()[5].endswith("x") for line in paths[2:])  # loops/blas, side by side
 
 
 @pytest.mark.parametrize("args, message", [

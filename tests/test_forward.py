@@ -18,6 +18,13 @@ LOSS_RTOL = 1e-5  # mean loss vs the float64 reference (the accuracy requirement
 NLL_ATOL = 1e-4  # per-position nats and log-probabilities
 
 
+@pytest.fixture(autouse=True, params=["blas", "loops"])
+def gemm_path(request, monkeypatch):
+    """Every test on both GEMM paths of the forward (BLAS calls, compiled loops)."""
+    monkeypatch.setenv(forward.GEMM_ENV, request.param)
+    return request.param
+
+
 def _ref_loss(theta, layout, batch):
     return reference.loss(theta.astype(np.float64), layout, batch)
 
@@ -166,10 +173,11 @@ def test_matches_torch():
     assert_close(loss[0], float(ref), rtol=1e-5, name="loss vs torch")
 
 
-def test_diverged_model_gives_non_finite_loss():
+@pytest.mark.parametrize("column", [0, 77, 255])
+def test_diverged_model_gives_non_finite_loss(column):
     theta, layout = scaled_model(4, 6, 1)
     bad = theta.copy()
-    bad[layout["out.w"].offset] = np.nan
+    bad[layout["out.w"].offset + column] = np.nan  # one logit NaN, wherever the row max meets it
     thetas = np.stack([theta, bad])
     loss = forward.population_loss(thetas, layout, random_bytes(11, (2, 6)))
     assert np.isfinite(loss[0]) and not np.isfinite(loss[1])

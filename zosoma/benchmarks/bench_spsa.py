@@ -26,6 +26,7 @@ The model is the preset's, or any shape (embed, hidden, layers).
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 
@@ -35,7 +36,8 @@ from zosoma.config import ModelConfig
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.benchmarks import roofline
 from zosoma.benchmarks.bench_forward import peak_gflops
-from zosoma.engines.cpu import noise_kernels, threads
+from zosoma.engines.cpu import forward, noise_kernels, threads
+from zosoma.engines.ops import Ops
 from zosoma.model import noise as noise_mod
 from zosoma.runs.trainer import Trainer, new_state
 from zosoma.strategies.settings import resolve
@@ -97,6 +99,9 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), ops=ops)
         fp32_on_host = not trainer.ops.on_device and trainer.ops.precision == "fp32"  # the PyTorch peers' terms
+        gemm_paths = _gemm_paths(trainer.ops)
+        chosen = "loops" if gemm_paths and forward.uses_loops(model, B) else "blas"
+        path_steps = {path: [] for path in gemm_paths}
         if peers and fp32_on_host:
             from zosoma.benchmarks import torch_peers
             peer_batch = sampler.batch(seed, 0, 0, B)
@@ -105,10 +110,14 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
                     peer_steps[name, n] = make(model, P, peer_batch, eps=cfg.eps, kind=noise, threads=n, seed=seed)
                     peer_times[name, n] = []
         for s in range(steps + 1):  # round 0 warms up every path (JIT, caches)
-            for _ in range(2 if s else 1):
-                trainer.update(*trainer.coefficients(*trainer.losses()))
-            if s:
-                per_step.append(dict(trainer.timings))
+            for path in gemm_paths or [None]:
+                with forward.forced_gemm(path) if path else contextlib.nullcontext():
+                    for _ in range(2 if s else 1):
+                        trainer.update(*trainer.coefficients(*trainer.losses()))
+                if s and path:
+                    path_steps[path].append(sum(trainer.timings.get(k, 0.0) for k in PARTS))
+                if s and path in (None, chosen):
+                    per_step.append(dict(trainer.timings))
             if fp32_on_host and "noise" not in trainer.timings:  # the forward built the members itself
                 pop = trainer.strategy.ask(0, s)
                 build = _noise_in_forward(trainer.state.theta, pop)
@@ -135,8 +144,13 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     parts = {k: float(np.median([t.get(k, 0.0) for t in per_step])) for k in PARTS}
     total = sum(parts.values())
     tokens = 2 * P * B * T
-    roof = (roofline.roofline(model, roofline.measure(model, peak_n), tokens, total, n_threads)
-            if fp32_on_host else None)
+    measured = roofline.measure(model, peak_n) if fp32_on_host else None
+    roof = roofline.roofline(model, measured, tokens, total, n_threads) if fp32_on_host else None
+    paths = {}
+    for path, times in path_steps.items():
+        s = float(np.median(times))
+        paths[path] = {"step_s": s, "tokens_per_s": tokens / s, "chosen": path == chosen,
+                       "roofline": roofline.roofline(model, measured, tokens, s, n_threads)}
     nominal = model.flops_per_token() * tokens
     executed = 2 * P * np.mean([executed_flops_per_member(model, sampler.batch(seed, 0, s, B))
                                 for s in range(1, steps + 1)])  # the timed steps' batches
@@ -153,7 +167,16 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
             "gflops_nominal": nominal / total / 1e9, "gflops_executed": executed / total / 1e9,
             "peak_gflops": peak, "peak_how": peak_how, "threads": n_threads, "peers": list(best.values()),
             "peers_skipped": _peers_skipped(peers, fp32_on_host, trainer.ops.name),
-            "model": model, "device": trainer.ops.name, "roofline": roof}
+            "model": model, "device": trainer.ops.name, "roofline": roof, "gemm_paths": paths}
+
+
+def _gemm_paths(ops) -> list[str]:
+    """The CPU forward's two GEMM paths (zosoma.engines.cpu.forward.GEMM_ENV), timed side by side
+    when `ops` runs that forward in fp32; none for other engines."""
+    runs_cpu_forward = (isinstance(ops, Ops) and ops.precision == "fp32" and not ops.on_device
+                        and type(ops).population_loss is Ops.population_loss
+                        and type(ops).perturbed_losses is Ops.perturbed_losses)
+    return ["blas", "loops"] if runs_cpu_forward else []
 
 
 def _peers_skipped(wanted: bool, fp32_on_host: bool, engine: str) -> str | None:
@@ -196,4 +219,25 @@ def format_spsa(r: dict) -> str:
                  "'executed': zosoma's layer-0 table instead of its input GEMM")
     if r["roofline"] is not None:
         lines += ["", roofline.format_roofline(r["roofline"])]
+    if r["gemm_paths"]:
+        lines += ["", format_gemm_paths(r["gemm_paths"])]
+    return "\n".join(lines)
+
+
+PATH_NAMES = {"blas": "GEMMs as BLAS calls (today's path)", "loops": "GEMMs as compiled loops"}
+
+
+def format_gemm_paths(paths: dict) -> str:
+    """The CPU forward's two GEMM paths timed in the same rounds: the step, its roofline fraction
+    (the compute-bound time over the measured step) and GEMM share of the peak, what bounds it."""
+    head = (f"  {'path (' + forward.GEMM_ENV + ')':<44} {'s/step':>8} {'tokens/s':>11} {'x blas':>7} "
+            f"{'of roofline':>11} {'of peak':>8}  bound")
+    lines = ["GEMM paths, same rounds (auto: the one training takes here)", head]
+    for path, p in paths.items():
+        f = p["roofline"]
+        label = f"{path}: {PATH_NAMES[path]}" + (" [auto]" if p["chosen"] else "")
+        lines.append(f"  {label:<44} {p['step_s']:>8.4f} {p['tokens_per_s']:>11,.0f} "
+                     f"{paths['blas']['step_s'] / p['step_s']:>6.2f}x {f['compute_bound_s'] / p['step_s']:>11.0%} "
+                     f"{f['fraction_of_peak']:>8.0%}  {f['bound']}")
+    lines.append("  of roofline: (GEMMs at the core peak + exps at the kernels' cost) / the measured step")
     return "\n".join(lines)

@@ -168,4 +168,29 @@ def format_shapes(results: list[dict]) -> str:
         lines.append(f"  {shape:<16} {r['n_params']:>8,} {w['gemm_flops']:>9,} {w['exps']:>8,} {r['step_s']:>8.4f} "
                      f"{r['tokens_per_s']:>11,.0f} {f['gflops']:>8.1f} {f['fraction_of_peak']:>7.0%} {p['gemm']:>8.4f} "
                      f"{p['exps']:>8.4f} {p['overhead']:>8.4f}  {f['bound']}")
+    if any(r.get("gemm_paths") for r in results):
+        lines += ["", format_paths_table(results)]
+    return "\n".join(lines)
+
+
+def format_paths_table(results: list[dict]) -> str:
+    """The CPU forward's two GEMM paths at each shape, timed in the same rounds: tokens/s, the
+    ratio, and each one's fraction of the roofline (compute-bound time / measured step) and of
+    the peak, and what bounds it."""
+    lines = ["GEMM paths at each shape, same rounds (blas: BLAS calls, today's path; loops: compiled loops):",
+             f"  {'shape':<16} {'blas tok/s':>11} {'loops tok/s':>11} {'loops/blas':>10} {'of roofline':>13} "
+             f"{'of peak':>11}  {'auto':<5} {'bound (blas / loops)'}"]
+    for r in results:
+        paths = r.get("gemm_paths")
+        if not paths:
+            continue
+        m = r["model"]
+        blas, loops = paths["blas"], paths["loops"]
+        fb, fl = blas["roofline"], loops["roofline"]
+        frac = f"{fb['compute_bound_s'] / blas['step_s']:.0%} / {fl['compute_bound_s'] / loops['step_s']:.0%}"
+        peak = f"{fb['fraction_of_peak']:.0%} / {fl['fraction_of_peak']:.0%}"
+        auto = "loops" if loops["chosen"] else "blas"
+        lines.append(f"  {f'E={m.embed} H={m.hidden} L={m.layers}':<16} {blas['tokens_per_s']:>11,.0f} "
+                     f"{loops['tokens_per_s']:>11,.0f} {blas['step_s'] / loops['step_s']:>9.2f}x {frac:>13} {peak:>11}  "
+                     f"{auto:<5} {fb['bound']} / {fl['bound']}")
     return "\n".join(lines)

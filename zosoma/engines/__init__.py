@@ -53,6 +53,8 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
         from zosoma.engines.emulated.precision_ops import PrecisionOps
         return PrecisionOps(precision)
     if device == "cpu" or (device == "auto" and backend.cuda_unavailable_reason() is not None):
+        from zosoma.engines.cpu.forward import gemm_path
+        gemm_path()  # a bad ZOSOMA_CPU_GEMM is refused here, before a run starts
         return Ops()
     from zosoma.engines.cuda.cuda_ops import CudaOps
     return CudaOps()  # a ConfigError line when CuPy is missing or finds no device
@@ -60,7 +62,11 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
 
 def run_ops(ops, engine: str = "native", precision: str = "fp32"):
     """The engine a run trains on: `ops` (its device's engine) unless the run's configuration
-    names another engine or a forward precision, which then run on the CPU (get_ops)."""
+    names another engine or a forward precision, which then run on the CPU (get_ops). A bad
+    ZOSOMA_CPU_GEMM is refused here too: get_ops checks it only when it first builds the engine."""
+    from zosoma.engines.cpu.forward import gemm_path
+    if ops is None or not ops.on_device:
+        gemm_path()
     if (engine, precision) == ("native", "fp32"):
         return ops
     if ops is not None and ops.on_device:

@@ -22,6 +22,10 @@ overhead per step) does, per chunk of Tc timesteps:
                `output_rows`: log-softmax + NLL per row in float32 with a vectorisable exp
                (2**-k by a bit cast), the loss sum accumulated in float64
 
+Small models (GEMM_ENV, uses_loops) run every GEMM above as compiled loops instead (`_small_dot`,
+no BLAS call; logits one timestep's B rows at a time): at B = 8 and H = 20..64 a BLAS call costs
+more than its arithmetic. The two paths differ only in the GEMMs' summation order.
+
 Members run one after another with their own dense weights, so each member's weights stay in
 cache (stacking members' weights into one batched matmul streams them from RAM: at 4.46M
 parameters it ran at about half the speed, on the development machine), and the members are
@@ -41,6 +45,8 @@ Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=
 from __future__ import annotations
 
 import math
+import os
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
@@ -50,6 +56,7 @@ from numba.extending import intrinsic, overload
 
 from zosoma.config import VOCAB
 from zosoma.engines.cpu import noise_kernels, threads
+from zosoma.errors import ConfigError
 from zosoma.model import noise
 from zosoma.model.params import Layout
 
@@ -71,6 +78,14 @@ _TRANSPOSED_MIN_HIDDEN = 32
 # H = 176 on (a small K makes the GEMM cheap and the softmax's memory traffic the cost).
 _OUTPUT_ROWS_PER_H = 4
 _OUTPUT_ROWS_MIN = 128
+# The GEMMs as BLAS calls or as compiled loops (_small_dot): GEMM_ENV forces one ("blas", "loops");
+# "auto" (the default) takes the loops up to LOOPS_MAX_ROWS batch rows and H * max(E, H) up to
+# LOOPS_MAX_WORK, where they were faster (see uses_loops).
+GEMM_ENV = "ZOSOMA_CPU_GEMM"
+GEMM_PATHS = ("auto", "blas", "loops")
+LOOPS_MAX_ROWS = 32
+LOOPS_MAX_WORK = 64 * 64
+_PAIRS_PER_ITEM = 4  # SPSA pairs per thread work item (perturbed_sums)
 
 # Rational tanh approximation on [-7.905, 7.905] (Eigen's generic_fast_tanh_float): odd degree-13
 # numerator over even degree-6 denominator, max abs error 3.9e-7 in float32. Constants are
@@ -162,20 +177,27 @@ def lstm_cell_rows(gates, xsrc, rows, bias, c, h_out):
             hb[j] = o * _tanh(cn)
 
 
+@njit(inline="always", **JIT_OPTIONS)
+def _larger(a, b):
+    """max(a, b) as a select: it vectorises, and costs less than max() in the folds (a NaN among
+    the logits still reaches the loss through the exps)."""
+    return a if a > b else b
+
+
 @njit(**JIT_OPTIONS)
 def _row_max(z, fold):
     """max of z (V,), V a power of two, by halving folds: elementwise maxima vectorise where a
     running-max loop does not (LLVM needs no-NaN semantics for that). fold (V/2,) scratch."""
     n = z.shape[0] // 2
     for k in range(n):
-        fold[k] = max(z[k], z[k + n])
+        fold[k] = _larger(z[k], z[k + n])
     while n > 16:
         n //= 2
         for k in range(n):
-            fold[k] = max(fold[k], fold[k + n])
+            fold[k] = _larger(fold[k], fold[k + n])
     m = fold[0]
     for k in range(1, n):
-        m = max(m, fold[k])
+        m = _larger(fold[k], m)
     return m
 
 
@@ -232,6 +254,46 @@ def _transpose_tiled(a, out):
                     out[j, i] = tile[j - j0, i - i0]
 
 
+@njit(inline="always", **JIT_OPTIONS)
+def _dot_rows2(xa, xb, w, a, b):
+    """a = xa @ w and b = xb @ w (xa, xb (K,); w (K, N); a, b (N,)): four rows of w at a time, so
+    each weight loaded serves both rows and each output element is loaded and stored once per
+    four multiply-adds; the loops over N vectorise."""
+    K, N = w.shape
+    for j in range(N):
+        a[j] = _ZERO
+        b[j] = _ZERO
+    k = 0
+    while k + 4 <= K:
+        w0, w1, w2, w3 = w[k], w[k + 1], w[k + 2], w[k + 3]
+        a0, a1, a2, a3 = xa[k], xa[k + 1], xa[k + 2], xa[k + 3]
+        b0, b1, b2, b3 = xb[k], xb[k + 1], xb[k + 2], xb[k + 3]
+        for j in range(N):
+            a[j] += (a0 * w0[j] + a1 * w1[j]) + (a2 * w2[j] + a3 * w3[j])
+            b[j] += (b0 * w0[j] + b1 * w1[j]) + (b2 * w2[j] + b3 * w3[j])
+        k += 4
+    while k < K:
+        wk = w[k]
+        ak, bk = xa[k], xb[k]
+        for j in range(N):
+            a[j] += ak * wk[j]
+            b[j] += bk * wk[j]
+        k += 1
+
+
+@njit(**JIT_OPTIONS)
+def _small_dot(x, w, out, spare):
+    """out (R, N) = x (R, K) @ w (K, N) in compiled loops, for the small models whose forward
+    pays more for a BLAS call per timestep than for its arithmetic; rows two at a time (an odd
+    last row is paired with itself, its twin written to spare (N,)). Sums run in a fixed order,
+    so a member's losses do not depend on the thread or the rows beside it."""
+    R = x.shape[0]
+    for r in range(0, R - 1, 2):
+        _dot_rows2(x[r], x[r + 1], w, out[r], out[r + 1])
+    if R % 2:
+        _dot_rows2(x[R - 1], x[R - 1], w, out[R - 1], spare)
+
+
 @njit(**JIT_OPTIONS)
 def _transposed(B, H):
     """Whether the recurrent GEMM of B rows and hidden size H runs transposed."""
@@ -239,8 +301,9 @@ def _transposed(B, H):
 
 
 @njit(**JIT_OPTIONS)
-def _workspace(E, H, L, B, T, rows_per_chunk):
-    """Work buffers for one member's forward, reused across members and timesteps."""
+def _workspace(E, H, L, B, T, rows_per_chunk, loops):
+    """Work buffers for one member's forward, reused across members and timesteps; `loops`:
+    its GEMMs are _small_dot's loops (its logits one timestep's B rows at a time), else BLAS's."""
     Tc = max(1, min(T, (rows_per_chunk + B - 1) // B))
     G = 4 * H
     table = np.empty((VOCAB, G), np.float32)  # embed @ w_ih of layer 0, rows of the batch's bytes
@@ -249,17 +312,28 @@ def _workspace(E, H, L, B, T, rows_per_chunk):
     xproj = np.empty((Tc * B, G), np.float32)  # input projection of layers >= 1, one chunk
     gates = np.empty((B, G), np.float32)
     hs = np.empty((Tc, B, H), np.float32)  # one layer's outputs over the chunk
-    logits = np.empty((min(Tc * B, max(_OUTPUT_ROWS_MIN, _OUTPUT_ROWS_PER_H * H)), VOCAB), np.float32)
+    out_rows = B if loops else min(Tc * B, max(_OUTPUT_ROWS_MIN, _OUTPUT_ROWS_PER_H * H))
+    logits = np.empty((out_rows, VOCAB), np.float32)
     rows = np.empty(B, np.intp)
     row_targets = np.empty(Tc * B, np.uint8)
     row_nll = np.empty(Tc * B, np.float32)
     fold = np.empty(VOCAB // 2, np.float32)
-    Lt = L if _transposed(B, H) else 0
+    Lt = L if _transposed(B, H) and not loops else 0
     w_hh_t = np.empty((Lt, G, H), np.float32)  # w_hh^T of each layer (transposed orientation only)
     gates_t = np.empty((G, B), np.float32)
     h_t = np.empty((H, B), np.float32)
+    spare = np.empty(max(VOCAB, G), np.float32)  # _small_dot's odd row
     return (table, embed_rows, slot, xproj, gates, hs, logits, rows, row_targets, row_nll, fold, w_hh_t,
-            gates_t, h_t)
+            gates_t, h_t, loops, spare)
+
+
+@njit(**JIT_OPTIONS)
+def _matmul(x, w, out, loops, spare):
+    """out = x @ w: _small_dot's compiled loops when `loops`, else BLAS (Numba's np.dot)."""
+    if loops:
+        _small_dot(x, w, out, spare)
+    else:
+        np.dot(x, w, out)
 
 
 @njit(**JIT_OPTIONS)
@@ -271,7 +345,7 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
     wanted (else may be empty). Positions t < scored_from only carry the state: no logits (their
     nll is 0, not counted). Returns the float64 sum of the scored nlls."""
     (table, embed_rows, slot, xproj, gates, hs, logits, rows, row_targets, row_nll, fold, w_hh_t, gates_t,
-     h_t) = ws
+     h_t, loops, spare) = ws
     L = h.shape[0]
     B, T = tokens.shape
     Tc = hs.shape[0]
@@ -288,8 +362,8 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
                 embed_rows[U] = embed[v]
                 U += 1
     o = offsets[1]
-    np.dot(embed_rows[:U], theta[o:o + E * G].reshape((E, G)), table[:U])
-    transposed = _transposed(B, H)
+    _matmul(embed_rows[:U], theta[o:o + E * G].reshape((E, G)), table[:U], loops, spare)
+    transposed = _transposed(B, H) and not loops
     for layer in range(L):
         if transposed:
             o = offsets[3 * layer + 2]
@@ -307,7 +381,7 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
             if layer > 0:
                 o = offsets[3 * layer + 1]
                 w_ih = theta[o:o + H * G].reshape((H, G))
-                np.dot(hs[:n].reshape((n * B, H)), w_ih, xproj[:n * B])
+                _matmul(hs[:n].reshape((n * B, H)), w_ih, xproj[:n * B], loops, spare)
             for t in range(n):
                 h_prev = h[layer] if t == 0 else hs[t - 1]
                 if transposed:
@@ -316,7 +390,7 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
                     _transpose(gates_t, gates)
                 else:
                     o = offsets[3 * layer + 2]
-                    np.dot(h_prev, theta[o:o + H * G].reshape((H, G)), gates)
+                    _matmul(h_prev, theta[o:o + H * G].reshape((H, G)), gates, loops, spare)
                 if layer == 0:
                     for b in range(B):
                         rows[b] = slot[tokens[b, t0 + t]]
@@ -337,7 +411,7 @@ def _member_forward(theta, offsets, E, H, tokens, targets, h, c, want_nll, nll_o
         for r0 in range(first, R, logits.shape[0]):  # logits in blocks that stay in cache for the softmax
             r1 = min(R, r0 + logits.shape[0])
             block = logits[:r1 - r0]
-            np.dot(h_rows[r0:r1], out_w, block)
+            _matmul(h_rows[r0:r1], out_w, block, loops, spare)
             total += output_rows(block, out_b, row_targets[r0:r1], row_nll[r0:r1], want_logp, fold)
             if want_logp:
                 for r in range(r0, r1):
@@ -403,6 +477,38 @@ def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step
                 plus[i] = total
             else:
                 minus[i] = total
+
+
+def gemm_path() -> str:
+    """The forward's GEMMs as the environment asks (GEMM_ENV): "auto", "blas" or "loops"."""
+    path = os.environ.get(GEMM_ENV, "") or "auto"
+    if path not in GEMM_PATHS:
+        raise ConfigError(f"{GEMM_ENV} must be one of {', '.join(GEMM_PATHS)}, got {path!r}")
+    return path
+
+
+@contextmanager
+def forced_gemm(path: str):
+    """GEMM_ENV set to `path` ("blas", "loops") inside the block (`zosoma bench spsa` times both)."""
+    before = os.environ.get(GEMM_ENV)
+    os.environ[GEMM_ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[GEMM_ENV]
+        else:
+            os.environ[GEMM_ENV] = before
+
+
+def uses_loops(config, B: int) -> bool:
+    """Whether the forward of a model (ModelConfig) on B batch rows runs its GEMMs as compiled
+    loops (_small_dot) rather than BLAS calls: as GEMM_ENV says, and under "auto" for the shapes
+    where the loops were faster (LOOPS_MAX_WORK)."""
+    path = gemm_path()
+    if path != "auto":
+        return path == "loops"
+    return B <= LOOPS_MAX_ROWS and config.hidden * max(config.hidden, config.embed) <= LOOPS_MAX_WORK
 
 
 def _offsets(layout: Layout) -> np.ndarray:
@@ -472,7 +578,8 @@ def population_loss(thetas, layout: Layout, batch) -> np.ndarray:
         m, r = divmod(item, len(blocks))
         a, b = blocks[r]
         if b - a not in workspaces:
-            workspaces[b - a] = _workspace(cfg.embed, cfg.hidden, cfg.layers, b - a, T, _ROWS_PER_CHUNK)
+            workspaces[b - a] = _workspace(cfg.embed, cfg.hidden, cfg.layers, b - a, T, _ROWS_PER_CHUNK,
+                                           uses_loops(cfg, b - a))
         out = np.empty(1)
         _members_sums(thetas, np.array([m]), np.array([a, b]), offsets, cfg.embed, cfg.hidden, cfg.layers,
                       batches, out, workspaces[b - a])
@@ -500,17 +607,23 @@ def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert
 
     kept = np.empty((0, theta.size), np.float32) if deltas is None else deltas
     B, T = batch.shape[0], batch.shape[1] - 1
+    loops = uses_loops(cfg, B)
 
     def buffers():  # per thread: the pair's two members and the forward's work buffers
         return (np.empty((2, theta.size), np.float32),
-                _workspace(cfg.embed, cfg.hidden, cfg.layers, B, T, _ROWS_PER_CHUNK))
+                _workspace(cfg.embed, cfg.hidden, cfg.layers, B, T, _ROWS_PER_CHUNK, loops))
 
-    def work(i, state):
+    # a few pairs per work item: a call into _pair_sums costs about 10 us of dispatch, 5% of a
+    # small model's pair; at least 4 items per thread keep the threads evenly loaded
+    per_item = max(1, min(_PAIRS_PER_ITEM, ks.size // (4 * threads.n_threads())))
+
+    def work(item, state):
+        i, j = item * per_item, min(ks.size, (item + 1) * per_item)
         _pair_sums(theta, offsets, cfg.embed, cfg.hidden, cfg.layers, batch, np.float32(scale), code, k0, k1,
-                   expert, step, ks[i:i + 1], plus[i:i + 1], minus[i:i + 1], state[0],
-                   kept[i:i + 1] if kept.shape[0] else kept, state[1])
+                   expert, step, ks[i:j], plus[i:j], minus[i:j], state[0],
+                   kept[i:j] if kept.shape[0] else kept, state[1])
 
-    threads.run_items(work, ks.size, buffers)
+    threads.run_items(work, -(-ks.size // per_item), buffers)
     return plus / (B * T), minus / (B * T)
 
 
@@ -545,7 +658,7 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_
         nb = nll[a:b] if want_nll else nll
         lb = logp[a:b] if want_logp else logp
         _stream_rows(theta, offsets, cfg.embed, H, L, tokens[a:b], targets[a:b], hb, cb, want_nll, nb,
-                     want_logp, lb, _ROWS_PER_CHUNK, scored_from)
+                     want_logp, lb, _ROWS_PER_CHUNK, scored_from, uses_loops(cfg, b - a))
         h[:, a:b], c[:, a:b] = hb, cb
 
     threads.run_items(work, len(blocks))
@@ -554,9 +667,9 @@ def _stream(theta, layout: Layout, tokens, targets, state, want_nll: bool, want_
 
 @njit(**_NOGIL)
 def _stream_rows(theta, offsets, E, H, L, tokens, targets, h, c, want_nll, nll, want_logp, logp,
-                 rows_per_chunk, scored_from):
+                 rows_per_chunk, scored_from, loops):
     B, T = tokens.shape
-    ws = _workspace(E, H, L, B, T, rows_per_chunk)
+    ws = _workspace(E, H, L, B, T, rows_per_chunk, loops)
     _member_forward(theta, offsets, E, H, np.ascontiguousarray(tokens), np.ascontiguousarray(targets),
                     h, c, want_nll, nll, want_logp, logp, ws, scored_from)
 
