@@ -80,3 +80,18 @@ def test_the_records_read_and_write_what_run_folders_hold():
     assert SomaShape.from_json({**soma, "steps": 9}).to_json() == {**soma, "steps": 9}
     with pytest.raises(ConfigError, match="not a SOMA run's description"):
         SomaShape.from_json({k: v for k, v in soma.items() if k != "loss"})
+
+
+def test_the_api_resumes_a_run_as_train_resume_does(text, tmp_path):
+    """zosoma.train(resume=RUN, steps=N) goes on from the checkpoint, bit for bit the run that was
+    never stopped (a constant schedule: an extended cosine is laid out again)."""
+    from zosoma.runs.folder import RunFolder
+    small = dict(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, lr=0.05,
+                 schedule="constant", checkpoint_every=1)
+    whole = zosoma.train(steps=4, run_dir=tmp_path / "whole", **small)
+    zosoma.train(steps=2, run_dir=tmp_path / "part", **small)
+    resumed = zosoma.train(resume=tmp_path / "part", steps=4)
+    assert resumed.checkpoint_steps == whole.checkpoint_steps == [4]
+    theta = [RunFolder(r.path).read_checkpoint().theta for r in (resumed, whole)]
+    assert theta[0].tobytes() == theta[1].tobytes()
+    assert resumed.results["heldout"] == whole.results["heldout"]
