@@ -17,50 +17,56 @@ that `zosoma eval`, `info`, `train --resume` and TensorBoard read like any other
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from zosoma.corpus import load_corpus
 from zosoma.errors import ConfigError
-from zosoma.runs.folder import RunFolder, new_run_dir
+from zosoma.model.protocol import PROTOCOL
+from zosoma.runs.folder import RunFolder
 
 __all__ = ["Optimizer", "Run", "load_corpus", "open_run", "train"]
 
 
-def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str = "independent",
-          top_k: int = 2, chunk_size: int = 2048, wikitext=None, **options) -> "Run":
-    """Train a run as `zosoma train` does and return it (its evaluation in Run.results). `data`
-    and `heldout`: paths (default: the shipped corpus); `options`: any TrainConfig or model field
-    (steps, lr, perturbations, shaping, embed, ...). The experts of a SOMA run train one after
-    another in this process. A run whose guard stopped it, or that failed, raises ConfigError."""
-    from zosoma.runs.records import Diverged, Dropped, Evaluated, Failed
-    from zosoma.runs.single import start_run
-    from zosoma.runs.soma import start_soma
-    from zosoma.strategies.settings import resolve
+def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str | None = None,
+          top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None, **options) -> "Run":
+    """Train a run as `zosoma train` does and return it (its evaluation in Run.results), refusing
+    what the command line refuses (zosoma.runs.run: a ConfigError in one line, before any folder
+    is made). `data` and `heldout`: paths (default: the shipped corpus); `options`: any TrainConfig
+    or model field (steps, lr, perturbations, shaping, embed, ...); loss, top_k and chunk_size are
+    SOMA's (experts 2 or more). `resume`: a run folder to train on where it stopped, with `steps`
+    (extending it) and `wikitext` alone. The experts of a SOMA run train one after another in this
+    process. A run whose guard stopped it, or that failed, raises ConfigError."""
+    from zosoma.runs.placement import Placement
+    from zosoma.runs.run import Run as Handle, Spec, check_resume
+    from zosoma.runs.shape import DataPaths
 
-    model, cfg = resolve(preset, options, loss=loss)
-    made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")
-    run_dir = Path(run_dir or made)
-    paths = dict(train_paths=[str(p) for p in _paths(data)] or None,
-                 heldout_paths=[str(p) for p in _paths(heldout)] or None, wikitext=wikitext)
-    if experts > 1:
-        records = start_soma(run_dir, model, cfg, experts, loss, chunk_size=chunk_size, top_k=top_k, **paths)
-    else:
-        records = start_run(run_dir, model, cfg, **paths)
-    try:
-        for r in records:
-            if isinstance(r, Failed):
-                raise ConfigError(f"{run_dir}: expert {r.unit} failed: {r.error}")
-            if isinstance(r, Diverged) or (isinstance(r, Dropped) and experts == 1):
-                raise ConfigError(f"{run_dir}: diverged at step {r.step} ({r.verdict})")
-            if isinstance(r, Evaluated):
-                return Run(run_dir)
-    except BaseException:
-        if made is not None:
-            RunFolder(made).remove_if_empty()  # the folder named and made here, nothing written in it
-        raise
-    raise ConfigError(f"{run_dir}: training ended without an evaluation")
+    if resume is not None:
+        given = dict(options, data=data, heldout=heldout, run_dir=run_dir, experts=experts != 1 or None,
+                     loss=loss, preset=preset != "tiny" or None, chunk_size=chunk_size, top_k=top_k)
+        check_resume([k for k, v in given.items() if v is not None])
+        run = Handle.open(resume)
+        return _trained(run.resume(options.get("steps"), wikitext), run.is_soma)
+    spec = Spec.resolve(preset, options, experts, loss, top_k, chunk_size)
+    training = Handle.start(spec, DataPaths(data, heldout, wikitext), Placement(executor="inline"), run_dir)
+    return _trained(training, spec.is_soma)
+
+
+def _trained(training, soma: bool) -> "Run":
+    """The run once its records end in an evaluation; ConfigError for a run that failed, diverged
+    or stopped first."""
+    from zosoma.runs.records import Diverged, Dropped, Evaluated, Failed
+
+    for r in training:
+        if isinstance(r, Failed):
+            raise ConfigError(f"{training.path}: expert {r.unit} failed: {r.error}")
+        if isinstance(r, Diverged) or (isinstance(r, Dropped) and not soma):
+            raise ConfigError(f"{training.path}: diverged at step {r.step} ({r.verdict})")
+        if isinstance(r, Evaluated):
+            return Run(training.path)
+    raise ConfigError(f"{training.path}: training ended without an evaluation")
 
 
 def open_run(path) -> "Run":
@@ -80,12 +86,18 @@ class Run:
     def __init__(self, path):
         self.path, self.folder = Path(path), RunFolder(path)
 
+    @property
+    def handle(self):
+        """The run (zosoma.runs.run): a single model or a SOMA run, one interface."""
+        from zosoma.runs.run import Run as Handle
+        return Handle.open(self.path)
+
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r})"
 
     @property
     def is_soma(self) -> bool:
-        return self.folder.is_soma
+        return self.handle.is_soma
 
     @property
     def results(self) -> dict | None:
@@ -106,28 +118,21 @@ class Run:
         """The step of each model's newest checkpoint: one for a single model, one per expert."""
         return [c.step for c in self.folder.newest_checkpoints() or ()]
 
-    def model(self, top_k: int = 2):
+    def model(self, top_k: int = PROTOCOL.top_k):
         """The run's model as a routed ensemble (zosoma.mixture.routing.Ensemble; one expert for
         a single model)."""
-        from zosoma.runs.single import load_model
-        from zosoma.runs.soma import load_ensemble
-        return load_ensemble(self.path, top_k) if self.is_soma else load_model(self.path)
+        return self.handle.ensemble(top_k)
 
-    def evaluate(self, data=None, wikitext=None, top_k: int = 2) -> dict:
+    def evaluate(self, data=None, wikitext=None, top_k: int = PROTOCOL.top_k) -> dict:
         """Nats/byte on `data` (paths; default the shipped held-out slices) and WikiText-103, by
         the protocol of every table (`zosoma eval`'s result)."""
         from zosoma.download import check_wikitext103
-        from zosoma.runs.soma import evaluate_soma
-        from zosoma.runs.single import evaluate_run
         corpus = load_corpus(_paths(data) or None, split="heldout")
         wikitext = check_wikitext103(wikitext)  # a file not the official one: a NotOfficial warning, as train gives
-        if self.is_soma:
-            return evaluate_soma(self.model(top_k), corpus, wikitext)
-        (theta, layout), = self.model().experts
-        return evaluate_run(theta, layout, corpus, wikitext)
+        return self.handle.evaluate(corpus, wikitext, dataclasses.replace(PROTOCOL, top_k=top_k))
 
     def sample(self, prompt: bytes = b"", n_bytes: int = 200, temperature: float = 0.8, seed: int = 0,
-               top_k: int = 2) -> bytes:
+               top_k: int = PROTOCOL.top_k) -> bytes:
         """Bytes generated after `prompt` (temperature 0: greedy)."""
         from zosoma.mixture.sample import sample
         return sample(self.model(top_k), bytes(prompt), n_bytes=n_bytes, temperature=temperature, seed=seed)

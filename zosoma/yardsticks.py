@@ -40,6 +40,7 @@ from zosoma.corpus import Corpus, default_corpus_dir, describe, load_corpus, loa
 from zosoma.download import cache_root, find_wikitext103
 from zosoma.errors import ConfigError, DataError, ZosomaError
 from zosoma.model.evaluate import EvalResult
+from zosoma.model.protocol import PROTOCOL
 
 MAX_ORDER = 8  # an n-gram of at most 8 bytes packs into one uint64 key
 ORDERS = (4, 5, 8)  # the Kneser-Ney orders reported by default
@@ -225,7 +226,8 @@ class KneserNey:
             keys.append((ctx << np.uint64(8)) | w)
         return self.probabilities(keys, np.full(256, len(history)))[order]
 
-    def nats(self, data: np.ndarray, segment: int = 256, context: int = 512) -> dict[int, EvalResult]:
+    def nats(self, data: np.ndarray, segment: int = PROTOCOL.segment,
+             context: int = PROTOCOL.context) -> dict[int, EvalResult]:
         """{order: nats of the predicted bytes of one file} by the segment protocol: position p of
         segment (c0, p0, p1) may read data[c0:p], at most its last order - 1 bytes."""
         c0, p0, p1 = _segment_bounds(data.size, segment, context)
@@ -269,8 +271,8 @@ COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
-def compressed_nats(compress: Callable[[bytes], bytes], data: np.ndarray, segment: int = 256,
-                    context: int = 512) -> EvalResult:
+def compressed_nats(compress: Callable[[bytes], bytes], data: np.ndarray, segment: int = PROTOCOL.segment,
+                    context: int = PROTOCOL.context) -> EvalResult:
     """Nats of the predicted bytes of one file by the segment protocol, a segment costing what its
     bytes add to its compressed context: 8 (len C(data[c0:p1]) - len C(data[c0:p0])) bits."""
     raw = bytes(data)
@@ -309,8 +311,8 @@ class Yardsticks:
         return min(COMPRESSORS, key=self.overall)
 
 
-def measure(train: Corpus, texts: Corpus, orders: Sequence[int] = ORDERS, segment: int = 256,
-            context: int = 512, cache: bool = True) -> Yardsticks:
+def measure(train: Corpus, texts: Corpus, orders: Sequence[int] = ORDERS, segment: int = PROTOCOL.segment,
+            context: int = PROTOCOL.context, cache: bool = True) -> Yardsticks:
     """The yardsticks of n-grams counted on `train` and of the compressors, on `texts` (each
     document at least 2 bytes), per document name (documents sharing a name pooled) and overall.
     With `cache`, read from zosoma's cache when measured before on the same bytes, and stored
@@ -339,8 +341,8 @@ def measure(train: Corpus, texts: Corpus, orders: Sequence[int] = ORDERS, segmen
     return record
 
 
-def shipped(orders: Sequence[int] = ORDERS, segment: int = 256, context: int = 512, wikitext=None,
-            cache: bool = True, ship: bool = False) -> dict[str, Yardsticks]:
+def shipped(orders: Sequence[int] = ORDERS, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context,
+            wikitext=None, cache: bool = True, ship: bool = False) -> dict[str, Yardsticks]:
     """`measure` of the shipped training split on the shipped held-out split and on WikiText-103
     when found (zosoma.download.find_wikitext103: `wikitext`, $ZOSOMA_WIKITEXT103, the download
     folder): {"heldout": ..., "wikitext103": ...}, the second only when found. With `ship`, also
@@ -355,7 +357,7 @@ def shipped(orders: Sequence[int] = ORDERS, segment: int = 256, context: int = 5
     return found
 
 
-def lookup(heldout: Corpus | None, wikitext=None, segment: int = 256, context: int = 512,
+def lookup(heldout: Corpus | None, wikitext=None, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context,
            orders: Sequence[int] = ORDERS) -> dict[str, Yardsticks]:
     """What `shipped` cached for the shipped training split on these held-out texts and on
     WikiText-103 (found as `shipped` finds it): {"heldout": ..., "wikitext103": ...}, each key only

@@ -10,6 +10,7 @@ import click
 
 from zosoma.cli import render
 from zosoma.cli.options import emit_json, json_option, positive
+from zosoma.model.protocol import PROTOCOL
 
 
 @click.group()
@@ -56,8 +57,8 @@ def _orders(ctx, param, value):
 @data.command("yardsticks")
 @click.option("--orders", default="4,5,8", show_default=True, callback=_orders, help="Kneser-Ney n-gram orders to report, 1 to 8, separated by commas.")
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
-@click.option("--segment", type=int, default=256, show_default=True, callback=positive, help="Bytes predicted per segment.")
-@click.option("--context", type=int, default=512, show_default=True, callback=positive, help="Bytes before each segment a yardstick may read.")
+@click.option("--segment", type=int, default=PROTOCOL.segment, show_default=True, callback=positive, help="Bytes predicted per segment.")
+@click.option("--context", type=int, default=PROTOCOL.context, show_default=True, callback=positive, help="Bytes before each segment a yardstick may read.")
 @click.option("--no-cache", is_flag=True, help="Measure again, neither reading nor writing the cache.")
 @click.option("--ship", is_flag=True, help="Also write the records beside the shipped corpus (data/corpus/yardsticks/ in a source checkout), where every evaluation table finds them.")
 @json_option

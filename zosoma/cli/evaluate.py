@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from zosoma.cli import render
 from zosoma.cli.options import (device_ops, device_option, emit_json, json_option, positive, previous_option,
                                 refuse_given, warn_about_results)
+from zosoma.model.protocol import PROTOCOL
 
 
 @click.command("eval")
@@ -16,10 +15,10 @@ from zosoma.cli.options import (device_ops, device_option, emit_json, json_optio
 @click.option("--data", multiple=True, type=click.Path(), help="Files or folders to evaluate (default: the shipped held-out slices).")
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder); found automatically when downloaded.")
 @click.option("--streams", type=int, callback=positive, help="Single model: score each whole file statefully in this many side-by-side parts (1 = one pass) instead of the segment protocol every table uses.")
-@click.option("--top-k", type=int, default=2, show_default=True, callback=positive, help="SOMA run: experts mixed per segment.")
+@click.option("--top-k", type=int, default=PROTOCOL.top_k, show_default=True, callback=positive, help="SOMA run: experts mixed per segment.")
 @click.option("--temperature", type=float, default=0.1, show_default=True, help="SOMA run: routing temperature T in softmax(-d^2 / T).")
-@click.option("--segment", type=int, default=256, show_default=True, callback=positive, help="Bytes predicted per segment (and per routing decision).")
-@click.option("--context", type=int, default=512, show_default=True, callback=positive, help="Bytes before each segment used for warm-up (and routing).")
+@click.option("--segment", type=int, default=PROTOCOL.segment, show_default=True, callback=positive, help="Bytes predicted per segment (and per routing decision).")
+@click.option("--context", type=int, default=PROTOCOL.context, show_default=True, callback=positive, help="Bytes before each segment used for warm-up (and routing).")
 @previous_option
 @device_option
 @json_option
@@ -29,42 +28,25 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
     from zosoma.download import check_wikitext103
-    from zosoma.runs.folder import RunFolder, warn_if_training
+    from zosoma.model.protocol import EvalProtocol
+    from zosoma.runs.run import Run
     from zosoma.yardsticks import lookup
 
-    soma = RunFolder(checkpoint).is_soma
-    if soma:
+    run = Run.open(checkpoint)
+    if run.is_soma:
         refuse_given(ctx, ("streams",), f"single models; {checkpoint} is a SOMA run")
     else:
         refuse_given(ctx, ("top_k", "temperature"), f"SOMA runs; {checkpoint} is a single model")
+    protocol = EvalProtocol(segment, context, top_k)
     ops = device_ops(device)
     corpus = load_corpus(list(data) if data else None, split="heldout")
     wikitext = check_wikitext103(wikitext)  # as train: a file that is not the official one says so
     scored = "the --data files" if data else None
-    if soma:
-        from zosoma.runs.soma import evaluate_soma, load_ensemble
-        ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
-        warn_about_results(checkpoint)
-        r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
-        if as_json:
-            emit_json("eval", {"run": str(checkpoint), "kind": "soma", "n_params": ensemble.n_params,
-                               "dropped": list(ensemble.router.dropped), **r})
-        else:
-            click.echo(render.results(r, lookup(corpus, wikitext, segment, context), scored))
-        return
-    from zosoma.formats.checkpoint import load_checkpoint
-    from zosoma.model.params import Layout
-    from zosoma.runs.single import evaluate_run
-
-    path = Path(checkpoint)
-    ckpt = RunFolder(path).read_checkpoint(fallback=previous) if path.is_dir() else load_checkpoint(path)
-    warn_if_training(path, [ckpt.step])
-    warn_about_results(path)
-    r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=segment, context=context,
-                     streams=streams)
+    warn_about_results(checkpoint)
+    r = run.evaluate(corpus, wikitext, protocol, ops, temperature, fallback=previous, streams=streams)
     if as_json:
-        emit_json("eval", {"run": str(checkpoint), "kind": "single", "step": ckpt.step,
-                           "n_params": ckpt.model.n_params(), **r})
+        emit_json("eval", {"run": str(checkpoint), **r})
         return
-    click.echo(f"{checkpoint}: step {ckpt.step}, {ckpt.model.n_params():,} parameters")
+    if not run.is_soma:
+        click.echo(f"{checkpoint}: step {r['step']}, {r['n_params']:,} parameters")
     click.echo(render.results(r, {} if streams else lookup(corpus, wikitext, segment, context), scored))

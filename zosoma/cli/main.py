@@ -35,7 +35,7 @@ class ZosomaGroup(click.Group):
     def invoke(self, ctx):
         import warnings
 
-        from zosoma.errors import ClusterLost, ZosomaError
+        from zosoma.errors import ClusterLost, OptionError, ZosomaError
         warnings.showwarning = _warning_line
         signal.signal(signal.SIGTERM, abort)  # as Ctrl-C: cleanups run (training commands save first)
         try:
@@ -45,6 +45,8 @@ class ZosomaGroup(click.Group):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)  # nothing is left to clean up: every file is written atomically
+        except OptionError as e:  # options that cannot go together: a usage error, exit code 2
+            raise click.UsageError(str(e)) from None
         except ZosomaError as e:
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt as e:  # a second stop signal, or Ctrl-C outside training

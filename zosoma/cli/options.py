@@ -37,6 +37,20 @@ def nonneg(ctx, param, value):
     return value
 
 
+class Checked(click.ParamType):
+    """A number as typed (else the text itself), checked by the library (zosoma.runs.run.Spec,
+    TrainConfig): the command line and the Python API refuse the same values in the same words."""
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                pass
+        return value
+
+
 def device_option(f):
     return click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
                         help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from zosoma.cli import render
-from zosoma.cli.options import (check_executor_options, device_ops, device_option, executor_options, given, nonneg,
-                                nonneg_float, positive, positive_float, refuse_given, usage_errors)
+from zosoma.cli.options import (Checked, check_executor_options, device_ops, device_option, executor_options, given,
+                                nonneg, nonneg_float, positive, positive_float, usage_errors)
 from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig
 from zosoma.errors import ClusterLost
+from zosoma.model.protocol import PROTOCOL
 from zosoma.strategies import STRATEGIES
 from zosoma.strategies.probes import PROBES
 from zosoma.strategies.queries import QUERIES
@@ -25,18 +24,18 @@ _TC = TrainConfig()  # defaults shown in --help
 @click.option("--data", "data", multiple=True, type=click.Path(), help="Training text: a directory of .txt/.gz files, a file, or repeat the option. Default: the shipped 8-domain corpus.")
 @click.option("--heldout", multiple=True, type=click.Path(), help="Held-out text for the final evaluation (default: the shipped held-out slices when --data is not given).")
 @click.option("--wikitext", type=click.Path(), help="WikiText-103 wiki.test.raw (file or folder) for the final evaluation; found automatically when downloaded.")
-@click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True, help="Model size and training defaults; explicit options override it.")
-@click.option("--experts", type=int, default=1, show_default=True, callback=positive, help="N: SOMA experts, one per data cluster (1 = a single monolithic model).")
+@click.option("--preset", metavar="[tiny|small|paper]", default="tiny", show_default=True, help="Model size and training defaults; explicit options override it.")
+@click.option("--experts", type=Checked(), default=1, show_default=True, help="N: SOMA experts, one per data cluster (1 = a single monolithic model).")
 @click.option("--loss", type=click.Choice(["independent", "summed"]), default="independent", show_default=True, help="Experts' SPSA scalars: their own losses (SOMA) or the summed loss (ablation).")
 @click.option("--workers", type=int, callback=positive, help="Expert worker processes (default: the machine's cores).")
 @executor_options
 @click.option("--population-workers", type=int, callback=positive, help="W: spread one model's P perturbation pairs over W workers (local processes, or Ray actors with --executor ray); per step only the losses and the P update scalars travel.")
-@click.option("--chunk-size", type=int, default=2048, show_default=True, callback=positive, help="Bytes per document chunk for clustering.")
-@click.option("--top-k", type=int, default=2, show_default=True, callback=positive, help="Experts mixed per segment in the final routed evaluation.")
+@click.option("--chunk-size", type=Checked(), default=2048, show_default=True, help="Bytes per document chunk for clustering.")
+@click.option("--top-k", type=Checked(), default=PROTOCOL.top_k, show_default=True, help="Experts mixed per segment in the final routed evaluation.")
 @click.option("--embed", type=int, callback=positive, help="E: embedding width.")
 @click.option("--hidden", type=int, callback=positive, help="H: LSTM hidden width.")
 @click.option("--layers", type=int, callback=positive, help="L: LSTM layers.")
-@click.option("--steps", type=int, callback=positive, help=f"Optimizer steps.  [default: {_TC.steps}]")
+@click.option("--steps", type=Checked(), help=f"Optimizer steps.  [default: {_TC.steps}]")
 @click.option("--batch", type=int, callback=positive, help=f"B: sequences per minibatch.  [default: {_TC.batch}]")
 @click.option("--seq-len", type=int, callback=positive, help=f"T: predicted bytes per sequence.  [default: {_TC.seq_len}]")
 @click.option("--perturbations", "-P", type=int, callback=positive, help=f"P: SPSA directions per step.  [default: {_TC.perturbations}]")
@@ -81,16 +80,11 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
-    from zosoma.engines import get_ops
-    from zosoma.runs.folder import RunFolder, new_run_dir
-    from zosoma.runs.placement import Placement, place
-    from zosoma.runs.single import resume_run, start_run
-    from zosoma.runs.soma import resume_soma, start_soma
-    from zosoma.strategies.settings import resolve
+    from zosoma.runs.placement import Placement
+    from zosoma.runs.run import Run, Spec, check_resume
+    from zosoma.runs.shape import DataPaths
 
     logging = render.Logging.parse(log_every, quiet)
-    if top_k > experts and experts > 1:
-        raise click.BadParameter(f"top-k {top_k} exceeds the {experts} experts", param_hint="--top-k")
     check_executor_options(ctx, executor_kind, "--workers", workers)
     given_placement = {name: value for name, value in (
         ("executor", executor_kind), ("workers", workers), ("population_workers", population_workers),
@@ -98,55 +92,26 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         ("device", device)) if given(ctx, "executor_kind" if name == "executor" else name)}
     if "device" in given_placement:
         given_placement["device"] = device_ops(device).name  # auto, resolved
-    stop, made = StopRequest(), None
+    stop = StopRequest()
     if resume:
-        folder = RunFolder(resume)
-        clashing = [k for k, v in options.items() if v not in (None, ()) and k != "steps"]
-        clashing += [n for n in ("data", "heldout", "run_dir", "experts", "loss", "preset", "chunk_size", "top_k")
-                     if given(ctx, n)]
-        if clashing:
-            raise click.UsageError("--resume takes its configuration from the checkpoint; drop "
-                                   + ", ".join("--" + n.replace("_", "-") for n in clashing)
-                                   + " (--steps extends the run, --wikitext replaces its WikiText-103 file)")
-        recorded = folder.read_placement()
+        check_resume([k for k, v in options.items() if v not in (None, ())]
+                     + [n for n in ("data", "heldout", "run_dir", "experts", "loss", "preset", "chunk_size", "top_k")
+                        if given(ctx, n)])
+        run = Run.open(resume)
+        recorded = run.folder.read_placement()
         placement = recorded.replaced(given_placement)
         if recorded != type(recorded)():  # say where it goes on: the options are not on this command line
             click.echo(f"placement: {placement.describe() or 'the defaults'} (where the run was, with the "
                        "options given here)", err=True)
-        resume_args = dict(should_stop=stop, placement=placement, steps=options["steps"], wikitext=wikitext)
-        if folder.is_soma:
-            soma = folder.read_soma()
-            executor, summed, _ = place(placement, soma["experts"], soma["loss"])
-            records = resume_soma(folder.path, executor, device=placement.device, workers=summed, **resume_args)
-        else:
-            _, _, sharding = place(placement, 1)
-            records = resume_run(folder.path, ops=get_ops(placement.device), sharding=sharding, **resume_args)
+        records = run.resume(options["steps"], wikitext, placement, should_stop=stop)
     else:
-        placement = Placement(**given_placement)
         with usage_errors():  # options that cannot work together, or not on this machine: exit code 2
-            model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())}, loss=loss)
-        get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
-        if experts == 1:
-            refuse_given(ctx, ("loss", "top_k", "chunk_size", "workers"), "SOMA (--experts 2 or more)")
-        train_paths, heldout_paths = list(data) or None, list(heldout) or None
-        if population_workers:
-            from zosoma.runs.population_workers import check_shardable
-            check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
-        executor, summed, sharding = place(placement, experts, loss)
-        made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")
-        run_dir = Path(run_dir or made)
-        if experts > 1:
-            records = start_soma(run_dir, model, cfg, experts, loss, executor, chunk_size, train_paths,
-                                 heldout_paths, wikitext, top_k, should_stop=stop, device=placement.device,
-                                 workers=summed, placement=placement)
-        else:
-            records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
-                                ops=get_ops(placement.device), sharding=sharding, placement=placement)
+            spec = Spec.resolve(preset, {k: v for k, v in options.items() if v not in (None, ())}, experts,
+                                *(value if given(ctx, name) else None for name, value in
+                                  (("loss", loss), ("top_k", top_k), ("chunk_size", chunk_size))))
+        records = Run.start(spec, DataPaths(data, heldout, wikitext), Placement(**given_placement), run_dir,
+                            should_stop=stop)
     try:
         render.training(records, stop, logging)
     except ClusterLost as e:  # the checkpoints are kept: say how to go on
-        raise ClusterLost(f"{e}. Continue with: zosoma train --resume {resume or run_dir}") from None
-    except BaseException:
-        if not resume and made is not None:
-            RunFolder(made).remove_if_empty()  # the folder this command named and made, nothing written in it
-        raise
+        raise ClusterLost(f"{e}. Continue with: zosoma train --resume {records.path}") from None

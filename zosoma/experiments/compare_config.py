@@ -40,6 +40,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
+from zosoma.model.protocol import PROTOCOL
 from zosoma.strategies.settings import MODEL_KEYS, TRAIN_KEYS, resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -77,8 +78,8 @@ class Comparison:
     ablation_seeds: tuple[int, ...]
     curve_points: int = 8
     curve_bytes: int = 8192
-    segment: int = 256
-    context: int = 512
+    segment: int = PROTOCOL.segment
+    context: int = PROTOCOL.context
     top_k: int = 2
     chunk_size: int = 2048
     tuning: Tuning | None = None

@@ -44,30 +44,16 @@ from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
+from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.runs.records import Failed, Note, Result
+from zosoma.runs.run import Spec  # what a job's run is (the comparison and the precision study take it from here)
 from zosoma.runs.single import data_record, load_data, new_trainer, open_run
 from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
 from zosoma.runs.trainer import train
 from zosoma.mixture.cluster import load_clustering
 from zosoma.mixture.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What a job's run is: the configuration its folder holds."""
-    model: ModelConfig
-    train: TrainConfig  # the run's seed included
-    experts: int = 1
-    loss: str = "independent"
-    chunk_size: int = 2048  # SOMA's chunks for clustering
-    top_k: int = 2  # SOMA's router (an evaluation setting: the study's, not checked per run)
-
-    def record(self) -> dict:
-        """What the folder of a run of this spec records, by the keys check_job compares."""
-        return {"experts": self.experts, "loss": self.loss, "model": dataclasses.asdict(self.model),
-                "train": dataclasses.asdict(self.train), "chunk_size": self.chunk_size}
 
 
 class Job(Protocol):
@@ -129,8 +115,8 @@ def check_job(job: Job, folder: RunFolder) -> dict | None:
         return result
     if folder.is_soma:
         soma = folder.read_soma()
-        _check(job, folder, {k: soma[k] for k in ("experts", "loss", "chunk_size")})
-        held = [folder.expert(i) for i in range(soma["experts"])]
+        _check(job, folder, {k: getattr(soma, k) for k in ("experts", "loss", "chunk_size")})
+        held = [folder.expert(i) for i in range(soma.experts)]
     elif folder.has_checkpoint:
         _check(job, folder, {"experts": 1})
         held = [folder]
@@ -240,7 +226,7 @@ class Run:
     def __init__(self, folder: RunFolder, spec: Spec, device: str = "cpu"):
         self.folder, self.spec, self.cfg = folder, spec, spec.train
         self.ops = get_ops(device)
-        if spec.experts > 1:
+        if spec.is_soma:
             self._open_soma()
         else:
             self._open_single()
@@ -319,14 +305,15 @@ class Run:
             router = Router(router.clustering, k, router.temperature, dropped)
         return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
 
-    def score(self, corpus: Corpus, segment: int = 256, context: int = 512, top_k: int | None = None,
+    def score(self, corpus: Corpus, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context,
+              top_k: int | None = None,
               ops: Ops | None = None) -> dict:
         """Nats/byte of the (routed) model on each name of corpus, and "overall", by the segment
         protocol (zosoma.mixture.routing), with `ops` (default: the device's fp32 engine)."""
         by = evaluate_routed_corpus(self.ensemble(top_k), corpus, ops or self.ops, segment=segment, context=context)
         return {name: r["routed"].nats_per_byte for name, r in by.items()}
 
-    def score_bytes(self, data: np.ndarray, segment: int = 256, context: int = 512) -> float:
+    def score_bytes(self, data: np.ndarray, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context) -> float:
         return evaluate_routed(self.ensemble(), data, segment=segment, context=context,
                                ops=self.ops)["routed"].nats_per_byte
 

@@ -53,6 +53,7 @@ from zosoma.corpus import Corpus
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError, DataError
 from zosoma.model.evaluate import EvalResult
+from zosoma.model.protocol import PROTOCOL
 
 
 _BATCH = 64  # S per expert forward in evaluation: bounds memory to about batch * T * (K + 2) floats
@@ -224,7 +225,8 @@ class Segments:
                    np.full(S, W - 1), tuple(windows[s, :context] for s in range(S)))
 
 
-def segment_bounds(n: int, segment: int = 256, context: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def segment_bounds(n: int, segment: int = PROTOCOL.segment,
+                   context: int = PROTOCOL.context) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(S,) int64 each: the first context byte c0, the first predicted position p0 and one past
     the last p1 of the segments of a file of n bytes, by the protocol of the module docstring:
     segment s predicts positions [1 + s*segment, min(1 + (s+1)*segment, n)) after the context
@@ -240,7 +242,7 @@ def segment_bounds(n: int, segment: int = 256, context: int = 512) -> tuple[np.n
     return c0, p0, p1
 
 
-def cut_segments(data: np.ndarray, segment: int = 256, context: int = 512) -> Segments:
+def cut_segments(data: np.ndarray, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context) -> Segments:
     """The segments of one file (uint8, at least 2 bytes): segment_bounds's, as batch rows."""
     data = np.asarray(data)
     if data.dtype != np.uint8 or data.ndim != 1:
@@ -308,8 +310,9 @@ def segment_sums(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 # --- routed evaluation ---------------------------------------------------------------------------
 
-def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = 256, context: int = 512,
-                    batch: int = _BATCH, ops: Ops | None = None) -> dict[str, EvalResult]:
+def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = PROTOCOL.segment,
+                    context: int = PROTOCOL.context, batch: int = _BATCH,
+                    ops: Ops | None = None) -> dict[str, EvalResult]:
     """Nats of every predicted byte of one file (uint8) by the protocol of the module docstring,
     for:
         "routed"   the top-k mixture p = sum_i w_i p_i, nats -log sum_i w_i exp(-nll_i)

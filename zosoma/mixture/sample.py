@@ -32,6 +32,7 @@ import numpy as np
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
 from zosoma.mixture.routing import Ensemble
+from zosoma.model.protocol import PROTOCOL
 
 _STREAM = 0x5A4  # random stream of sampling (params use 0x1D1)
 _START = b"\n"  # the experts' first input when the prompt is empty
@@ -65,7 +66,7 @@ class _Active:
 
 
 def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
-           seed: int = 0, reroute_every: int = 64, context: int = 512, ops: Ops | None = None) -> bytes:
+           seed: int = 0, reroute_every: int = 64, context: int = PROTOCOL.context, ops: Ops | None = None) -> bytes:
     """The n_bytes generated after `prompt` (the prompt itself is not repeated); the experts run
     on the engine `ops` (zosoma.engines; default the CPU)."""
     temperature = _check(n_bytes, temperature, reroute_every, context)

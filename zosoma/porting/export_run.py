@@ -81,9 +81,9 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
         return [f"wrote {out}: ONNX ({form}) of {run}, step {ckpt.step}, {_shape(ckpt.model)}, "
                 f"{layout.size:,} parameters"]
     soma = folder.read_soma()
-    n = soma["experts"]
+    n = soma.experts
     ckpts = [folder.expert(i).read_checkpoint(fallback=fallback) for i in range(n)]
-    router = router_of(folder, ckpts, soma["top_k"])  # the routing the run is evaluated with
+    router = router_of(folder, ckpts, soma.top_k)  # the routing the run is evaluated with
     clustering = router.clustering
     files = sorted([f"expert{i}.onnx" for i in range(n)] + [ROUTER, MANIFEST])
     with output_folder(out, files, SOMA_FORMAT, force, "ONNX export") as tmp:
@@ -135,7 +135,7 @@ def _read_model(run, fallback: bool):
 
 def _one_expert(folder: RunFolder, fallback: bool) -> str:
     """Why a SOMA run is not exported whole to torch: its experts to export, one at a time."""
-    n = folder.read_soma()["experts"]
+    n = folder.read_soma().experts
     dropped = dropped_of([folder.expert(i).read_checkpoint(fallback=fallback) for i in range(n)])
     if len(dropped) == n:
         return f"{folder}: every expert was dropped (they all diverged): nothing to export"

@@ -74,6 +74,7 @@ from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint,
 from zosoma.runs.guard import rollback_index
 from zosoma.runs.placement import Placement
 from zosoma.runs.records import Note
+from zosoma.runs.shape import SomaShape
 
 CHECKPOINT = "checkpoint.h5"
 PREVIOUS = "checkpoint.prev.h5"
@@ -353,7 +354,7 @@ class RunFolder:
         """Each model's newest checkpoint: this folder's, or every expert's of a SOMA run; None
         where one has none (a record kept without its checkpoints). A damaged newest one is passed
         over in silence: the reader that uses the model says so."""
-        folders = [self.expert(i) for i in range(self.read_soma()["experts"])] if self.is_soma else [self]
+        folders = [self.expert(i) for i in range(self.read_soma().experts)] if self.is_soma else [self]
         if not all(f.has_checkpoint for f in folders):
             return None
         with warnings.catch_warnings():
@@ -442,14 +443,14 @@ class RunFolder:
 
     # --- SOMA ---------------------------------------------------------------------------------
 
-    def read_soma(self) -> dict:
+    def read_soma(self) -> SomaShape:
         try:
-            return json.loads((self.path / SOMA).read_text())
-        except (OSError, ValueError) as e:
+            return SomaShape.from_json(json.loads((self.path / SOMA).read_text()))
+        except (OSError, ValueError, ConfigError) as e:
             raise ConfigError(f"{self.path}: not a SOMA run folder ({SOMA} unreadable: {e})") from None
 
-    def write_soma(self, soma: dict) -> None:
-        write_json(self.path / SOMA, soma, "run description")
+    def write_soma(self, soma: SomaShape) -> None:
+        write_json(self.path / SOMA, soma.to_json(), "run description")
 
     # --- comparison runs ----------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from zosoma.errors import ConfigError, DataError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
+from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
 from zosoma.runs.placement import Placement
@@ -223,7 +224,7 @@ def load_model(path, fallback: bool = False) -> Ensemble:
 
 
 def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,
-                 segment: int = 256, context: int = 512, streams: int | None = None) -> dict:
+                 segment: int = PROTOCOL.segment, context: int = PROTOCOL.context, streams: int | None = None) -> dict:
     """{"heldout": {domain: nats/byte, ..., "overall": ...}, "wikitext103": nats/byte or None}.
 
     By the one protocol every table uses (zosoma.mixture.routing: segments of `segment` bytes after

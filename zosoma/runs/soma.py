@@ -32,6 +32,7 @@ from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError
 from zosoma.model.params import Layout
+from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
@@ -39,6 +40,7 @@ from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolde
 from zosoma.runs.population_workers import summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
+from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.runs.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
@@ -57,17 +59,17 @@ class SomaRun:
     """An opened SOMA run: its folder, description (soma.json), each expert's cluster of the
     training corpus, and the held-out corpus (None when there is none)."""
     folder: RunFolder
-    soma: dict
+    soma: SomaShape
     train_corpus: Corpus
     corpora: tuple
     heldout: Corpus | None
 
     @property
     def n_experts(self) -> int:
-        return self.soma["experts"]
+        return self.soma.experts
 
     def extra(self) -> dict:
-        return {"data": self.soma["data"], "loss": self.soma["loss"]}
+        return {"data": self.soma.data.to_json(), "loss": self.soma.loss}
 
     def trainer(self, i: int, ops: Ops, step: int | None = None) -> Trainer:
         """Expert i's Trainer from its newest checkpoint (or the one at `step`); a damaged newest
@@ -79,10 +81,10 @@ class SomaRun:
                        from_checkpoint(ckpt), expert=i, extra=self.extra(), ops=ops)
 
 
-def run_length(soma: dict, cfg: TrainConfig) -> TrainConfig:
+def run_length(soma: SomaShape, cfg: TrainConfig) -> TrainConfig:
     """An expert's config with the run's length: a resume that extended a SOMA run records the new
     length in soma.json first, so every expert takes it, checkpointed yet or not."""
-    steps = soma.get("steps", cfg.steps)
+    steps = cfg.steps if soma.steps is None else soma.steps
     return cfg if steps == cfg.steps else dataclasses.replace(cfg, steps=steps)
 
 
@@ -139,8 +141,8 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
     report = cluster_report(assignments, chunks.names, n_experts)
     folder.make()
     save_clustering(folder.router, clustering)
-    soma = {"experts": n_experts, "loss": loss, "chunk_size": chunk_size, "top_k": top_k, "data": data,
-            "cluster_sizes": [r["size"] for r in report], "assignments": assignments.tolist()}
+    soma = SomaShape(n_experts, loss, chunk_size, top_k, DataPaths.from_json(data),
+                     tuple(r["size"] for r in report), tuple(assignments.tolist()))
     corpora = expert_corpora(chunks, assignments, n_experts)
     for i in range(n_experts):  # step-0 checkpoints: every expert can resume from the start
         Trainer(folder.expert(i), model, cfg, BatchSampler(corpora[i], cfg.seq_len + 1),
@@ -172,9 +174,9 @@ def open_soma(run_dir) -> SomaRun:
     """A SOMA run folder opened once: refuses training data that changed since the run started."""
     folder = RunFolder(run_dir)
     soma = folder.read_soma()
-    train_corpus, heldout = recorded_data(soma["data"], run_dir)
-    chunks = chunk(train_corpus, soma["chunk_size"])
-    corpora = expert_corpora(chunks, np.asarray(soma["assignments"]), soma["experts"])
+    train_corpus, heldout = recorded_data(soma.data.to_json(), run_dir)
+    chunks = chunk(train_corpus, soma.chunk_size)
+    corpora = expert_corpora(chunks, np.asarray(soma.assignments), soma.experts)
     return SomaRun(folder, soma, train_corpus, tuple(corpora), heldout)
 
 
@@ -184,14 +186,14 @@ def soma_description(run_dir, fallback: bool = False) -> dict:
     folder = RunFolder(run_dir)
     soma = folder.read_soma()
     experts = []
-    for i in range(soma["experts"]):
+    for i in range(soma.experts):
         c = folder.expert(i).read_checkpoint(fallback=fallback)
         t, last = summary_of(c), folder.expert(i).last_metrics(c)
         experts.append({"expert": i, "step": c.step, "steps": c.train.steps, "n_params": c.model.n_params(),
                         "last_loss": last["loss"] if last else None, "restarts": t["restarts"],
                         "dropped": t["dropped"]})
-    return {"run": str(run_dir), **{k: soma[k] for k in ("experts", "loss", "chunk_size", "top_k", "cluster_sizes")},
-            "experts_status": experts}
+    return {"run": str(run_dir), **{k: getattr(soma, k) for k in ("experts", "loss", "chunk_size", "top_k")},
+            "cluster_sizes": list(soma.cluster_sizes), "experts_status": experts}
 
 
 def soma_summary(d: dict) -> str:
@@ -218,18 +220,18 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
     folder = RunFolder(run_dir)
     with folder.lock():
         run = open_soma(run_dir)
-        soma = dict(run.soma, data=dict(run.soma["data"]))
+        soma = run.soma
         if wikitext:
-            soma["data"]["wikitext"] = str(check_wikitext103(wikitext))
+            soma = soma.replaced(data=dataclasses.replace(soma.data, wikitext=str(check_wikitext103(wikitext))))
         else:
-            check_wikitext103(soma["data"].get("wikitext"))
+            check_wikitext103(soma.data.wikitext)
         with warnings.catch_warnings():  # each expert's unit reports its own fallback
             warnings.simplefilter("ignore", CheckpointFallback)
             ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
         first, done = ckpts[0], tuple(c.step for c in ckpts)
         cfg, notes = extended(run_length(soma, first.train), min(done), steps, run_dir)
         if notes:
-            soma["steps"] = cfg.steps
+            soma = soma.replaced(steps=cfg.steps)
         if soma != run.soma:
             folder.write_soma(soma)  # before any expert trains on: each unit reads it
             run = open_soma(run_dir)
@@ -237,14 +239,14 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
             folder.write_placement(placement)
         yield from notes
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
-                      run.soma["loss"], done,
+                      run.soma.loss, done,
                       get_ops(device, first.train.engine, first.train.forward_precision).name)
         yield from _train_and_evaluate(run, executor, should_stop, device, workers)
 
 
 def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=None):
     finished = set()
-    if run.soma["loss"] == "summed":
+    if run.soma.loss == "summed":
         ops = get_ops(device)
         with noting_fallbacks() as fallbacks:
             trainers = lockstep_trainers(run, ops)
@@ -267,7 +269,7 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=Non
 class ExpertUnit:
     """One expert's training as an idempotent unit of work: open its folder, resume, train."""
     run_dir: str
-    soma: dict
+    soma: SomaShape
     corpus: Corpus
     expert: int
     device: str
@@ -280,7 +282,8 @@ class ExpertUnit:
             cfg = run_length(self.soma, ckpt.train)
             trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
                               from_checkpoint(ckpt), expert=self.expert,
-                              extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
+                              extra={"data": self.soma.data.to_json(), "loss": self.soma.loss},
+                              ops=get_ops(self.device))
             yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
             yield from train(trainer, stopping)
 
@@ -326,19 +329,20 @@ def _evaluate(run: SomaRun, ops: Ops):
     yield Evaluating()
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
     training = [summary_of(c) for c in ckpts]
-    soma = dict(run.soma, experts_status=[{"restarts": len(t["restarts"]), "dropped": t["dropped"]} for t in training])
+    soma = run.soma.replaced(experts_status=tuple({"restarts": len(t["restarts"]), "dropped": t["dropped"]}
+                                                  for t in training))
     if soma != run.soma:
         run.folder.write_soma(soma)  # what `zosoma info` shows of each expert
-    ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(run.folder, ckpts, run.soma["top_k"]))
+    ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(run.folder, ckpts, run.soma.top_k))
     ops = run_ops(ops, ckpts[0].train.engine, ckpts[0].train.forward_precision)  # the format it trained in
-    results = evaluate_soma(ensemble, run.heldout, run.soma["data"].get("wikitext"), ops=ops)
+    results = evaluate_soma(ensemble, run.heldout, run.soma.data.wikitext, ops=ops)
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),
                    wall_s=sum(float(c.extra.get("wall_s", 0)) for c in ckpts), training=training,
                    dropped=list(ensemble.router.dropped), checkpoint_steps=[c.step for c in ckpts])
     run.folder.write_results(results)
     _evaluation_events(run, ckpts, results)
-    yield Evaluated(results, lookup(run.heldout, run.soma["data"].get("wikitext")))
+    yield Evaluated(results, lookup(run.heldout, run.soma.data.wikitext))
 
 
 def _evaluation_events(run: SomaRun, ckpts, results: dict) -> None:
@@ -402,7 +406,7 @@ def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool 
 
 
 def evaluate_soma(ensemble: Ensemble, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,
-                  segment: int = 256, context: int = 512) -> dict:
+                  segment: int = PROTOCOL.segment, context: int = PROTOCOL.context) -> dict:
     """Routed ensemble, each expert alone and oracle routing, in nats/byte: per held-out domain
     ({"heldout": {name: {"routed": x, "expert0": y, ..., "oracle": z}}}) and on WikiText-103."""
     ops = ops or get_ops("cpu")

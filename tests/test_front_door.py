@@ -1,0 +1,97 @@
+"""One front door (zosoma.runs.run): the command line and the Python API refuse the same inputs
+with the same one-line message, before any run folder is made, and a run opened either way
+answers the same calls."""
+
+from pathlib import Path
+
+import pytest
+
+import zosoma
+from helpers import one_line_error, run_cli
+from zosoma.errors import ConfigError, DataError
+from zosoma.model.protocol import PROTOCOL, EvalProtocol
+from zosoma.runs.shape import DataPaths, SomaShape
+
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+OLD = "old-run"  # a --resume folder: the clashes are refused before it is read
+SOMA_ONLY = "is an option of SOMA (--experts 2 or more)"
+RESUME = "--resume takes its configuration from the checkpoint; drop {} (--steps extends the run, --wikitext " \
+         "replaces its WikiText-103 file)"
+
+# (command-line options, the same as zosoma.train's arguments, the one-line message, its exit code)
+REFUSALS = [
+    (["--steps", "5", "--top-k", "3"], dict(steps=5, top_k=3), f"--top-k {SOMA_ONLY}", 2),
+    (["--steps", "5", "--loss", "summed"], dict(steps=5, loss="summed"), f"--loss {SOMA_ONLY}", 2),
+    (["--steps", "5", "--chunk-size", "256"], dict(steps=5, chunk_size=256), f"--chunk-size {SOMA_ONLY}", 2),
+    (["--steps", "5", "--experts", "2", "--top-k", "3"], dict(steps=5, experts=2, top_k=3),
+     "top-k 3 exceeds the 2 experts", 2),
+    (["--steps", "5", "--experts", "2", "--top-k", "0"], dict(steps=5, experts=2, top_k=0),
+     "top_k must be at least 1, got 0", 2),
+    (["--steps", "5", "--experts", "0"], dict(steps=5, experts=0), "experts must be at least 1, got 0", 2),
+    (["--steps", "5", "--experts", "-1"], dict(steps=5, experts=-1), "experts must be at least 1, got -1", 2),
+    (["--steps", "5", "--experts", "two"], dict(steps=5, experts="two"), "experts must be an integer, got 'two'", 2),
+    (["--steps", "2.5"], dict(steps=2.5), "steps must be an integer, got 2.5", 2),
+    (["--steps", "0"], dict(steps=0), "steps must be at least 1, got 0", 2),
+    (["--steps", "5", "--preset", "huge"], dict(steps=5, preset="huge"),
+     "preset must be one of tiny, small, paper, got 'huge'", 2),
+    (["--resume", OLD, "--lr", "0.1"], dict(resume=OLD, lr=0.1), RESUME.format("--lr"), 2),
+    (["--resume", OLD, "--experts", "2", "--top-k", "2"], dict(resume=OLD, experts=2, top_k=2),
+     RESUME.format("--experts, --top-k"), 2),
+]
+
+
+@pytest.mark.parametrize("args, kwargs, message, code", REFUSALS, ids=[" ".join(r[0]) for r in REFUSALS])
+def test_the_cli_and_the_api_refuse_the_same_inputs_in_the_same_words(text, args, kwargs, message, code):
+    data = {} if "resume" in kwargs else {"data": text}  # a resume takes its data from the run
+    assert one_line_error(run_cli(["train", *(f"--{k}={v}" for k, v in data.items()), *args]), code) == f"Error: {message}"
+    assert nothing_made()
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(**data, **kwargs)
+    assert str(refused.value) == message
+    assert nothing_made()
+
+
+def test_a_start_that_fails_after_naming_its_folder_takes_it_back(text):
+    """The data is read once the run's folder is named: a missing file leaves no folder behind."""
+    missing = str(Path(text).parent / "missing.txt")
+    line = one_line_error(run_cli(["train", "--data", missing, "--steps", "5"]), 1)
+    assert nothing_made()
+    with pytest.raises(DataError) as failed:
+        zosoma.train(data=missing, steps=5)
+    assert line == f"Error: {failed.value}"
+    assert nothing_made()
+
+
+def nothing_made() -> bool:
+    """No run folder in runs/ (the default) was left behind."""
+    return not Path("runs").exists() or list(Path("runs").iterdir()) == []
+
+
+def test_the_records_read_and_write_what_run_folders_hold():
+    assert EvalProtocol.from_json(PROTOCOL.to_json()) == PROTOCOL == EvalProtocol(256, 512, 2)
+    with pytest.raises(ConfigError, match="segment must be at least 1, got 0"):
+        EvalProtocol(segment=0)
+    data = {"train": ["/a.txt"], "heldout": [], "wikitext": None, "fingerprint": "ab"}
+    assert DataPaths.from_json(data).to_json() == data
+    soma = {"experts": 2, "loss": "independent", "chunk_size": 128, "top_k": 2, "data": data,
+            "cluster_sizes": [3, 1], "assignments": [0, 0, 1, 0]}
+    assert SomaShape.from_json(soma).to_json() == soma
+    assert SomaShape.from_json({**soma, "steps": 9}).to_json() == {**soma, "steps": 9}
+    with pytest.raises(ConfigError, match="not a SOMA run's description"):
+        SomaShape.from_json({k: v for k, v in soma.items() if k != "loss"})
+
+
+def test_the_api_resumes_a_run_as_train_resume_does(text, tmp_path):
+    """zosoma.train(resume=RUN, steps=N) goes on from the checkpoint, bit for bit the run that was
+    never stopped (a constant schedule: an extended cosine is laid out again)."""
+    from zosoma.runs.folder import RunFolder
+    small = dict(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, lr=0.05,
+                 schedule="constant", checkpoint_every=1)
+    whole = zosoma.train(steps=4, run_dir=tmp_path / "whole", **small)
+    zosoma.train(steps=2, run_dir=tmp_path / "part", **small)
+    resumed = zosoma.train(resume=tmp_path / "part", steps=4)
+    assert resumed.checkpoint_steps == whole.checkpoint_steps == [4]
+    theta = [RunFolder(r.path).read_checkpoint().theta for r in (resumed, whole)]
+    assert theta[0].tobytes() == theta[1].tobytes()
+    assert resumed.results["heldout"] == whole.results["heldout"]

@@ -1,0 +1,291 @@
+"""A run, through one handle: `Run.start(spec, data, placement)` makes a new run folder and trains
+it, `Run.open(path)` opens one, and a single model and a SOMA run answer the same calls (resume,
+ensemble, evaluate, describe). Whether a run is one model or N experts is decided here, once.
+
+Every rule about what a run may be lives here too (Spec, check_resume, Run.start): the command
+line, zosoma.api, the comparison and the studies refuse the same inputs with the same one-line
+messages (OptionError, a ConfigError the command line answers with exit code 2).
+
+    spec = Spec.resolve("tiny", {"steps": 300}, experts=2)
+    for record in Run.start(spec, DataPaths(), Placement()):   # zosoma.runs.records
+        ...
+    Run.open(path).evaluate(corpus)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from zosoma.config import LOSSES, PRESETS, ModelConfig, TrainConfig, _typed
+from zosoma.corpus import Corpus
+from zosoma.errors import OptionError
+from zosoma.model.protocol import PROTOCOL, EvalProtocol
+from zosoma.runs.folder import RunFolder, new_run_dir
+from zosoma.runs.placement import Placement
+from zosoma.runs.shape import DataPaths, SomaShape
+
+SOMA_OPTIONS = ("loss", "top_k", "chunk_size")  # what shapes a SOMA run: refused with one expert
+RESUME_TAKES = ("steps", "wikitext")  # what a resume takes besides where it runs
+
+
+def _soma_only(name: str) -> OptionError:
+    return OptionError(f"--{name.replace('_', '-')} is an option of SOMA (--experts 2 or more)")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a run is: its model and training configuration, and for N > 1 experts (SOMA) how the
+    experts train (their own losses or the summed ablation), the chunks clustering cuts the corpus
+    into and the router's top-k. `preset` names the folder a run starts in."""
+    model: ModelConfig
+    train: TrainConfig  # the run's seed included
+    experts: int = 1
+    loss: str = "independent"
+    chunk_size: int = 2048  # SOMA's chunks for clustering
+    top_k: int = PROTOCOL.top_k  # SOMA's router
+    preset: str | None = None
+
+    def __post_init__(self):
+        _typed(self)  # experts, chunk_size and top_k integers, loss a string
+        for name in ("experts", "chunk_size", "top_k"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.loss not in LOSSES:
+            raise OptionError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.is_soma and self.top_k > self.experts:
+            raise OptionError(f"top-k {self.top_k} exceeds the {self.experts} experts")
+
+    @classmethod
+    def resolve(cls, preset: str = "tiny", options: dict = {}, experts: int = 1, loss: str | None = None,
+                top_k: int | None = None, chunk_size: int | None = None) -> "Spec":
+        """The spec of a new run from what a user gave (zosoma.strategies.settings.resolve for
+        the model and training options); loss, top_k and chunk_size are None when not given, and
+        given with one expert are refused, as options that would be silently ignored."""
+        from zosoma.strategies.settings import resolve
+
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise OptionError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        soma = {k: v for k, v in zip(SOMA_OPTIONS, (loss, top_k, chunk_size)) if v is not None}
+        if experts == 1 and soma:
+            raise _soma_only(next(iter(soma)))
+        model, cfg = resolve(preset, options, loss=soma.get("loss", "independent"))
+        return cls(model, cfg, experts, preset=preset, **soma)
+
+    @property
+    def is_soma(self) -> bool:
+        return self.experts > 1
+
+    def record(self) -> dict:
+        """What the folder of a run of this spec records, by the keys a study compares
+        (zosoma.experiments.study.check_job)."""
+        return {"experts": self.experts, "loss": self.loss, "model": dataclasses.asdict(self.model),
+                "train": dataclasses.asdict(self.train), "chunk_size": self.chunk_size}
+
+    def folder_prefix(self) -> str:
+        """runs/<prefix><time>: tiny-..., tiny-soma2-..."""
+        return f"{self.preset or 'run'}-{'soma%d-' % self.experts if self.is_soma else ''}"
+
+
+def check_resume(given: Iterable[str]) -> None:
+    """Refuse options given with a resume (by name) other than RESUME_TAKES and the placement's:
+    a resumed run's configuration comes from its checkpoints."""
+    clashing = [n for n in given if n not in RESUME_TAKES]
+    if clashing:
+        raise OptionError("--resume takes its configuration from the checkpoint; drop "
+                          + ", ".join("--" + n.replace("_", "-") for n in clashing)
+                          + " (--steps extends the run, --wikitext replaces its WikiText-103 file)")
+
+
+class Training:
+    """A run's records as it trains (zosoma.runs.records), in the run folder `path`; a folder
+    that Run.start named and made is taken back when the run fails before writing in it."""
+
+    def __init__(self, path: Path, records: Iterator, made: Path | None = None):
+        self.path, self._records, self._made = Path(path), records, made
+
+    def __iter__(self) -> Iterator:
+        try:
+            yield from self._records
+        except BaseException:
+            if self._made is not None:
+                RunFolder(self._made).remove_if_empty()  # nothing written in it: the folder goes too
+            raise
+
+
+class Run:
+    """A run folder: a single model (SingleModel) or a SOMA run (Soma), one interface."""
+
+    is_soma = False
+
+    def __init__(self, path):
+        self.path, self.folder = Path(path), RunFolder(path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+    @staticmethod
+    def open(path) -> "Run":
+        """The run in `path` (a run folder, or a single model's checkpoint file)."""
+        return Soma(path) if RunFolder(path).is_soma else SingleModel(path)
+
+    @staticmethod
+    def start(spec: Spec, data: DataPaths = DataPaths(), placement: Placement = Placement(), run_dir=None,
+              should_stop: Callable[[], bool] = lambda: False) -> Training:
+        """A new run of `spec` on `data`, placed by `placement`, in run_dir (new or empty; default
+        runs/<preset>-<time>, made here and taken back if the run fails before writing in it). Every
+        option is checked before any folder is made; training happens as the records are read."""
+        from zosoma.engines import get_ops
+        from zosoma.runs.placement import place
+        from zosoma.runs.single import start_run
+        from zosoma.runs.soma import start_soma
+
+        cfg = spec.train
+        if not spec.is_soma and placement.workers is not None:
+            raise _soma_only("workers")
+        get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+        if placement.population_workers:
+            from zosoma.runs.population_workers import check_shardable
+            check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
+        executor, summed, sharding = place(placement, spec.experts, spec.loss)
+        made = None if run_dir else new_run_dir(spec.folder_prefix())
+        run_dir = Path(run_dir or made)
+        paths = dict(train_paths=list(data.train) or None, heldout_paths=list(data.heldout) or None,
+                     wikitext=data.wikitext)
+        if spec.is_soma:
+            records = start_soma(run_dir, spec.model, cfg, spec.experts, spec.loss, executor, spec.chunk_size,
+                                 top_k=spec.top_k, should_stop=should_stop, device=placement.device,
+                                 workers=summed, placement=placement, **paths)
+        else:
+            records = start_run(run_dir, spec.model, cfg, should_stop=should_stop, ops=get_ops(placement.device),
+                                sharding=sharding, placement=placement, **paths)
+        return Training(run_dir, records, made)
+
+    # --- what every run answers ---------------------------------------------------------------
+
+    def resume(self, steps: int | None = None, wikitext=None, placement: Placement | None = None,
+               should_stop: Callable[[], bool] = lambda: False) -> Training:
+        """Train on where the run stopped, with the configuration and data its checkpoints hold;
+        `steps` extends it, `wikitext` replaces the WikiText-103 file it is scored on, `placement`
+        (default: where it last ran) is recorded as where it runs now."""
+        raise NotImplementedError
+
+    def ensemble(self, top_k: int = PROTOCOL.top_k, temperature: float = 0.1, fallback: bool = False):
+        """The run's model as a routed ensemble (zosoma.mixture.routing.Ensemble; one expert for a
+        single model); with `fallback` an older intact checkpoint stands in for a damaged newest."""
+        raise NotImplementedError
+
+    def evaluate(self, corpus: Corpus | None, wikitext=None, protocol: EvalProtocol = PROTOCOL, ops=None,
+                 temperature: float = 0.1, fallback: bool = False, streams: int | None = None) -> dict:
+        """Nats/byte on `corpus` and WikiText-103 by `protocol` (zosoma.runs.single.evaluate_run,
+        zosoma.runs.soma.evaluate_soma), with what the figures are of: kind, n_params, and the step
+        (a single model) or the experts routing left out (SOMA)."""
+        raise NotImplementedError
+
+    def describe(self, fallback: bool = False) -> dict:
+        """What `zosoma info --json` says of the run, "kind" first."""
+        raise NotImplementedError
+
+    def steps(self, description: dict) -> list[int]:
+        """The step of each model's newest checkpoint, from describe()'s dict."""
+        raise NotImplementedError
+
+    def summary(self, description: dict) -> str:
+        """describe()'s dict as the few lines of `zosoma info`."""
+        raise NotImplementedError
+
+
+class SingleModel(Run):
+    """One model's run folder, or its checkpoint file."""
+
+    def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
+        from zosoma.engines import get_ops
+        from zosoma.runs.placement import place
+        from zosoma.runs.single import resume_run
+
+        placement = placement or self.folder.read_placement()
+        _, _, sharding = place(placement, 1)
+        return Training(self.path, resume_run(self.path, should_stop, ops=get_ops(placement.device), sharding=sharding,
+                                              placement=placement, steps=steps, wikitext=wikitext))
+
+    def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
+        from zosoma.runs.single import load_model
+        return load_model(self.path, fallback=fallback)
+
+    def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
+                 streams=None) -> dict:
+        from zosoma.formats.checkpoint import load_checkpoint
+        from zosoma.model.params import Layout
+        from zosoma.runs.folder import warn_if_training
+        from zosoma.runs.single import evaluate_run
+
+        ckpt = self.folder.read_checkpoint(fallback=fallback) if self.path.is_dir() else load_checkpoint(self.path)
+        warn_if_training(self.path, [ckpt.step])
+        r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=protocol.segment,
+                         context=protocol.context, streams=streams)
+        return {"kind": "single", "step": ckpt.step, "n_params": ckpt.model.n_params(), **r}
+
+    def describe(self, fallback=False) -> dict:
+        from zosoma.formats.checkpoint import description
+        from zosoma.runs.folder import checkpoint_path, last_metrics
+
+        path = checkpoint_path(self.path, fallback=fallback)
+        return {"kind": "checkpoint", **description(path, last_metrics(path))}
+
+    def steps(self, description: dict) -> list[int]:
+        return [description["step"]]
+
+    def summary(self, description: dict) -> str:
+        from zosoma.formats.checkpoint import summary
+        from zosoma.runs.folder import last_metrics
+
+        path = description["checkpoint"]  # the file describe() read
+        return summary(path, last_metrics(path))
+
+
+class Soma(Run):
+    """A SOMA run folder: N experts, the router and soma.json (SomaShape)."""
+
+    is_soma = True
+
+    @property
+    def shape(self) -> SomaShape:
+        return self.folder.read_soma()
+
+    def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
+        from zosoma.runs.placement import place
+        from zosoma.runs.soma import resume_soma
+
+        placement = placement or self.folder.read_placement()
+        shape = self.shape
+        executor, summed, _ = place(placement, shape.experts, shape.loss)
+        return Training(self.path, resume_soma(self.path, executor, should_stop, device=placement.device,
+                                               workers=summed, placement=placement, steps=steps, wikitext=wikitext))
+
+    def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
+        from zosoma.runs.soma import load_ensemble
+        return load_ensemble(self.path, top_k, temperature, fallback=fallback)
+
+    def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
+                 streams=None) -> dict:
+        from zosoma.runs.soma import evaluate_soma
+
+        if streams is not None:
+            raise OptionError(f"--streams is an option of single models; {self.path} is a SOMA run")
+        ensemble = self.ensemble(protocol.top_k, temperature, fallback)
+        r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=protocol.segment, context=protocol.context)
+        return {"kind": "soma", "n_params": ensemble.n_params, "dropped": list(ensemble.router.dropped), **r}
+
+    def describe(self, fallback=False) -> dict:
+        from zosoma.runs.soma import soma_description
+
+        return {"kind": "soma", **soma_description(self.path, fallback=fallback)}
+
+    def steps(self, description: dict) -> list[int]:
+        return [e["step"] for e in description["experts_status"]]
+
+    def summary(self, description: dict) -> str:
+        from zosoma.runs.soma import soma_summary
+        return soma_summary(description)
