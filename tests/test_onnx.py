@@ -224,9 +224,9 @@ def dropped(tmp_path_factory):
 
     from test_robust import MODEL, RESTART, text_corpus
     from zosoma.errors import ConfigError
-    from zosoma.runs.executor import Inline
+    from zosoma.workers.executor import Inline
     from zosoma.runs.folder import RunFolder
-    from zosoma.runs.soma import DroppedExperts, create_soma, resume_soma
+    from zosoma.training.soma import DroppedExperts, create_soma, resume_soma
 
     root = tmp_path_factory.mktemp("dropped")
     text = text_corpus(root)

@@ -1,4 +1,4 @@
-"""One model's population over W workers (zosoma.runs.population_workers): the single-process run's numbers
+"""One model's population over W workers (zosoma.workers.population_workers): the single-process run's numbers
 bit for bit, a lost worker rebuilt by replay, the summed-loss ablation through the same scalar
 exchange, communication accounting, and bad input in one line."""
 
@@ -12,12 +12,12 @@ from click.testing import CliRunner
 from zosoma.cli.main import cli
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.runs.executor import Inline
+from zosoma.workers.executor import Inline
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
+from zosoma.workers.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
 from zosoma.runs.records import Step
-from zosoma.runs.single import start_run
-from zosoma.runs.soma import start_soma
+from zosoma.training.single import start_run
+from zosoma.training.soma import start_soma
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)

@@ -22,7 +22,7 @@ from zosoma.mixture.routing import (Ensemble, Router, Segments, cut_segments, ev
                             segment_sums)
 from zosoma.mixture.sample import sample
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.soma import load_ensemble
+from zosoma.training.soma import load_ensemble
 
 from helpers import assert_close
 

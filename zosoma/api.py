@@ -35,8 +35,8 @@ def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_d
     (steps, lr, perturbations, shaping, embed, ...). The experts of a SOMA run train one after
     another in this process. A run whose guard stopped it, or that failed, raises ConfigError."""
     from zosoma.runs.records import Diverged, Dropped, Evaluated, Failed
-    from zosoma.runs.single import start_run
-    from zosoma.runs.soma import start_soma
+    from zosoma.training.single import start_run
+    from zosoma.training.soma import start_soma
     from zosoma.strategies.settings import resolve
 
     model, cfg = resolve(preset, options, loss=loss)
@@ -109,16 +109,16 @@ class Run:
     def model(self, top_k: int = 2):
         """The run's model as a routed ensemble (zosoma.mixture.routing.Ensemble; one expert for
         a single model)."""
-        from zosoma.runs.single import load_model
-        from zosoma.runs.soma import load_ensemble
+        from zosoma.training.single import load_model
+        from zosoma.training.soma import load_ensemble
         return load_ensemble(self.path, top_k) if self.is_soma else load_model(self.path)
 
     def evaluate(self, data=None, wikitext=None, top_k: int = 2) -> dict:
         """Nats/byte on `data` (paths; default the shipped held-out slices) and WikiText-103, by
         the protocol of every table (`zosoma eval`'s result)."""
         from zosoma.download import check_wikitext103
-        from zosoma.runs.soma import evaluate_soma
-        from zosoma.runs.single import evaluate_run
+        from zosoma.training.soma import evaluate_soma
+        from zosoma.training.single import evaluate_run
         corpus = load_corpus(_paths(data) or None, split="heldout")
         wikitext = check_wikitext103(wikitext)  # a file not the official one: a NotOfficial warning, as train gives
         if self.is_soma:

@@ -23,5 +23,5 @@ class WriteError(ZosomaError):
 
 
 class ClusterLost(ZosomaError):
-    """The cluster that units of work ran on stopped answering (zosoma.runs.ray_executor): each unit
+    """The cluster that units of work ran on stopped answering (zosoma.workers.ray_executor): each unit
     keeps its newest checkpoint, and the run resumes where a cluster answers."""

@@ -42,7 +42,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     wikitext = check_wikitext103(wikitext)  # as train: a file that is not the official one says so
     scored = "the --data files" if data else None
     if soma:
-        from zosoma.runs.soma import evaluate_soma, load_ensemble
+        from zosoma.training.soma import evaluate_soma, load_ensemble
         ensemble = load_ensemble(checkpoint, top_k, temperature, fallback=previous)
         warn_about_results(checkpoint)
         r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=segment, context=context)
@@ -54,7 +54,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
         return
     from zosoma.formats.checkpoint import load_checkpoint
     from zosoma.model.params import Layout
-    from zosoma.runs.single import evaluate_run
+    from zosoma.training.single import evaluate_run
 
     path = Path(checkpoint)
     ckpt = RunFolder(path).read_checkpoint(fallback=previous) if path.is_dir() else load_checkpoint(path)

@@ -19,7 +19,7 @@ def info(checkpoint, previous, as_json):
     still training, and a results.json the run has trained past, are said in a warning line."""
     from zosoma.formats.checkpoint import description, summary
     from zosoma.runs.folder import RunFolder, checkpoint_path, last_metrics, warn_if_training
-    from zosoma.runs.soma import soma_description, soma_summary
+    from zosoma.training.soma import soma_description, soma_summary
     if RunFolder(checkpoint).is_soma:
         d = {"kind": "soma", **soma_description(checkpoint, fallback=previous)}
         steps, text = [e["step"] for e in d["experts_status"]], lambda: soma_summary(d)

@@ -25,8 +25,8 @@ def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, p
     """Generate text from a run: a SOMA run's routed mixture, re-routing as the context grows, or
     a single model (its run folder or a checkpoint file)."""
     from zosoma.runs.folder import RunFolder
-    from zosoma.runs.soma import load_ensemble
-    from zosoma.runs.single import load_model
+    from zosoma.training.soma import load_ensemble
+    from zosoma.training.single import load_model
     from zosoma.mixture.sample import sample as generate
 
     ops = device_ops(device)

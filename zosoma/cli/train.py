@@ -77,9 +77,10 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     """
     from zosoma.engines import get_ops
     from zosoma.runs.folder import RunFolder, new_run_dir
-    from zosoma.runs.placement import Placement, place
-    from zosoma.runs.single import resume_run, start_run
-    from zosoma.runs.soma import resume_soma, start_soma
+    from zosoma.runs.placement import Placement
+    from zosoma.workers.placing import place
+    from zosoma.training.single import resume_run, start_run
+    from zosoma.training.soma import resume_soma, start_soma
     from zosoma.strategies.settings import resolve
 
     logging = render.Logging.parse(log_every, quiet)
@@ -124,7 +125,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
             refuse_given(ctx, ("loss", "top_k", "chunk_size", "workers"), "SOMA (--experts 2 or more)")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
         if population_workers:
-            from zosoma.runs.population_workers import check_shardable
+            from zosoma.workers.population_workers import check_shardable
             check_shardable(cfg, population_workers)  # W > P, or a strategy that cannot be split: one line
         executor, summed, sharding = place(placement, experts, loss)
         made = None if run_dir else new_run_dir(f"{preset}-{'soma%d-' % experts if experts > 1 else ''}")

@@ -1,9 +1,9 @@
-"""Where a run lives: run folders, the training loop, executors and progress records.
+"""A run's folder, its training loop and its records.
 
-Owns every file name inside a run folder (folder), the one atomic writer, the training loop over
-a strategy and an engine (trainer), single-model and SOMA runs (single, soma), the executors that
-run idempotent units of work (executor; on Ray: ray_executor), one model's population over
-workers that exchange only scalars (population_workers) and the typed records training yields
-(records). May import everything below it: the foundation, model, formats, engines, strategies
-and mixture.
+Owns every file name inside a run folder (folder), the training loop over a strategy and an
+engine (trainer) with its divergence guard (guard), the typed records training yields (records),
+the event file beside metrics.jsonl (events) and where a run's work goes, as a record
+(placement). May import the foundation, model, formats, engines, strategies, mixture and
+yardsticks; the workers (zosoma.workers) and the single-model and SOMA runs (zosoma.training)
+stand on it.
 """

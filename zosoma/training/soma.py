@@ -2,14 +2,14 @@
 
 Independent losses (SOMA): each expert trains on its own cluster with its own noise stream
 (expert index i in every counter) and shares nothing, so each expert is one unit of work for an
-executor (zosoma.runs.executor): it opens its folder, resumes from its last checkpoint and trains;
+executor (zosoma.workers.executor): it opens its folder, resumes from its last checkpoint and trains;
 a crash or a stop in one loses nothing of the others.
 
 Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting weights, batches
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
 couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
-that was already one checkpoint ahead). Given `workers` (zosoma.runs.population_workers: local processes
+that was already one checkpoint ahead). Given `workers` (zosoma.workers.population_workers: local processes
 or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
 scalars travel each step, with the same numbers.
 
@@ -33,13 +33,13 @@ from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError
 from zosoma.model.params import Layout
 from zosoma.runs.events import EventLog
-from zosoma.runs.executor import Inline
+from zosoma.workers.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
-from zosoma.runs.population_workers import summed_trainers
+from zosoma.workers.population_workers import summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
-from zosoma.runs.single import data_record, extended, load_data, recorded_data
+from zosoma.training.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -249,7 +249,7 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=Non
         with noting_fallbacks() as fallbacks:
             trainers = lockstep_trainers(run, ops)
         yield from fallbacks()
-        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.runs.population_workers)
+        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.workers.population_workers)
             trainers = summed_trainers(trainers, workers, device)
         records = train_lockstep(trainers, should_stop)
     else:

@@ -23,7 +23,7 @@ all P pairs of its own expert; the driver sums the experts' differences (zosoma.
 and every expert applies the shared scalars.
 
 Workers come from a transport: InProcess (one after another in this process: the exchange
-without processes), Processes (spawned local processes) or zosoma.runs.ray_executor.RayWorkers
+without processes), Processes (spawned local processes) or zosoma.workers.ray_executor.RayWorkers
 (Ray actors on any node). A transport's spawn(spec, step, replay) returns a handle with
 call(method, *args) -> ticket (never blocks), result(ticket) (blocks; tickets are awaited in
 order; WorkerLost when the worker died) and close().
@@ -51,7 +51,7 @@ from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, ZosomaError
 from zosoma.model.params import Layout
-from zosoma.runs.executor import child_threads, exit_with_parent, one_line
+from zosoma.workers.executor import child_threads, exit_with_parent, one_line
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.trainer import RunState, Trainer, stream
 from zosoma.strategies import make_strategy
@@ -442,8 +442,8 @@ def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSam
 
 
 def summed_trainers(trainers: Sequence[Trainer], workers, device: str = "cpu") -> list[ShardedTrainer]:
-    """The summed ablation's experts (Trainers at one step, as zosoma.runs.soma.lockstep_trainers
-    makes them) moved onto one worker each; train them with zosoma.runs.soma.train_lockstep."""
+    """The summed ablation's experts (Trainers at one step, as zosoma.training.soma.lockstep_trainers
+    makes them) moved onto one worker each; train them with zosoma.training.soma.train_lockstep."""
     specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, device) for t in trainers]
     group = Group(workers, specs)
     return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], expert=t.expert, extra=t.extra)
