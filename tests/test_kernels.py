@@ -495,7 +495,8 @@ def test_eggroll_factors_are_the_cpu_slices(rt):
 def routed_setup():
     """A 4-expert ensemble of two sizes (experts of one size run together on the device) routed
     over three synthetic byte domains, and text that switches between them."""
-    from zosoma.mixture.cluster import ClusterConfig, fit_clusters
+    from zosoma.config import ClusterConfig
+    from zosoma.mixture.cluster import fit_clusters
     from zosoma.corpus import Corpus
 
     rng = np.random.default_rng(0)

@@ -252,7 +252,8 @@ def dropped(tmp_path_factory):
 @pytest.mark.slow
 def test_a_soma_export_routes_around_a_dropped_expert_as_eval_does(dropped, tmp_path, monkeypatch):
     from zosoma.engines import get_ops
-    from zosoma.mixture.cluster import ClusterConfig, Clustering
+    from zosoma.config import ClusterConfig
+    from zosoma.mixture.cluster import Clustering
     from zosoma.mixture.routing import Ensemble, Router, evaluate_routed_corpus
     from zosoma.corpus import load_corpus
     from zosoma.runs.folder import RunFolder

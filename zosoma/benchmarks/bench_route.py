@@ -40,7 +40,8 @@ import numpy as np
 
 from zosoma.engines import get_ops
 from zosoma.workers.executor import THREAD_VARS, child_threads
-from zosoma.mixture.cluster import ClusterConfig, fit_clusters
+from zosoma.config import ClusterConfig
+from zosoma.mixture.cluster import fit_clusters
 from zosoma.config import ModelConfig
 from zosoma.errors import ConfigError
 from zosoma.corpus import BatchSampler, chunk, load_corpus

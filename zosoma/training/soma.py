@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from zosoma.config import LOSSES, ModelConfig, TrainConfig
+from zosoma.config import LOSSES, ClusterConfig, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops, run_ops
@@ -41,7 +41,7 @@ from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finish
 from zosoma.runs.placement import Placement
 from zosoma.training.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
-from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
+from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
 from zosoma.strategies.summed import Summed
