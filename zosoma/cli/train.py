@@ -75,7 +75,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
-    from zosoma.engines import get_ops
+    from zosoma.engines import get_ops, run_ops
     from zosoma.runs.folder import RunFolder, new_run_dir
     from zosoma.runs.placement import Placement
     from zosoma.workers.placing import place
@@ -92,7 +92,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         ("address", address), ("cpus_per_unit", cpus_per_unit), ("gpus_per_unit", gpus_per_unit),
         ("device", device)) if given(ctx, "executor_kind" if name == "executor" else name)}
     if "device" in given_placement:
-        given_placement["device"] = device_ops(device).name  # auto, resolved
+        given_placement["device"] = device_ops(device).device  # auto, resolved
     stop, made = StopRequest(), None
     if resume:
         folder = RunFolder(resume)
@@ -108,19 +108,21 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         if recorded != type(recorded)():  # say where it goes on: the options are not on this command line
             click.echo(f"placement: {placement.describe() or 'the defaults'} (where the run was, with the "
                        "options given here)", err=True)
-        resume_args = dict(should_stop=stop, placement=placement, steps=options["steps"], wikitext=wikitext)
+        ops = get_ops(placement.device)  # "where", resolved once: the run hands its engine down
+        resume_args = dict(should_stop=stop, ops=ops, placement=placement, steps=options["steps"], wikitext=wikitext)
         if folder.is_soma:
             soma = folder.read_soma()
             executor, summed, _ = place(placement, soma["experts"], soma["loss"])
-            records = resume_soma(folder.path, executor, device=placement.device, workers=summed, **resume_args)
+            records = resume_soma(folder.path, executor, workers=summed, **resume_args)
         else:
             _, _, sharding = place(placement, 1)
-            records = resume_run(folder.path, ops=get_ops(placement.device), sharding=sharding, **resume_args)
+            records = resume_run(folder.path, sharding=sharding, **resume_args)
     else:
         placement = Placement(**given_placement)
         with usage_errors():  # options that cannot work together, or not on this machine: exit code 2
             model, cfg = resolve(preset, {k: v for k, v in options.items() if v not in (None, ())}, loss=loss)
-        get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+        ops = get_ops(placement.device)  # "where", resolved once: the run hands its engine down
+        run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if experts == 1:
             refuse_given(ctx, ("loss", "top_k", "chunk_size", "workers"), "SOMA (--experts 2 or more)")
         train_paths, heldout_paths = list(data) or None, list(heldout) or None
@@ -132,11 +134,11 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         run_dir = Path(run_dir or made)
         if experts > 1:
             records = start_soma(run_dir, model, cfg, experts, loss, executor, chunk_size, train_paths,
-                                 heldout_paths, wikitext, top_k, should_stop=stop, device=placement.device,
+                                 heldout_paths, wikitext, top_k, should_stop=stop, ops=ops,
                                  workers=summed, placement=placement)
         else:
             records = start_run(run_dir, model, cfg, train_paths, heldout_paths, wikitext, should_stop=stop,
-                                ops=get_ops(placement.device), sharding=sharding, placement=placement)
+                                ops=ops, sharding=sharding, placement=placement)
     try:
         render.training(records, stop, logging)
     except ClusterLost as e:  # the checkpoints are kept: say how to go on

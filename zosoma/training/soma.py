@@ -88,12 +88,13 @@ def run_length(soma: dict, cfg: TrainConfig) -> TrainConfig:
 
 def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                executor=None, chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
-               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu",
+               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
                workers=None, placement: Placement | None = None) -> Iterator:
     """Cluster, initialise and train a new SOMA run in run_dir (new or empty); yields Clusters,
     Started, the experts' Step records, Finished / Stopped / Failed per expert, then Evaluated.
     The run folder is locked while it runs; each expert's folder by the unit training it.
-    `placement`, where it all runs, is recorded for a resume."""
+    `ops` is the engine of the run's device (default the CPU's); `placement`, where it all runs,
+    is recorded for a resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
     with folder.lock():
@@ -103,9 +104,9 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
             folder.write_placement(placement)
         run = open_soma(run_dir)
         yield Clusters(report, n_chunks, chunk_size)
-        yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
-                      get_ops(device, cfg.engine, cfg.forward_precision).name)
-        yield from _train_and_evaluate(run, executor, should_stop, device, workers)
+        ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)  # the run's engine, once
+        yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts, ops.name)
+        yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
 def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
@@ -210,11 +211,12 @@ def soma_summary(d: dict) -> str:
 
 
 def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False,
-                device: str = "cpu", workers=None, placement: Placement | None = None, steps: int | None = None,
+                ops: Ops | None = None, workers=None, placement: Placement | None = None, steps: int | None = None,
                 wikitext=None) -> Iterator:
-    """Continue every expert of a SOMA run where it stopped, then evaluate; `steps` extends the
-    run to that many steps per expert, `wikitext` replaces the WikiText-103 file it is scored on,
-    and `placement` is recorded as where it now runs."""
+    """Continue every expert of a SOMA run where it stopped, then evaluate, on `ops` (the engine
+    of the run's device, default the CPU's); `steps` extends the run to that many steps per
+    expert, `wikitext` replaces the WikiText-103 file it is scored on, and `placement` is
+    recorded as where it now runs."""
     folder = RunFolder(run_dir)
     with folder.lock():
         run = open_soma(run_dir)
@@ -236,31 +238,32 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         if placement is not None:
             folder.write_placement(placement)
         yield from notes
+        ops = run_ops(ops or get_ops("cpu"), first.train.engine, first.train.forward_precision)  # once
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
-                      run.soma["loss"], done,
-                      get_ops(device, first.train.engine, first.train.forward_precision).name)
-        yield from _train_and_evaluate(run, executor, should_stop, device, workers)
+                      run.soma["loss"], done, ops.name)
+        yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
-def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=None):
+def _train_and_evaluate(run: SomaRun, executor, should_stop, ops: Ops, workers=None):
+    """Train every expert on the run's engine `ops` (a unit in another process opens its own, on
+    ops.device), then evaluate the routed ensemble on it."""
     finished = set()
     if run.soma["loss"] == "summed":
-        ops = get_ops(device)
         with noting_fallbacks() as fallbacks:
             trainers = lockstep_trainers(run, ops)
         yield from fallbacks()
         if workers is not None:  # one worker per expert, exchanging scalars (zosoma.workers.population_workers)
-            trainers = summed_trainers(trainers, workers, device)
+            trainers = summed_trainers(trainers, workers)
         records = train_lockstep(trainers, should_stop)
     else:
-        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, device) for i in range(run.n_experts)]
+        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, ops.device) for i in range(run.n_experts)]
         records = (executor or Inline()).run(units, should_stop)
     for record in records:
         if isinstance(record, (Finished, Dropped)):  # a dropped expert is done: routing leaves it out
             finished.add(record.expert)
         yield record
     if len(finished) == run.n_experts and not should_stop():  # stopped or failed experts: nothing to evaluate yet
-        yield from _evaluate(run, get_ops(device))
+        yield from _evaluate(run, ops)
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,7 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
 
 
 def _evaluate(run: SomaRun, ops: Ops):
+    """The routed ensemble scored on the engine the experts trained on (in their forwards' format)."""
     yield Evaluating()
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
     training = [summary_of(c) for c in ckpts]
@@ -330,7 +334,6 @@ def _evaluate(run: SomaRun, ops: Ops):
     if soma != run.soma:
         run.folder.write_soma(soma)  # what `zosoma info` shows of each expert
     ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(run.folder, ckpts, run.soma["top_k"]))
-    ops = run_ops(ops, ckpts[0].train.engine, ckpts[0].train.forward_precision)  # the format it trained in
     results = evaluate_soma(ensemble, run.heldout, run.soma["data"].get("wikitext"), ops=ops)
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),

@@ -434,17 +434,18 @@ def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSam
         return Trainer(folder, model, cfg, sampler, state, extra=extra, ops=ops)
     check_shardable(cfg, sharding.size)
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-    device = (ops or get_ops("cpu")).name
+    device = ops.device if ops is not None else "cpu"
     specs = [ShardSpec(str(folder.path), sampler.corpus, 0, pairs, device)
              for pairs in shard_pairs(cfg.perturbations, sharding.size)]
     return ShardedTrainer(folder, model, cfg, sampler, state, Group(sharding.workers, specs), range(len(specs)),
                           extra=extra)
 
 
-def summed_trainers(trainers: Sequence[Trainer], workers, device: str = "cpu") -> list[ShardedTrainer]:
+def summed_trainers(trainers: Sequence[Trainer], workers) -> list[ShardedTrainer]:
     """The summed ablation's experts (Trainers at one step, as zosoma.training.soma.lockstep_trainers
-    makes them) moved onto one worker each; train them with zosoma.training.soma.train_lockstep."""
-    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, device) for t in trainers]
+    makes them) moved onto one worker each, on their engine's device; train them with
+    zosoma.training.soma.train_lockstep."""
+    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, t.ops.device) for t in trainers]
     group = Group(workers, specs)
     return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], expert=t.expert, extra=t.extra)
             for i, t in enumerate(trainers)]
