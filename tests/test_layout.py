@@ -24,9 +24,8 @@ ALLOWED = {
     "mixture": {"foundation", "model", "formats", "engines", "mixture"},
     "yardsticks": {"foundation", "model", "mixture", "yardsticks"},  # n-grams and compressors beside models
     # a run's folder, loop and records; the workers and executors on them; single and SOMA runs on both
-    "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs"},
-    "workers": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
-                "workers"},
+    "runs": {"foundation", "model", "formats", "engines", "strategies", "runs"},
+    "workers": {"foundation", "model", "formats", "engines", "strategies", "runs", "workers"},
     "training": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
                  "workers", "training"},
     "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",

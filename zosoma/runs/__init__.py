@@ -3,7 +3,6 @@
 Owns every file name inside a run folder (folder), the training loop over a strategy and an
 engine (trainer) with its divergence guard (guard), the typed records training yields (records),
 the event file beside metrics.jsonl (events) and where a run's work goes, as a record
-(placement). May import the foundation, model, formats, engines, strategies, mixture and
-yardsticks; the workers (zosoma.workers) and the single-model and SOMA runs (zosoma.training)
-stand on it.
+(placement). May import the foundation, model, formats, engines and strategies; the workers
+(zosoma.workers) and the single-model and SOMA runs (zosoma.training) stand on it.
 """

@@ -3,5 +3,5 @@
 A Placement (zosoma.runs.placement) made real (placing): the executors that run units of work,
 inline, in local processes (executor) or as Ray tasks (ray_executor, with its watchdog reaper),
 and one model's population spread over workers that exchange only scalars (population_workers).
-May import the foundation, model, formats, engines, strategies, mixture, yardsticks and runs.
+May import the foundation, model, formats, engines, strategies and runs.
 """
