@@ -29,7 +29,7 @@ from zosoma.config import PRESETS, TrainConfig
 from zosoma.model.params import Layout
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Evaluated
-from zosoma.runs.single import evaluate_run, resume_run, start_run
+from zosoma.training.single import evaluate_run, resume_run, start_run
 from zosoma.runs.trainer import Trainer
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate

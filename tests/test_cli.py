@@ -209,7 +209,7 @@ def test_data_show_and_download(tmp_path, request):
 
 
 def test_sample_a_single_model_and_greedy(tmp_path, text_files):
-    from zosoma.runs.single import load_model
+    from zosoma.training.single import load_model
     from zosoma.mixture.sample import sample
     from zosoma.engines.ops import Ops
     run_dir = tmp_path / "one"

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
+from zosoma.config import ClusterConfig
+from zosoma.formats import clustering as clustering_format
 from zosoma.mixture import cluster as cl
 from zosoma.mixture.cluster import (
-    ClusterConfig,
     Clustering,
     balanced_assignment,
     cluster_report,
@@ -321,7 +322,7 @@ def test_save_load_round_trip_in_a_group(small_fit, tmp_path):
         clustering.save(f.create_group("clustering"))
     with h5py.File(path, "r") as f:
         loaded = Clustering.load(f["clustering"])
-        assert f["clustering"].attrs["format_version"] == cl.FORMAT_VERSION == 2
+        assert f["clustering"].attrs["format_version"] == clustering_format.FORMAT_VERSION == 2
     assert loaded.config == clustering.config
     for name in ("idf", "projection", "centroids"):
         assert np.array_equal(getattr(loaded, name), getattr(clustering, name))

@@ -272,7 +272,7 @@ train = {perturbations = 2, lr = 1000.0, on_divergence = "stop"}
 
 @pytest.mark.slow
 def test_a_record_the_run_has_trained_past_is_scored_again_never_reused(tmp_path):
-    from zosoma.runs.single import resume_run
+    from zosoma.training.single import resume_run
     cmp = load_comparison_text(tmp_path, WILD)
     job, run = Job("run", cmp.methods[0], 0, cmp), tmp_path / "run"
     first = run_job(job, run)

@@ -13,7 +13,8 @@ from zosoma.corpus import Corpus
 from zosoma.errors import CheckpointError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from zosoma.model.params import init_params
-from zosoma.mixture.cluster import ClusterConfig, fit_clusters, load_clustering, save_clustering
+from zosoma.config import ClusterConfig
+from zosoma.mixture.cluster import fit_clusters, load_clustering, save_clustering
 
 pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

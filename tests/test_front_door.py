@@ -1,4 +1,4 @@
-"""One front door (zosoma.runs.run): the command line and the Python API refuse the same inputs
+"""One front door (zosoma.training.run): the command line and the Python API refuse the same inputs
 with the same one-line message, before any run folder is made, and a run opened either way
 answers the same calls."""
 

@@ -495,7 +495,8 @@ def test_eggroll_factors_are_the_cpu_slices(rt):
 def routed_setup():
     """A 4-expert ensemble of two sizes (experts of one size run together on the device) routed
     over three synthetic byte domains, and text that switches between them."""
-    from zosoma.mixture.cluster import ClusterConfig, fit_clusters
+    from zosoma.config import ClusterConfig
+    from zosoma.mixture.cluster import fit_clusters
     from zosoma.corpus import Corpus
 
     rng = np.random.default_rng(0)
@@ -610,6 +611,7 @@ def test_each_engine_says_what_it_is(rt, fresh_probe):
     assert (cpu.on_device, cpu.precision) == (False, "fp32")
     assert (bf16.on_device, bf16.precision, bf16.name) == (False, "bf16", "cpu-bf16")
     assert (device.on_device, device.precision) == (True, "fp32")
+    assert (cpu.device, bf16.device, device.device) == ("cpu", "cpu", "cuda")  # the device, whatever the label
     assert run_ops(bf16, "onnxruntime").name == "onnxruntime"  # a CPU engine gives way to the run's own
     with pytest.raises(ConfigError, match="runs on the CPU, not on cuda"):
         run_ops(device, "native", "int8")

@@ -1,6 +1,6 @@
-"""The package's seams hold: imports point down the layout, one place picks the device and no other
-asks which one it got, no two modules share a name, every folder is installed, one module knows a
-run folder's files."""
+"""The package's seams hold: imports point down the layout and no module imports another in a loop,
+one place picks the device and no other asks which one it got, no two modules share a name, every
+folder is installed, one module knows a run folder's files."""
 
 import ast
 import configparser
@@ -23,17 +23,22 @@ ALLOWED = {
     "strategies": {"foundation", "model", "strategies"},
     "mixture": {"foundation", "model", "formats", "engines", "mixture"},
     "yardsticks": {"foundation", "model", "mixture", "yardsticks"},  # n-grams and compressors beside models
-    "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs"},
+    # a run's folder, loop and records; the workers and executors on them; single and SOMA runs on both
+    "runs": {"foundation", "model", "formats", "engines", "strategies", "runs"},
+    "workers": {"foundation", "model", "formats", "engines", "strategies", "runs", "workers"},
+    "training": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
+                 "workers", "training"},
     "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
-                    "experiments"},
+                    "workers", "training", "experiments"},
     # the benchmarks sit beside the experiments: the same parts below, neither imports the other
     "benchmarks": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
-                   "benchmarks"},
-    "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "porting"},
-    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "experiments",
-            "api"},
-    "cli": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "experiments",
-            "benchmarks", "porting", "api", "cli"},
+                   "workers", "training", "benchmarks"},
+    "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "workers", "training",
+                "porting"},
+    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "workers",
+            "training", "experiments", "api"},
+    "cli": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "workers",
+            "training", "experiments", "benchmarks", "porting", "api", "cli"},
 }
 DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an address "auto")
 
@@ -79,6 +84,75 @@ def test_imports_point_down_the_layout(path):
     folder = engine_folder(module_name(path))
     others = [m for m in zosoma_imports(path) if folder and engine_folder(m) not in (None, "cpu", folder)]
     assert not others, f"{path.relative_to(ROOT)} (engines/{folder}) imports {others}"
+
+
+def modules() -> dict[str, Path]:
+    """Every module by its import name; a package by its own name (zosoma.runs is runs/__init__.py)."""
+    return {module_name(p).removesuffix(".__init__"): p for p in sources()}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules it imports, at the top or inside a function alike (`from zosoma.runs.folder
+    import RunFolder` is an arrow to zosoma.runs.folder; `from zosoma.engines import get_ops` to the
+    package zosoma.engines)."""
+    known = modules()
+
+    def target(name: str) -> str:
+        while name not in known:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    return {m: {target(i) for i in zosoma_imports(p)} - {m} for m, p in known.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The sets of nodes that reach each other through the arrows (Tarjan's strongly connected
+    components of more than one node)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or w != v:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    """No modules of zosoma import each other in a loop, even through imports inside functions: each
+    stands above all that it imports, so none runs back up to one above it."""
+    assert not circles(import_graph())
+
+
+def test_the_layers_are_an_order():
+    """The parts' allowances are a layering: no two parts may import each other, directly or round
+    a loop, so the part check above also keeps every import pointing down."""
+    assert not circles({here: below - {here} for here, below in ALLOWED.items()})
+
+
+def test_the_circle_check_sees_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    graph = import_graph()
+    assert "zosoma.runs.folder" in graph["zosoma.training.soma"]  # imports inside functions count too:
+    assert "zosoma.workers.placing" in graph["zosoma.training.run"]
 
 
 def root_imports(path: Path) -> list[str]:

@@ -224,9 +224,9 @@ def dropped(tmp_path_factory):
 
     from test_robust import MODEL, RESTART, text_corpus
     from zosoma.errors import ConfigError
-    from zosoma.runs.executor import Inline
+    from zosoma.workers.executor import Inline
     from zosoma.runs.folder import RunFolder
-    from zosoma.runs.soma import DroppedExperts, create_soma, resume_soma
+    from zosoma.training.soma import DroppedExperts, create_soma, resume_soma
 
     root = tmp_path_factory.mktemp("dropped")
     text = text_corpus(root)
@@ -252,7 +252,8 @@ def dropped(tmp_path_factory):
 @pytest.mark.slow
 def test_a_soma_export_routes_around_a_dropped_expert_as_eval_does(dropped, tmp_path, monkeypatch):
     from zosoma.engines import get_ops
-    from zosoma.mixture.cluster import ClusterConfig, Clustering
+    from zosoma.config import ClusterConfig
+    from zosoma.mixture.cluster import Clustering
     from zosoma.mixture.routing import Ensemble, Router, evaluate_routed_corpus
     from zosoma.corpus import load_corpus
     from zosoma.runs.folder import RunFolder

@@ -18,7 +18,7 @@ from zosoma.errors import ConfigError
 from zosoma.model import reference
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
-from zosoma.runs.population_workers import check_shardable
+from zosoma.workers.population_workers import check_shardable
 from zosoma.runs.records import Step
 from zosoma.runs.trainer import Trainer, new_state, train
 from zosoma.strategies import make_strategy

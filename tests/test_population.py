@@ -1,7 +1,8 @@
-"""One model's population over W workers (zosoma.runs.population_workers): the single-process run's numbers
+"""One model's population over W workers (zosoma.workers.population_workers): the single-process run's numbers
 bit for bit, a lost worker rebuilt by replay, the summed-loss ablation through the same scalar
 exchange, communication accounting, and bad input in one line."""
 
+import dataclasses
 import os
 import signal
 
@@ -11,13 +12,14 @@ from click.testing import CliRunner
 
 from zosoma.cli.main import cli
 from zosoma.config import ModelConfig, TrainConfig
+from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
-from zosoma.runs.executor import Inline
+from zosoma.workers.executor import Inline
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
+from zosoma.workers.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
 from zosoma.runs.records import Step
-from zosoma.runs.single import start_run
-from zosoma.runs.soma import start_soma
+from zosoma.training.single import start_run
+from zosoma.training.soma import start_soma
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
@@ -70,6 +72,17 @@ def test_sharded_population_equals_the_single_process_run(tmp_path, two_domains)
     assert np.array_equal(theta(tmp_path / "processes"), theta(tmp_path / "one"))
     logged = RunFolder(tmp_path / "processes").read_scalars()
     assert sorted(logged) == list(range(CFG.steps)) and all(len(c) == CFG.perturbations for c in logged.values())
+
+
+@pytest.mark.slow
+def test_workers_open_the_engine_the_run_hands_them(tmp_path, two_domains):
+    """A run handed its own engine (bf16 forwards on the CPU) tells its population workers the
+    device that engine is on (ops.device, not its label "cpu-bf16"), so each opens the same engine:
+    the single-process run's numbers."""
+    cfg, ops = dataclasses.replace(CFG, forward_precision="bf16", steps=4), get_ops("cpu", precision="bf16")
+    run(tmp_path / "one", two_domains, cfg=cfg, ops=ops)
+    run(tmp_path / "w2", two_domains, Sharding(InProcess(), 2), cfg=cfg, ops=ops)
+    assert np.array_equal(theta(tmp_path / "w2"), theta(tmp_path / "one"))
 
 
 def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):

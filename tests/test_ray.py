@@ -1,4 +1,4 @@
-"""Ray (zosoma.runs.ray_executor): SOMA's experts as Ray tasks and a population over Ray actors give an
+"""Ray (zosoma.workers.ray_executor): SOMA's experts as Ray tasks and a population over Ray actors give an
 inline run's numbers bit for bit, through a lost node, a worker process killed with os._exit, a lost
 actor and a driver killed with SIGKILL; a bad address, a folder the workers cannot see and a missing
 Ray are one line. A head that `ray start` started with token authentication (token_head, a cluster
@@ -30,14 +30,14 @@ from helpers import RAY_OPTIONS, zosoma_cmd
 from zosoma.cli.main import cli
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.runs.executor import Inline
+from zosoma.workers.executor import Inline
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population_workers import Sharding
-from zosoma.runs.ray_executor import RayExecutor, RayWorkers, connect
-from zosoma.runs.reaper import descendants, start_time
+from zosoma.workers.population_workers import Sharding
+from zosoma.workers.ray_executor import RayExecutor, RayWorkers, connect
+from zosoma.workers.reaper import descendants, start_time
 from zosoma.runs.records import Failed, Finished, Note, Step
-from zosoma.runs.single import start_run
-from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
+from zosoma.training.single import start_run
+from zosoma.training.soma import ExpertUnit, create_soma, open_soma
 
 ray = pytest.importorskip("ray", reason="the Ray executor needs the ray extra")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -345,7 +345,7 @@ def test_a_head_with_token_authentication_and_no_token_here_is_one_line_at_once(
                                 timeout=120)
         assert (result.returncode, result.stdout, result.stderr.strip()) == (1, "", line)
         assert time.monotonic() - t0 < 10 and not Path("run").exists()
-    connects = ("import sys\nfrom zosoma.runs.ray_executor import connect\n"
+    connects = ("import sys\nfrom zosoma.workers.ray_executor import connect\n"
                 "print(connect(sys.argv[1]).cluster_resources()['CPU'])")
     result = subprocess.run([sys.executable, "-c", connects, token_head.address], capture_output=True, text=True,
                             env=ray_free_env(HOME=str(nowhere), RAY_AUTH_TOKEN=token_head.token), timeout=120)

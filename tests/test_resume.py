@@ -16,12 +16,12 @@ from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.formats.h5util import content_digest, text_array, text_attr
 from zosoma.model.params import Layout
-from zosoma.runs.executor import Inline
+from zosoma.workers.executor import Inline
 from zosoma.runs.folder import METRICS, MetricsDamaged, RunFolder
-from zosoma.runs.population_workers import InProcess, Sharding
+from zosoma.workers.population_workers import InProcess, Sharding
 from zosoma.runs.records import Stopped
-from zosoma.runs.single import resume_run, start_run
-from zosoma.runs.soma import resume_soma, start_soma
+from zosoma.training.single import resume_run, start_run
+from zosoma.training.soma import resume_soma, start_soma
 from zosoma.runs.trainer import Trainer, from_checkpoint, guard_of, new_state, train
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)

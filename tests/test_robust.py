@@ -12,10 +12,10 @@ from helpers import zosoma_cmd
 from zosoma.config import ModelConfig, TrainConfig, from_json, to_json
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.errors import ConfigError
-from zosoma.runs.executor import Inline, LocalProcesses
+from zosoma.workers.executor import Inline, LocalProcesses
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Finished, Restarted, Step
-from zosoma.runs.soma import create_soma, load_ensemble, resume_soma
+from zosoma.training.soma import create_soma, load_ensemble, resume_soma
 from zosoma.runs.trainer import RESTART_STREAM, Trainer, from_checkpoint, new_state, train
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import check_options
@@ -305,8 +305,8 @@ def test_the_summed_ablations_experts_stop_together_where_one_would_restart(tmp_
 
 
 def test_a_sharded_population_restarts_as_one_process_does(tmp_path):
-    from zosoma.runs.population_workers import InProcess, Sharding
-    from zosoma.runs.single import start_run
+    from zosoma.workers.population_workers import InProcess, Sharding
+    from zosoma.training.single import start_run
     text = text_corpus(tmp_path)
     cfg = dataclasses.replace(RESTART, lr=40.0, max_restarts=1)
     ends = []

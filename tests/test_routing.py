@@ -11,7 +11,8 @@ import pytest
 
 from zosoma.benchmarks.bench_route import bench_route, format_route, matched_config, matched_configs
 from zosoma.formats.checkpoint import Checkpoint
-from zosoma.mixture.cluster import ClusterConfig, fit_clusters, save_clustering
+from zosoma.config import ClusterConfig
+from zosoma.mixture.cluster import fit_clusters, save_clustering
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError
@@ -22,7 +23,7 @@ from zosoma.mixture.routing import (Ensemble, Router, Segments, cut_segments, ev
                             segment_sums)
 from zosoma.mixture.sample import sample
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.soma import load_ensemble
+from zosoma.training.soma import load_ensemble
 
 from helpers import assert_close
 

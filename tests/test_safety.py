@@ -405,7 +405,7 @@ def test_an_interrupt_from_the_library_aborts_with_its_code(text, tmp_path, monk
         raise Interrupted(signal.SIGINT)
         yield
 
-    monkeypatch.setattr("zosoma.runs.single.start_run", interrupted)
+    monkeypatch.setattr("zosoma.training.single.start_run", interrupted)
     result = invoke(train_args(text, tmp_path / "run", 2))
     assert result.exit_code == 130 and result.output.strip().splitlines()[-1] == "aborted"
 
@@ -438,7 +438,7 @@ def test_an_expert_is_resumed_only_with_its_run(text, tmp_path):
 
 
 def test_a_resume_keeps_the_placement_and_can_extend_the_run(text, tmp_path):
-    from zosoma.runs.population_workers import exchange_bytes
+    from zosoma.workers.population_workers import exchange_bytes
     run = tmp_path / "run"
     args = train_args(text, run, 4, "--population-workers", "2", "--executor", "inline")
     args[args.index("-P") + 1] = "4"
@@ -640,7 +640,7 @@ def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(tex
     import zosoma
     from zosoma.config import ModelConfig, TrainConfig
     from zosoma.runs.folder import StillTraining
-    from zosoma.runs.soma import create_soma
+    from zosoma.training.soma import create_soma
     run = tmp_path / "run"
     create_soma(run, ModelConfig(embed=8, hidden=16, layers=1), TrainConfig(steps=5, batch=4, seq_len=16,
                 perturbations=2), 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])

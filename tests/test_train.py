@@ -231,7 +231,7 @@ def test_eggroll_training_lowers_the_loss(tmp_path):
 
 def test_summed_losses_need_spsa(tmp_path):
     from zosoma.errors import ConfigError
-    from zosoma.runs.soma import create_soma
+    from zosoma.training.soma import create_soma
 
     with pytest.raises(ConfigError, match="SPSA"):
         create_soma(tmp_path, MODEL, TrainConfig(**EGG), 2, "summed")

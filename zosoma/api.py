@@ -33,14 +33,14 @@ __all__ = ["Optimizer", "Run", "load_corpus", "open_run", "train"]
 def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str | None = None,
           top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None, **options) -> "Run":
     """Train a run as `zosoma train` does and return it (its evaluation in Run.results), refusing
-    what the command line refuses (zosoma.runs.run: a ConfigError in one line, before any folder
+    what the command line refuses (zosoma.training.run: a ConfigError in one line, before any folder
     is made). `data` and `heldout`: paths (default: the shipped corpus); `options`: any TrainConfig
     or model field (steps, lr, perturbations, shaping, embed, ...); loss, top_k and chunk_size are
     SOMA's (experts 2 or more). `resume`: a run folder to train on where it stopped, with `steps`
     (extending it) and `wikitext` alone. The experts of a SOMA run train one after another in this
     process. A run whose guard stopped it, or that failed, raises ConfigError."""
     from zosoma.runs.placement import Placement
-    from zosoma.runs.run import Run as Handle, Spec, check_resume
+    from zosoma.training.run import Run as Handle, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 
     if resume is not None:
@@ -88,8 +88,8 @@ class Run:
 
     @property
     def handle(self):
-        """The run (zosoma.runs.run): a single model or a SOMA run, one interface."""
-        from zosoma.runs.run import Run as Handle
+        """The run (zosoma.training.run): a single model or a SOMA run, one interface."""
+        from zosoma.training.run import Run as Handle
         return Handle.open(self.path)
 
     def __repr__(self) -> str:

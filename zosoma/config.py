@@ -1,4 +1,5 @@
-"""Model and training settings: frozen dataclasses stored as JSON in every checkpoint."""
+"""Model, training and clustering settings: frozen dataclasses stored as JSON in every checkpoint
+(and clustering file)."""
 
 from __future__ import annotations
 
@@ -205,3 +206,48 @@ RETIRED = {"TrainConfig": ("eval_every",)}
 # What a field means in a checkpoint written before it existed: the behaviour of that version,
 # whatever today's default, so a resumed old run trains on exactly as it would have.
 ABSENT = {"TrainConfig": {"shaping": (), "on_divergence": "stop"}}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the corpus is clustered and a text embedded for the router (zosoma.mixture.cluster);
+    stored as JSON in the clustering file (zosoma.formats.clustering)."""
+
+    n_clusters: int = 8  # N: clusters, one expert each
+    ngram_min: int = 1  # shortest hashed byte n-gram
+    ngram_max: int = 4  # longest hashed byte n-gram
+    # F: hash buckets, a power of two. The projection is F x svd_dim float32: 26 MB at 2**16, which
+    # clusters and routes the shipped corpus as well as 2**18 (105 MB) does.
+    n_features: int = 2**16
+    sublinear_tf: bool = True  # tf = 1 + ln(count) rather than count
+    svd_dim: int = 100  # D: embedding width (c-BTM: 100)
+    svd_oversample: int = 10  # extra random directions in the randomized SVD
+    svd_power_iterations: int = 1  # randomized SVD power iterations (2 clusters no better)
+    balanced: bool = True  # equal cluster sizes while fitting (c-BTM)
+    iterations: int = 30  # at most this many k-means (Lloyd) iterations per restart
+    restarts: int = 3  # k-means++ initialisations; the lowest objective wins
+    seed: int = 0  # fixes the SVD's random directions and the k-means++ draws
+
+    def __post_init__(self):
+        if self.n_clusters < 1:
+            raise ConfigError(f"n_clusters must be at least 1, got {self.n_clusters}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"n-gram range {self.ngram_min}..{self.ngram_max}: need "
+                              "1 <= ngram_min <= ngram_max")
+        f = self.n_features
+        if not (isinstance(f, int) and 2**4 <= f <= 2**24 and f & (f - 1) == 0):
+            raise ConfigError(f"n_features must be a power of two from 2**4 to 2**24, got {f}")
+        for name in ("svd_dim", "iterations", "restarts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.svd_oversample < 0 or self.svd_power_iterations < 0:
+            raise ConfigError("svd_oversample and svd_power_iterations must not be negative")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterConfig":
+        return cls(**json.loads(text))

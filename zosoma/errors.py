@@ -23,10 +23,10 @@ class WriteError(ZosomaError):
 
 
 class ClusterLost(ZosomaError):
-    """The cluster that units of work ran on stopped answering (zosoma.runs.ray_executor): each unit
+    """The cluster that units of work ran on stopped answering (zosoma.workers.ray_executor): each unit
     keeps its newest checkpoint, and the run resumes where a cluster answers."""
 
 
 class OptionError(ConfigError):
-    """Options that cannot go together, refused before anything is written (zosoma.runs.run): the
+    """Options that cannot go together, refused before anything is written (zosoma.training.run): the
     command line exits 2 for them, as for its own usage errors."""

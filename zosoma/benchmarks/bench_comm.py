@@ -5,7 +5,7 @@ workers, and data-parallel backpropagation, side by side for each preset (`zosom
                              its own (an executor carries only its progress records)
     sharded population       per step the driver gathers the 2P float64 losses and sends the P
                              float64 update scalars to each of the W workers:
-                             zosoma.runs.population_workers.exchange_bytes = 8 (2P + W P) in all, what
+                             zosoma.workers.population_workers.exchange_bytes = 8 (2P + W P) in all, what
                              every sharded run records as comm_bytes; 8 (2P / W + P) per worker
     data-parallel all-reduce a ring all-reduce of the fp32 gradient sends 2 (W - 1) / W x 4d
                              bytes per worker and step (about 2 x 4d), independent of P
@@ -21,7 +21,7 @@ import pickle
 import numpy as np
 
 from zosoma.config import PRESETS, TrainConfig
-from zosoma.runs.population_workers import exchange_bytes, shard_pairs
+from zosoma.workers.population_workers import exchange_bytes, shard_pairs
 
 
 def allreduce_bytes(d: int, W: int) -> float:
@@ -31,7 +31,7 @@ def allreduce_bytes(d: int, W: int) -> float:
 
 def pickled_bytes(P: int, W: int) -> int:
     """Bytes the local transport writes for the busiest worker and step: its losses reply and the
-    driver's scalars message, pickled as zosoma.runs.population_workers sends them."""
+    driver's scalars message, pickled as zosoma.workers.population_workers sends them."""
     pairs = max(shard_pairs(P, W), key=len)
     timings = {"data": 0.0, "update": 0.0, "forward": 0.0}
     reply = (True, (np.zeros(len(pairs)), np.zeros(len(pairs)), timings))

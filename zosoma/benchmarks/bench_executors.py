@@ -26,12 +26,12 @@ import numpy as np
 
 from zosoma.corpus import BatchSampler
 from zosoma.errors import ConfigError
-from zosoma.runs.executor import Inline, LocalProcesses
+from zosoma.workers.executor import Inline, LocalProcesses
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population_workers import Processes, Sharding, make_trainer
+from zosoma.workers.population_workers import Processes, Sharding, make_trainer
 from zosoma.runs.records import Failed, Step
-from zosoma.runs.single import data_record, load_data
-from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
+from zosoma.training.single import data_record, load_data
+from zosoma.training.soma import ExpertUnit, create_soma, open_soma
 from zosoma.runs.trainer import new_state, train
 from zosoma.strategies.settings import resolve
 
@@ -69,7 +69,7 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
                             "B": cfg.batch, "T": cfg.seq_len, "d": model.n_params()}, "ray_connect_s": None}
     ray_executor = None
     if ray:
-        from zosoma.runs.ray_executor import RayExecutor, RayWorkers
+        from zosoma.workers.ray_executor import RayExecutor, RayWorkers
         t0 = time.perf_counter()
         ray_executor = RayExecutor(address, cpus=1)
         out["ray_connect_s"] = time.perf_counter() - t0

@@ -20,7 +20,8 @@ from zosoma.cli.options import emit_json, json_option, nonneg, positive
 def cluster(data, experts, chunk_size, unbalanced, seed, out, as_json):
     """Cluster the corpus as `train --experts N` does and print each cluster's size and mix of
     sources (domains for the shipped corpus) and the purity against them."""
-    from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, format_report, purity, save_clustering
+    from zosoma.config import ClusterConfig
+    from zosoma.mixture.cluster import cluster_report, fit_clusters, format_report, purity, save_clustering
     from zosoma.corpus import chunk, load_corpus
 
     if out and Path(out).exists():

@@ -29,7 +29,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     from zosoma.corpus import load_corpus
     from zosoma.download import check_wikitext103
     from zosoma.model.protocol import EvalProtocol
-    from zosoma.runs.run import Run
+    from zosoma.training.run import Run
     from zosoma.yardsticks import lookup
 
     run = Run.open(checkpoint)

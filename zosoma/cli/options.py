@@ -38,7 +38,7 @@ def nonneg(ctx, param, value):
 
 
 class Checked(click.ParamType):
-    """A number as typed (else the text itself), checked by the library (zosoma.runs.run.Spec,
+    """A number as typed (else the text itself), checked by the library (zosoma.training.run.Spec,
     TrainConfig): the command line and the Python API refuse the same values in the same words."""
     name = "integer"
 

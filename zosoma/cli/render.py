@@ -161,7 +161,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                 bars[r.expert].write(f"expert {r.expert} dropped at step {r.step} after {r.restarts} restart(s) "
                                      f"({r.verdict}): the others go on, and routing leaves it out")
             else:
-                from zosoma.runs.single import after_drop
+                from zosoma.training.single import after_drop
                 failed.append(f"the model diverged again at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
                               f"{after_drop(run_dir)}")
                 gave_up = True
@@ -200,7 +200,7 @@ def close(bars):
 
 
 def results(r, yardsticks: dict | None = None, data: str | None = None) -> str:
-    """A run's evaluation (zosoma.runs.single.evaluate_run, zosoma.runs.soma.evaluate_soma) as text,
+    """A run's evaluation (zosoma.training.single.evaluate_run, zosoma.training.soma.evaluate_soma) as text,
     with the yardsticks measured on the same texts (zosoma.yardsticks.lookup) under it; `data`
     names the text scored when it is not the held-out slices (eval --data), and then no line says
     that WikiText-103 was not found: it was not asked for."""

@@ -25,7 +25,7 @@ def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, p
     """Generate text from a run: a SOMA run's routed mixture, re-routing as the context grows, or
     a single model (its run folder or a checkpoint file)."""
     from zosoma.mixture.sample import sample as generate
-    from zosoma.runs.run import Run
+    from zosoma.training.run import Run
 
     ops = device_ops(device)
     opened = Run.open(run)

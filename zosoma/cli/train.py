@@ -81,7 +81,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
     from zosoma.runs.placement import Placement
-    from zosoma.runs.run import Run, Spec, check_resume
+    from zosoma.training.run import Run, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 
     logging = render.Logging.parse(log_every, quiet)
@@ -91,7 +91,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         ("address", address), ("cpus_per_unit", cpus_per_unit), ("gpus_per_unit", gpus_per_unit),
         ("device", device)) if given(ctx, "executor_kind" if name == "executor" else name)}
     if "device" in given_placement:
-        given_placement["device"] = device_ops(device).name  # auto, resolved
+        given_placement["device"] = device_ops(device).device  # auto, resolved
     stop = StopRequest()
     if resume:
         check_resume([k for k, v in options.items() if v not in (None, ())]

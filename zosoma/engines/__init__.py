@@ -10,7 +10,7 @@
 
 `get_ops` is the one place that maps a device, engine and precision name to an engine; workers
 and run folders carry the names, and the rest of zosoma asks an engine what it is through its
-attributes (Ops.on_device, Ops.precision). An engine folder imports the shared modules here, the
+attributes (Ops.device, Ops.on_device, Ops.precision). An engine folder imports the shared modules here, the
 CPU engine's kernels (every engine is an Ops) and its own files. May import the foundation,
 zosoma.model and zosoma.formats (the ONNX graph).
 """

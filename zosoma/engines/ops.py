@@ -8,6 +8,8 @@ what it is only through the attributes below, never by its name. The interface:
 
     what it is name                     the engine's label in records and reports ("cpu", "cuda",
                                         "onnxruntime", "cpu-bf16", ...)
+               device                   the device its forwards run on, as get_ops names it ("cpu",
+                                        "cuda"): what a worker in another process resolves again
                on_device                True when its arrays live in an accelerator's memory
                precision                the forwards' number format (zosoma.model.number_formats)
     arrays     xp                       the array module of the engine's arrays (numpy, cupy)
@@ -52,6 +54,7 @@ class Ops:
     """The CPU engine: NumPy arrays, the Numba kernels of zosoma.engines.cpu."""
 
     name = "cpu"
+    device = "cpu"
     on_device = False
     precision = "fp32"
     xp = np

@@ -32,7 +32,7 @@ Output folder:
                                   the evaluation protocol, chunking, routing, tuning (settings())
 
 The runs are the jobs of a study (zosoma.experiments.study, which lays out, checks and runs
-them): independent units of work for an executor (zosoma.runs.executor: inline, or `--jobs`
+them): independent units of work for an executor (zosoma.workers.executor: inline, or `--jobs`
 worker processes with one BLAS thread each on a machine with as many cores); a killed comparison
 resumes every unfinished run from its checkpoints. OUT is bound to the config that made it:
 before anything trains, every run folder's record (result.json, else its checkpoints) is checked
@@ -249,7 +249,7 @@ class Stopped(Exception):
 def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str | None = None,
                    device: str = "cpu", should_stop: Callable[[], bool] = lambda: False,
                    on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None) -> dict:
-    """Run every job not yet finished through `executor` (zosoma.runs.executor; default inline),
+    """Run every job not yet finished through `executor` (zosoma.workers.executor; default inline),
     then write the report. With [tuning], first the sweep (tuning_jobs), then the main runs at
     each method's winning setting. on_result(job, result, error) is called as each job ends.
     When should_stop() turns true every run checkpoints and stops, and Stopped is raised. Returns

@@ -17,14 +17,14 @@ and the runner does the rest, the same for every study:
 
     OUT/settings.json        the study's settings (RunFolder.bind): a folder that other settings,
                              or another kind of study, left is refused in one line naming what changed
-    OUT/runs/<name>/         a single-model or SOMA run folder (zosoma.runs.single, zosoma.runs.soma)
+    OUT/runs/<name>/         a single-model or SOMA run folder (zosoma.training.single, zosoma.training.soma)
                              plus result.json, the finished job's record: read back, never repeated
                              while it is of the run's newest checkpoints (its checkpoint_steps);
                              a folder that holds another configuration (its record, else its
                              checkpoints) is refused before anything trains (check_job)
 
 Each job is an idempotent unit of work (Unit, naming its folder as unit.run_dir) for an executor
-(zosoma.runs.executor: inline, local processes, Ray): it takes its folder's lock, resumes from the
+(zosoma.workers.executor: inline, local processes, Ray): it takes its folder's lock, resumes from the
 run's checkpoints, and writes atomically, so a killed study resumes every unfinished run.
 """
 
@@ -45,12 +45,12 @@ from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
 from zosoma.model.protocol import PROTOCOL
-from zosoma.runs.executor import Inline
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.runs.records import Failed, Note, Result
-from zosoma.runs.run import Spec  # what a job's run is (the comparison and the precision study take it from here)
-from zosoma.runs.single import data_record, load_data, new_trainer, open_run
-from zosoma.runs.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
+from zosoma.training.run import Spec  # what a job's run is (the comparison and the precision study take it from here)
+from zosoma.training.single import data_record, load_data, new_trainer, open_run
+from zosoma.training.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
+from zosoma.workers.executor import Inline
 from zosoma.runs.trainer import train
 from zosoma.mixture.cluster import load_clustering
 from zosoma.mixture.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
@@ -151,7 +151,7 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
 
 @dataclass(frozen=True)
 class Unit:
-    """One job as an idempotent unit of work (zosoma.runs.executor) in its folder run_dir."""
+    """One job as an idempotent unit of work (zosoma.workers.executor) in its folder run_dir."""
     job: Job
     run_dir: str
 
@@ -195,7 +195,7 @@ class StudyFolder:
     def run(self, jobs: list[Job], executor=None, should_stop: Callable[[], bool] = lambda: False,
             on_result: Callable[[Job, dict | None, str | None], None] = lambda j, r, e: None
             ) -> tuple[dict[str, dict], list[str]]:
-        """Run every job through `executor` (zosoma.runs.executor; default inline): the finished
+        """Run every job through `executor` (zosoma.workers.executor; default inline): the finished
         ones are read back. on_result(job, result, error) is called as each job ends. Returns the
         records by job name and one line per failed job (the others still run to the end)."""
         results, errors = {}, []

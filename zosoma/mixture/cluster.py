@@ -42,31 +42,25 @@ kmeans.predict, nearest centroid, after the balanced fit). The router, and `Clus
 use plain nearest centroid. Balancing has a price when a domain is much smaller than M/N: it
 cannot fill a cluster, so one cluster collects it with the overflow of the larger domains (the
 shipped corpus at N=8: legal's 60 chunks plus about 95 from each of six other domains).
+
+The config is zosoma.config.ClusterConfig; a fitted clustering's file is zosoma.formats.clustering.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence, Union
+from typing import Sequence
 
 import numpy as np
 import scipy.sparse
 from numba import njit
 
-from zosoma.atomic import atomic_write
-from zosoma.formats.h5util import attr_int, attr_text, check_global_heaps, content_digest, text_attr
+from zosoma.config import ClusterConfig
 from zosoma.corpus import Corpus
-from zosoma.errors import CheckpointError, ConfigError, DataError
-
-FORMAT = "zosoma-clustering"
-FORMAT_VERSION = 2  # 2: fixed-length text attributes (zosoma.formats.h5util); 1 is still read
-
-PathLike = Union[str, Path]
+from zosoma.errors import ConfigError, DataError
+from zosoma.formats.clustering import (PathLike, load_clustering_file, read_clustering, save_clustering_file,
+                                       write_clustering)
 
 _FNV_OFFSET = 2166136261
 _FNV_PRIME = 16777619
@@ -75,48 +69,6 @@ _MASK32 = 0xFFFFFFFF
 # Serial loops, no fastmath: each output row is computed the same way whatever else is in the
 # batch, so embed() of a chunk reproduces the embedding used while fitting bit for bit.
 _jit = njit(cache=True)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    n_clusters: int = 8  # N: clusters, one expert each
-    ngram_min: int = 1  # shortest hashed byte n-gram
-    ngram_max: int = 4  # longest hashed byte n-gram
-    # F: hash buckets, a power of two. The projection is F x svd_dim float32: 26 MB at 2**16, which
-    # clusters and routes the shipped corpus as well as 2**18 (105 MB) does.
-    n_features: int = 2**16
-    sublinear_tf: bool = True  # tf = 1 + ln(count) rather than count
-    svd_dim: int = 100  # D: embedding width (c-BTM: 100)
-    svd_oversample: int = 10  # extra random directions in the randomized SVD
-    svd_power_iterations: int = 1  # randomized SVD power iterations (2 clusters no better)
-    balanced: bool = True  # equal cluster sizes while fitting (c-BTM)
-    iterations: int = 30  # at most this many k-means (Lloyd) iterations per restart
-    restarts: int = 3  # k-means++ initialisations; the lowest objective wins
-    seed: int = 0  # fixes the SVD's random directions and the k-means++ draws
-
-    def __post_init__(self):
-        if self.n_clusters < 1:
-            raise ConfigError(f"n_clusters must be at least 1, got {self.n_clusters}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"n-gram range {self.ngram_min}..{self.ngram_max}: need "
-                              "1 <= ngram_min <= ngram_max")
-        f = self.n_features
-        if not (isinstance(f, int) and 2**4 <= f <= 2**24 and f & (f - 1) == 0):
-            raise ConfigError(f"n_features must be a power of two from 2**4 to 2**24, got {f}")
-        for name in ("svd_dim", "iterations", "restarts"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.svd_oversample < 0 or self.svd_power_iterations < 0:
-            raise ConfigError("svd_oversample and svd_power_iterations must not be negative")
-        if not 0 <= self.seed < 2**63:
-            raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ClusterConfig":
-        return cls(**json.loads(text))
 
 
 # --- features ----------------------------------------------------------------------------------
@@ -496,14 +448,8 @@ class Clustering:
         return _sq_distances(self.embed(texts), self.centroids).argmin(axis=1)
 
     def save(self, group) -> None:
-        """Write into an h5py Group: datasets idf, projection, centroids; attrs format,
-        format_version, config (JSON) and checksum (SHA-256 over all of them)."""
-        group.attrs["format"] = text_attr(FORMAT)  # fixed-length text: no global heap (h5util)
-        group.attrs["format_version"] = np.int64(FORMAT_VERSION)
-        group.attrs["config"] = text_attr(self.config.to_json())
-        group.attrs["checksum"] = text_attr(content_digest(*self._digest_parts()))
-        for name, values in self._arrays():
-            group.create_dataset(name, data=values)
+        """Write into an h5py Group (zosoma.formats.clustering)."""
+        write_clustering(group, self.config, self.arrays())
 
     def __post_init__(self):
         F, D, N = self.config.n_features, self.config.svd_dim, self.config.n_clusters
@@ -517,82 +463,23 @@ class Clustering:
     @classmethod
     def load(cls, group) -> "Clustering":
         """Read what `save` wrote; CheckpointError (naming file and group) on anything amiss."""
-        where = f"{getattr(group.file, 'filename', '?')}:{group.name}"
-        try:
-            return cls._load(group, where)
-        except CheckpointError:
-            raise
-        except (_Damaged, OSError, KeyError, ValueError, TypeError, RuntimeError, ConfigError) as err:
-            text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-            reason = " ".join(text.split()) or type(err).__name__
-            raise CheckpointError(f"{where} is damaged or not a zosoma clustering: {reason}") from None
+        config, arrays = read_clustering(group)
+        return cls(config, **arrays)
 
-    @classmethod
-    def _load(cls, group, where: str) -> "Clustering":
-        import h5py
-
-        fmt = attr_text(group.attrs["format"]) if "format" in group.attrs else None
-        if fmt != FORMAT:
-            raise _Damaged(f"format is {fmt!r}, expected {FORMAT!r}")
-        version = attr_int(group.attrs["format_version"], "format_version")
-        if version not in (1, FORMAT_VERSION):
-            raise CheckpointError(f"{where}: clustering format version {version} is not supported "
-                                  f"(this zosoma reads version {FORMAT_VERSION})")
-        config = ClusterConfig.from_json(attr_text(group.attrs["config"]))
-        F, D, N = config.n_features, config.svd_dim, config.n_clusters
-        arrays = {}
-        for name, shape in (("idf", (F,)), ("projection", (F, D)), ("centroids", (N, D))):
-            ds = group[name]
-            if not isinstance(ds, h5py.Dataset) or ds.shape != shape or ds.dtype != np.float32:
-                raise _Damaged(f"{name} is {getattr(ds, 'dtype', '?')} {getattr(ds, 'shape', '?')}, "
-                               f"expected float32 {shape}")
-            arrays[name] = np.ascontiguousarray(ds[()])
-        clustering = cls(config, arrays["idf"], arrays["projection"], arrays["centroids"])
-        if content_digest(*clustering._digest_parts(version)) != attr_text(group.attrs["checksum"]):
-            raise _Damaged("checksum mismatch (modified or corrupted after writing)")
-        return clustering
-
-    def _arrays(self):
-        return [("idf", self.idf), ("projection", self.projection), ("centroids", self.centroids)]
-
-    def _digest_parts(self, version: int = None):
-        texts = {"format": FORMAT, "format_version": str(version or FORMAT_VERSION),
-                 "config": self.config.to_json()}
-        return texts, self._arrays()
-
-
-class _Damaged(Exception):
-    """A reason a stored clustering is unusable; becomes a CheckpointError naming the group."""
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"idf": self.idf, "projection": self.projection, "centroids": self.centroids}
 
 
 def save_clustering(path: PathLike, clustering: Clustering) -> None:
-    """Write a clustering alone to an HDF5 file, atomically (zosoma.atomic)."""
-    import h5py
-
-    path = Path(path)
-    image = io.BytesIO()  # built in memory: the HDF5 library never meets a full disk (checkpoint.py)
-    with h5py.File(image, "w") as f:
-        clustering.save(f)
-    atomic_write(path, image.getbuffer(), "clustering")
+    """Write a clustering alone to an HDF5 file, atomically (zosoma.formats.clustering)."""
+    save_clustering_file(path, clustering.config, clustering.arrays())
 
 
 def load_clustering(path: PathLike) -> Clustering:
     """Read a file written by save_clustering; CheckpointError naming the path when it is
     missing or damaged."""
-    import h5py
-
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"clustering {path} does not exist or is not a file")
-    try:
-        check_global_heaps(path)
-        with h5py.File(path, "r") as f:
-            return Clustering.load(f)
-    except ValueError as err:  # from check_global_heaps
-        raise CheckpointError(f"{path} is damaged or not an HDF5 file: {err}") from None
-    except OSError as err:
-        reason = " ".join(str(err).split())
-        raise CheckpointError(f"{path} is damaged or not an HDF5 file: {reason}") from None
+    config, arrays = load_clustering_file(path)
+    return Clustering(config, **arrays)
 
 
 def fit_clusters(chunks: Corpus, cfg: ClusterConfig) -> tuple[Clustering, np.ndarray]:

@@ -54,7 +54,7 @@ from zosoma.formats.torch_state import export_torch
 from zosoma.model.params import Layout
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.runs.folder import RunFolder, checkpoint_path, refuse_run_files
-from zosoma.runs.soma import DroppedExperts, dropped_of, router_of
+from zosoma.training.soma import DroppedExperts, dropped_of, router_of
 
 SOMA_FORMAT, SOMA_VERSION = "zosoma-onnx-soma", 2  # 2: dropped experts, top_k over those left
 ROUTER = "router.npz"

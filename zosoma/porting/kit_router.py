@@ -6,7 +6,8 @@ import numpy as np
 
 from zosoma.corpus import Corpus, chunk, load_corpus
 from zosoma.porting.stage import Out, Stage
-from zosoma.mixture.cluster import ClusterConfig, fit_clusters
+from zosoma.config import ClusterConfig
+from zosoma.mixture.cluster import fit_clusters
 from zosoma.mixture.routing import Router
 
 TOP_K, TAU = 2, 0.1

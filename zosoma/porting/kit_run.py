@@ -27,7 +27,7 @@ from zosoma.porting.kit_router import TAU, TOP_K, kit_clustering
 from zosoma.porting.stage import Out, Stage
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Evaluated
-from zosoma.runs.single import start_run
+from zosoma.training.single import start_run
 
 RUN_STEPS = 300  # the default run, shortened: the cosine laid out over these steps
 REFERENCE = Path(__file__).with_name("run_reference.json")

@@ -1,10 +1,9 @@
-"""Where a run lives: run folders, the training loop, executors and progress records.
+"""A run's folder, its training loop and its records.
 
-Owns every file name inside a run folder (folder), the one atomic writer, the training loop over
-a strategy and an engine (trainer), single-model and SOMA runs (single, soma), the executors that
-run idempotent units of work (executor; on Ray: ray_executor), one model's population over
-workers that exchange only scalars (population_workers) and the typed records training yields
-(records), and the one handle that starts and opens a run of either kind and applies every rule
-about what a run may be (run; the records of what a run is: shape). May import everything below it: the foundation, model, formats, engines, strategies
-and mixture.
+Owns every file name inside a run folder (folder), the training loop over a strategy and an
+engine (trainer) with its divergence guard (guard), the typed records training yields (records),
+the event file beside metrics.jsonl (events), where a run's work goes, as a record
+(placement), and the records of what a run is (shape). May import the foundation, model,
+formats, engines and strategies; the workers (zosoma.workers) and the single-model and SOMA
+runs (zosoma.training, with the run handle: run) stand on it.
 """

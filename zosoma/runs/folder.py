@@ -11,7 +11,7 @@ A single model's run (or one SOMA expert's folder):
     RUN/results.json         the final evaluation, naming the checkpoint step it was computed from
                              (checkpoint_steps): a run that went on since is seen to (RunFolder.stale)
     RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
-    RUN/scalars.jsonl        a population sharded over workers (zosoma.runs.population_workers): each
+    RUN/scalars.jsonl        a population sharded over workers (zosoma.workers.population_workers): each
                              step's P update scalars, so a lost worker is rebuilt by replay
 
 A SOMA run:
@@ -31,7 +31,7 @@ Every run folder also holds TensorBoard event files, RUN/events.out.tfevents.<st
 (zosoma.runs.events). All of these names are the run's: a tool writing its own outputs (an export)
 never writes over one of them, --force or not (refuse_run_files).
 
-A run driven on a cluster (zosoma.runs.ray_executor) holds RUN/.token, a random token the driver
+A run driven on a cluster (zosoma.workers.ray_executor) holds RUN/.token, a random token the driver
 writes and every worker reads back, so a worker that does not see the driver's folder says so.
 
 One owner per folder: whoever trains in a folder holds its lock (RUN/.lock, an flock(2) lock that

@@ -13,7 +13,7 @@ One step (zosoma.strategies.base):
     the step's record -> metrics.jsonl; every K steps -> checkpoint.h5 (which counts the records
                                                                    and checksums them)
 
-Shape then apply is Strategy.tell; a sharded model (zosoma.runs.population_workers) shapes here
+Shape then apply is Strategy.tell; a sharded model (zosoma.workers.population_workers) shapes here
 and applies on its workers, with the same Strategy.apply.
 
 theta and the optimizer state live on the engine (a GPU keeps them there); the host gets them
@@ -98,7 +98,7 @@ def stream(expert: int, restarts: int) -> int:
 class Trainer:
     """One model's training: `losses` evaluates the step's population, `update` applies
     coefficients. Independent training feeds each expert its own coefficients; the summed-loss
-    ablation feeds every expert the shared ones (zosoma.runs.soma)."""
+    ablation feeds every expert the shared ones (zosoma.training.soma)."""
 
     def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
                  expert: int = 0, extra: dict | None = None, ops: Ops | None = None):
@@ -196,7 +196,7 @@ class Trainer:
 
     def apply(self, coeffs: np.ndarray, pop):
         """(theta, optimizer state, lr, skipped) after the step's update from the shaped scalars
-        (zosoma.runs.population_workers applies it on the workers instead)."""
+        (zosoma.workers.population_workers applies it on the workers instead)."""
         return self.strategy.apply(self.ops, self.layout, self.state.theta, self.state.optimizer, coeffs, pop,
                                    len(self.state.restarts))
 

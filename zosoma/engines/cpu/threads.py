@@ -9,7 +9,7 @@ machine). Members are independent, so each thread here runs whole members, one-t
 and all.
 
 The threads are as many as BLAS would use (OPENBLAS_NUM_THREADS, else the cores), so a worker
-process given one BLAS thread (zosoma.runs.executor) runs everything inline. Each thread sets its
+process given one BLAS thread (zosoma.workers.executor) runs everything inline. Each thread sets its
 own BLAS thread count to one with OpenBLAS's `openblas_set_num_threads_local` (0.3.27+), found in
 the OpenBLAS libraries loaded in this process (SciPy's, behind Numba's np.dot, and NumPy's). Where
 that control is missing (another BLAS, another OS), everything runs inline, BLAS as configured.

@@ -47,6 +47,7 @@ class CudaOps(Ops):
     float32 rounding (Rademacher noise and the dense updates bit for bit)."""
 
     name = "cuda"
+    device = "cuda"
     on_device = True
 
     def __init__(self):

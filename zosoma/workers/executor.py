@@ -11,7 +11,7 @@ a unit that raised:
                            machine with n cores; Ctrl-C reaches only the parent, which asks every
                            unit to stop through a shared Event; a worker whose parent died exits
     RayExecutor(...)       Ray tasks on this machine or a cluster, retried when a worker or node
-                           dies (zosoma.runs.ray_executor; units name their folder as unit.run_dir)
+                           dies (zosoma.workers.ray_executor; units name their folder as unit.run_dir)
 
 The rest of zosoma never asks which executor it got.
 """

@@ -23,7 +23,7 @@ all P pairs of its own expert; the driver sums the experts' differences (zosoma.
 and every expert applies the shared scalars.
 
 Workers come from a transport: InProcess (one after another in this process: the exchange
-without processes), Processes (spawned local processes) or zosoma.runs.ray_executor.RayWorkers
+without processes), Processes (spawned local processes) or zosoma.workers.ray_executor.RayWorkers
 (Ray actors on any node). A transport's spawn(spec, step, replay) returns a handle with
 call(method, *args) -> ticket (never blocks), result(ticket) (blocks; tickets are awaited in
 order; WorkerLost when the worker died) and close().
@@ -51,7 +51,7 @@ from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, ZosomaError
 from zosoma.model.params import Layout
-from zosoma.runs.executor import child_threads, exit_with_parent, one_line
+from zosoma.workers.executor import child_threads, exit_with_parent, one_line
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.trainer import RunState, Trainer, stream
 from zosoma.strategies import make_strategy
@@ -437,17 +437,18 @@ def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSam
         return Trainer(folder, model, cfg, sampler, state, extra=extra, ops=ops)
     check_shardable(cfg, sharding.size)
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-    device = (ops or get_ops("cpu")).name
+    device = ops.device if ops is not None else "cpu"
     specs = [ShardSpec(str(folder.path), sampler.corpus, 0, pairs, device)
              for pairs in shard_pairs(cfg.perturbations, sharding.size)]
     return ShardedTrainer(folder, model, cfg, sampler, state, Group(sharding.workers, specs), range(len(specs)),
                           extra=extra)
 
 
-def summed_trainers(trainers: Sequence[Trainer], workers, device: str = "cpu") -> list[ShardedTrainer]:
-    """The summed ablation's experts (Trainers at one step, as zosoma.runs.soma.lockstep_trainers
-    makes them) moved onto one worker each; train them with zosoma.runs.soma.train_lockstep."""
-    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, device) for t in trainers]
+def summed_trainers(trainers: Sequence[Trainer], workers) -> list[ShardedTrainer]:
+    """The summed ablation's experts (Trainers at one step, as zosoma.training.soma.lockstep_trainers
+    makes them) moved onto one worker each, on their engine's device; train them with
+    zosoma.training.soma.train_lockstep."""
+    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, t.ops.device) for t in trainers]
     group = Group(workers, specs)
     return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], expert=t.expert, extra=t.extra)
             for i, t in enumerate(trainers)]

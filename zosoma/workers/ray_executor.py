@@ -3,16 +3,16 @@
 Needs the `ray` extra (pip install 'zosoma[ray]'); without it, asking for Ray is a one-line error.
 
     connect(address)    None: start Ray on this machine (its processes end with this one, a
-                        SIGKILL included: zosoma.runs.reaper); "auto": the cluster `ray start` made
+                        SIGKILL included: zosoma.workers.reaper); "auto": the cluster `ray start` made
                         on this machine; HOST:PORT: that cluster's head, with this machine's Ray
                         auth token when there is one. An address that does not answer, or refuses
                         the token, is one line within `timeout` seconds (Ray itself would retry,
                         printing a warning a second, for minutes).
-    RayExecutor         an executor (zosoma.runs.executor): each unit is a Ray task with `cpus` CPUs
+    RayExecutor         an executor (zosoma.workers.executor): each unit is a Ray task with `cpus` CPUs
                         (as many BLAS threads) and `gpus` GPUs, retried up to `max_retries` times
                         when its worker process or its node dies. A unit is idempotent (it resumes
                         from its folder's last checkpoint), so a retry on another node continues it.
-    RayWorkers          the population workers of zosoma.runs.population_workers as Ray actors.
+    RayWorkers          the population workers of zosoma.workers.population_workers as Ray actors.
 
 Records reach the driver through one small actor on the driver's node (the channel): a task sends
 what it yielded at most every `FLUSH_S` seconds and gets back whether the driver asked to stop.
@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from zosoma.errors import ClusterLost, ConfigError
-from zosoma.runs import reaper
-from zosoma.runs.executor import THREAD_VARS, one_line
+from zosoma.workers import reaper
+from zosoma.workers.executor import THREAD_VARS, one_line
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.population_workers import Shard, ShardSpec, WorkerLost, error_line
+from zosoma.workers.population_workers import Shard, ShardSpec, WorkerLost, error_line
 from zosoma.runs.records import Failed
 
 EXTRA = "pip install 'zosoma[ray]'"
@@ -376,7 +376,7 @@ class _RemoteShard:
 
 
 class RayWorkers:
-    """Population workers (zosoma.runs.population_workers) as Ray actors with the executor's resources;
+    """Population workers (zosoma.workers.population_workers) as Ray actors with the executor's resources;
     an actor lost with its process or node is rebuilt by the driver, anywhere."""
 
     def __init__(self, executor: RayExecutor):

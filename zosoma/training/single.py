@@ -26,7 +26,7 @@ from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
 from zosoma.runs.placement import Placement
-from zosoma.runs.population_workers import Sharding, make_trainer
+from zosoma.workers.population_workers import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Evaluating, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
@@ -132,7 +132,7 @@ def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, h
     """A new run in run_dir, which must be new or empty. Every input (data, held-out, WikiText-103)
     is checked before anything is written. Yields Started, the training records, then Evaluated;
     the folder is locked (RunFolder.lock) while it runs. With `sharding` the population is spread
-    over workers (zosoma.runs.population_workers); `placement`, where it all runs, is recorded for a
+    over workers (zosoma.workers.population_workers); `placement`, where it all runs, is recorded for a
     resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()

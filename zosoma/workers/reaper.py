@@ -1,12 +1,12 @@
 """A watchdog that ends a process's descendants once that process is gone, even by SIGKILL.
 
-    start()                       runs `python -m zosoma.runs.reaper PID` for this process
+    start()                       runs `python -m zosoma.workers.reaper PID` for this process
                                   (Linux only: it reads /proc; elsewhere it does nothing)
     watch(parent)                 in the reaper: every PERIOD_S seconds, note every process below
                                   `parent`; once the reaper is no longer its child (the parent
                                   died), SIGKILL those still running, and return
 
-Why (zosoma.runs.ray_executor starts one with Ray): Ray's kernel fate sharing kills the GCS and
+Why (zosoma.workers.ray_executor starts one with Ray): Ray's kernel fate sharing kills the GCS and
 the raylet with the driver that started them, but not the raylet's own children. Its two agents
 then spend 60 s reporting the raylet's death to the dead GCS (ray._private.utils.
 publish_error_to_driver) before they exit, and its workers take seconds to notice.
@@ -27,7 +27,7 @@ PERIOD_S = 0.5
 def start() -> subprocess.Popen | None:
     if not os.path.isdir(f"/proc/{os.getpid()}/task"):
         return None
-    return subprocess.Popen([sys.executable, "-m", "zosoma.runs.reaper", str(os.getpid())],
+    return subprocess.Popen([sys.executable, "-m", "zosoma.workers.reaper", str(os.getpid())],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 

@@ -2,14 +2,14 @@
 
 Independent losses (SOMA): each expert trains on its own cluster with its own noise stream
 (expert index i in every counter) and shares nothing, so each expert is one unit of work for an
-executor (zosoma.runs.executor): it opens its folder, resumes from its last checkpoint and trains;
+executor (zosoma.workers.executor): it opens its folder, resumes from its last checkpoint and trains;
 a crash or a stop in one loses nothing of the others.
 
 Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting weights, batches
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
 couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
-that was already one checkpoint ahead). Given `workers` (zosoma.runs.population_workers: local processes
+that was already one checkpoint ahead). Given `workers` (zosoma.workers.population_workers: local processes
 or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
 scalars travel each step, with the same numbers.
 
@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from zosoma.config import LOSSES, ModelConfig, TrainConfig
+from zosoma.config import LOSSES, ClusterConfig, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops, run_ops
@@ -34,16 +34,16 @@ from zosoma.errors import CheckpointError, ConfigError
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.events import EventLog
-from zosoma.runs.executor import Inline
+from zosoma.workers.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
-from zosoma.runs.population_workers import summed_trainers
+from zosoma.workers.population_workers import summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
-from zosoma.runs.single import data_record, extended, load_data, recorded_data
+from zosoma.training.single import data_record, extended, load_data, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
-from zosoma.mixture.cluster import ClusterConfig, cluster_report, fit_clusters, load_clustering, save_clustering
+from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
 from zosoma.strategies.summed import Summed
@@ -90,12 +90,13 @@ def run_length(soma: SomaShape, cfg: TrainConfig) -> TrainConfig:
 
 def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                executor=None, chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
-               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, device: str = "cpu",
+               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
                workers=None, placement: Placement | None = None) -> Iterator:
     """Cluster, initialise and train a new SOMA run in run_dir (new or empty); yields Clusters,
     Started, the experts' Step records, Finished / Stopped / Failed per expert, then Evaluated.
     The run folder is locked while it runs; each expert's folder by the unit training it.
-    `placement`, where it all runs, is recorded for a resume."""
+    `ops` is the engine of the run's device (default the CPU's); `placement`, where it all runs,
+    is recorded for a resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
     with folder.lock():
@@ -105,9 +106,9 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
             folder.write_placement(placement)
         run = open_soma(run_dir)
         yield Clusters(report, n_chunks, chunk_size)
-        yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts,
-                      get_ops(device, cfg.engine, cfg.forward_precision).name)
-        yield from _train_and_evaluate(run, executor, should_stop, device, workers)
+        ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)  # the run's engine, once
+        yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts, ops.name)
+        yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
 def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
@@ -212,11 +213,12 @@ def soma_summary(d: dict) -> str:
 
 
 def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False,
-                device: str = "cpu", workers=None, placement: Placement | None = None, steps: int | None = None,
+                ops: Ops | None = None, workers=None, placement: Placement | None = None, steps: int | None = None,
                 wikitext=None) -> Iterator:
-    """Continue every expert of a SOMA run where it stopped, then evaluate; `steps` extends the
-    run to that many steps per expert, `wikitext` replaces the WikiText-103 file it is scored on,
-    and `placement` is recorded as where it now runs."""
+    """Continue every expert of a SOMA run where it stopped, then evaluate, on `ops` (the engine
+    of the run's device, default the CPU's); `steps` extends the run to that many steps per
+    expert, `wikitext` replaces the WikiText-103 file it is scored on, and `placement` is
+    recorded as where it now runs."""
     folder = RunFolder(run_dir)
     with folder.lock():
         run = open_soma(run_dir)
@@ -238,31 +240,32 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         if placement is not None:
             folder.write_placement(placement)
         yield from notes
+        ops = run_ops(ops or get_ops("cpu"), first.train.engine, first.train.forward_precision)  # once
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
-                      run.soma.loss, done,
-                      get_ops(device, first.train.engine, first.train.forward_precision).name)
-        yield from _train_and_evaluate(run, executor, should_stop, device, workers)
+                      run.soma.loss, done, ops.name)
+        yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
-def _train_and_evaluate(run: SomaRun, executor, should_stop, device, workers=None):
+def _train_and_evaluate(run: SomaRun, executor, should_stop, ops: Ops, workers=None):
+    """Train every expert on the run's engine `ops` (a unit in another process opens its own, on
+    ops.device), then evaluate the routed ensemble on it."""
     finished = set()
     if run.soma.loss == "summed":
-        ops = get_ops(device)
         with noting_fallbacks() as fallbacks:
             trainers = lockstep_trainers(run, ops)
         yield from fallbacks()
-        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.runs.population_workers)
-            trainers = summed_trainers(trainers, workers, device)
+        if workers is not None:  # one worker per expert, exchanging scalars (zosoma.workers.population_workers)
+            trainers = summed_trainers(trainers, workers)
         records = train_lockstep(trainers, should_stop)
     else:
-        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, device) for i in range(run.n_experts)]
+        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, ops.device) for i in range(run.n_experts)]
         records = (executor or Inline()).run(units, should_stop)
     for record in records:
         if isinstance(record, (Finished, Dropped)):  # a dropped expert is done: routing leaves it out
             finished.add(record.expert)
         yield record
     if len(finished) == run.n_experts and not should_stop():  # stopped or failed experts: nothing to evaluate yet
-        yield from _evaluate(run, get_ops(device))
+        yield from _evaluate(run, ops)
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,7 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
 
 
 def _evaluate(run: SomaRun, ops: Ops):
+    """The routed ensemble scored on the engine the experts trained on (in their forwards' format)."""
     yield Evaluating()
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
     training = [summary_of(c) for c in ckpts]
@@ -334,7 +338,6 @@ def _evaluate(run: SomaRun, ops: Ops):
     if soma != run.soma:
         run.folder.write_soma(soma)  # what `zosoma info` shows of each expert
     ensemble = Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(run.folder, ckpts, run.soma.top_k))
-    ops = run_ops(ops, ckpts[0].train.engine, ckpts[0].train.forward_precision)  # the format it trained in
     results = evaluate_soma(ensemble, run.heldout, run.soma.data.wikitext, ops=ops)
     results.update(tokens=sum(int(c.extra.get("tokens", 0)) for c in ckpts),
                    flops=sum(float(c.extra.get("flops", 0)) for c in ckpts),

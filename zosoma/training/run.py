@@ -137,17 +137,18 @@ class Run:
         """A new run of `spec` on `data`, placed by `placement`, in run_dir (new or empty; default
         runs/<preset>-<time>, made here and taken back if the run fails before writing in it). Every
         option is checked before any folder is made; training happens as the records are read."""
-        from zosoma.engines import get_ops
-        from zosoma.runs.placement import place
-        from zosoma.runs.single import start_run
-        from zosoma.runs.soma import start_soma
+        from zosoma.engines import get_ops, run_ops
+        from zosoma.training.single import start_run
+        from zosoma.training.soma import start_soma
+        from zosoma.workers.placing import place
 
         cfg = spec.train
         if not spec.is_soma and placement.workers is not None:
             raise _soma_only("workers")
-        get_ops(placement.device, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+        ops = get_ops(placement.device)  # "where", resolved once: the run hands its engine down
+        run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if placement.population_workers:
-            from zosoma.runs.population_workers import check_shardable
+            from zosoma.workers.population_workers import check_shardable
             check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
         executor, summed, sharding = place(placement, spec.experts, spec.loss)
         made = None if run_dir else new_run_dir(spec.folder_prefix())
@@ -156,10 +157,10 @@ class Run:
                      wikitext=data.wikitext)
         if spec.is_soma:
             records = start_soma(run_dir, spec.model, cfg, spec.experts, spec.loss, executor, spec.chunk_size,
-                                 top_k=spec.top_k, should_stop=should_stop, device=placement.device,
+                                 top_k=spec.top_k, should_stop=should_stop, ops=ops,
                                  workers=summed, placement=placement, **paths)
         else:
-            records = start_run(run_dir, spec.model, cfg, should_stop=should_stop, ops=get_ops(placement.device),
+            records = start_run(run_dir, spec.model, cfg, should_stop=should_stop, ops=ops,
                                 sharding=sharding, placement=placement, **paths)
         return Training(run_dir, records, made)
 
@@ -179,8 +180,8 @@ class Run:
 
     def evaluate(self, corpus: Corpus | None, wikitext=None, protocol: EvalProtocol = PROTOCOL, ops=None,
                  temperature: float = 0.1, fallback: bool = False, streams: int | None = None) -> dict:
-        """Nats/byte on `corpus` and WikiText-103 by `protocol` (zosoma.runs.single.evaluate_run,
-        zosoma.runs.soma.evaluate_soma), with what the figures are of: kind, n_params, and the step
+        """Nats/byte on `corpus` and WikiText-103 by `protocol` (zosoma.training.single.evaluate_run,
+        zosoma.training.soma.evaluate_soma), with what the figures are of: kind, n_params, and the step
         (a single model) or the experts routing left out (SOMA)."""
         raise NotImplementedError
 
@@ -202,8 +203,8 @@ class SingleModel(Run):
 
     def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
         from zosoma.engines import get_ops
-        from zosoma.runs.placement import place
-        from zosoma.runs.single import resume_run
+        from zosoma.training.single import resume_run
+        from zosoma.workers.placing import place
 
         placement = placement or self.folder.read_placement()
         _, _, sharding = place(placement, 1)
@@ -211,7 +212,7 @@ class SingleModel(Run):
                                               placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
-        from zosoma.runs.single import load_model
+        from zosoma.training.single import load_model
         return load_model(self.path, fallback=fallback)
 
     def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
@@ -219,7 +220,7 @@ class SingleModel(Run):
         from zosoma.formats.checkpoint import load_checkpoint
         from zosoma.model.params import Layout
         from zosoma.runs.folder import warn_if_training
-        from zosoma.runs.single import evaluate_run
+        from zosoma.training.single import evaluate_run
 
         ckpt = self.folder.read_checkpoint(fallback=fallback) if self.path.is_dir() else load_checkpoint(self.path)
         warn_if_training(self.path, [ckpt.step])
@@ -255,22 +256,23 @@ class Soma(Run):
         return self.folder.read_soma()
 
     def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
-        from zosoma.runs.placement import place
-        from zosoma.runs.soma import resume_soma
+        from zosoma.engines import get_ops
+        from zosoma.training.soma import resume_soma
+        from zosoma.workers.placing import place
 
         placement = placement or self.folder.read_placement()
         shape = self.shape
         executor, summed, _ = place(placement, shape.experts, shape.loss)
-        return Training(self.path, resume_soma(self.path, executor, should_stop, device=placement.device,
+        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=get_ops(placement.device),
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
-        from zosoma.runs.soma import load_ensemble
+        from zosoma.training.soma import load_ensemble
         return load_ensemble(self.path, top_k, temperature, fallback=fallback)
 
     def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
                  streams=None) -> dict:
-        from zosoma.runs.soma import evaluate_soma
+        from zosoma.training.soma import evaluate_soma
 
         if streams is not None:
             raise OptionError(f"--streams is an option of single models; {self.path} is a SOMA run")
@@ -279,7 +281,7 @@ class Soma(Run):
         return {"kind": "soma", "n_params": ensemble.n_params, "dropped": list(ensemble.router.dropped), **r}
 
     def describe(self, fallback=False) -> dict:
-        from zosoma.runs.soma import soma_description
+        from zosoma.training.soma import soma_description
 
         return {"kind": "soma", **soma_description(self.path, fallback=fallback)}
 
@@ -287,5 +289,5 @@ class Soma(Run):
         return [e["step"] for e in description["experts_status"]]
 
     def summary(self, description: dict) -> str:
-        from zosoma.runs.soma import soma_summary
+        from zosoma.training.soma import soma_summary
         return soma_summary(description)
