@@ -30,6 +30,7 @@ from zosoma.corpus import Corpus, chunk, load_corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError, WriteError
 
 from helpers import assert_close
+from world import synthetic_corpus
 
 JIT = not numba.config.DISABLE_JIT
 needs_jit = pytest.mark.skipif(not JIT, reason="the shipped corpus is too big without the JIT")
@@ -39,18 +40,6 @@ SMALL = ClusterConfig(n_clusters=3, n_features=2**10, svd_dim=8, svd_oversample=
 
 def texts_of(*strings):
     return tuple(np.frombuffer(s, np.uint8) for s in strings)
-
-
-def synthetic_corpus(per_domain=12, size=200, seed=0) -> Corpus:
-    """Three unmistakable byte 'domains': lowercase words, digit groups, and punctuation runs."""
-    rng = np.random.default_rng(seed)
-    alphabets = {"letters": b"abcdefghij ", "digits": b"0123456789 ", "marks": b"!?.,;:-+*/ "}
-    names, docs = [], []
-    for name, alphabet in alphabets.items():
-        for _ in range(per_domain):
-            names.append(name)
-            docs.append(np.frombuffer(alphabet, np.uint8)[rng.integers(0, len(alphabet), size)])
-    return Corpus(tuple(names), tuple(docs))
 
 
 # --- features against plain Python -------------------------------------------------------------

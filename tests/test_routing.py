@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from world import TINY_MODEL as TINY, TINY_MODEL_L2
+from world import ALPHABETS, TINY_MODEL as TINY, TINY_MODEL_L2, synthetic_corpus
 from zosoma.benchmarks.bench_route import bench_route, format_route, matched_config, matched_configs
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.mixture.cluster import ClusterConfig, fit_clusters, save_clustering
@@ -26,18 +26,6 @@ from zosoma.runs.folder import RunFolder
 from zosoma.runs.soma import load_ensemble
 
 from helpers import assert_close
-
-ALPHABETS = {"letters": b"abcdefghij ", "digits": b"0123456789 ", "marks": b"!?.,;:-+*/ "}
-
-
-def synthetic_corpus(per_domain=12, size=200, seed=0) -> Corpus:
-    rng = np.random.default_rng(seed)
-    names, docs = [], []
-    for name, alphabet in ALPHABETS.items():
-        for _ in range(per_domain):
-            names.append(name)
-            docs.append(np.frombuffer(alphabet, np.uint8)[rng.integers(0, len(alphabet), size)])
-    return Corpus(tuple(names), tuple(docs))
 
 
 def small_config(n):

@@ -1,7 +1,11 @@
 """The tests' one tiny world, defined once: the tiny model (as a ModelConfig and as command-line
-options) and the published test vectors. Its training text is conftest's `text` fixture."""
+options), a corpus of three byte domains, and the published test vectors. Its training text is
+conftest's `text` fixture."""
+
+import numpy as np
 
 from zosoma.config import ModelConfig
+from zosoma.corpus import Corpus
 
 # The tiny model the training, resume, SOMA and CLI tests train: E=8 H=16, one layer (two where a
 # test needs a layer's output feeding the next).
@@ -19,6 +23,21 @@ def tiny_args(batch: int, perturbations: int | None = None, **options) -> list[s
     for name, value in options.items():
         args += ["--" + name.replace("_", "-"), str(value)]
     return args
+
+
+# Three unmistakable byte domains: lowercase words, digit groups and punctuation runs.
+ALPHABETS = {"letters": b"abcdefghij ", "digits": b"0123456789 ", "marks": b"!?.,;:-+*/ "}
+
+
+def synthetic_corpus(per_domain=12, size=200, seed=0) -> Corpus:
+    """`per_domain` documents of `size` bytes from each of ALPHABETS, named by their domain."""
+    rng = np.random.default_rng(seed)
+    names, docs = [], []
+    for name, alphabet in ALPHABETS.items():
+        for _ in range(per_domain):
+            names.append(name)
+            docs.append(np.frombuffer(alphabet, np.uint8)[rng.integers(0, len(alphabet), size)])
+    return Corpus(tuple(names), tuple(docs))
 
 
 M32 = 0xFFFFFFFF
