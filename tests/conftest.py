@@ -58,14 +58,22 @@ def two_domains(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def text(tmp_path_factory):
-    """a.txt: 3,000 words and digit groups in lines, a small training text (a module may define a
-    `text` of its own)."""
+    """a.txt: 3,000 words and digit groups in lines, the tests' small training text."""
     import numpy as np
     root = tmp_path_factory.mktemp("text")
     rng = np.random.default_rng(1)
     words = [b"river", b"stone", b"light", b"green", b"0123", b"4567", b"\n"]
     (root / "a.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 7, 3000)))
     return root / "a.txt"
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """The porting kit, written afresh for each module that asks (it needs the onnx extra)."""
+    from zosoma.porting.kit import write_kit
+    out = tmp_path_factory.mktemp("kit") / "kit"
+    write_kit(out)
+    return out
 
 
 @pytest.fixture

@@ -55,6 +55,16 @@ def run_cli(args):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
+def cli_json(args, kind):
+    """The object `zosoma ARGS --json` prints, checked to succeed and to carry schema zosoma.KIND/1."""
+    import json
+    result = run_cli([*args, "--json"])
+    assert result.exit_code == 0, result.output
+    obj = json.loads(result.output)
+    assert obj["schema"] == f"zosoma.{kind}/1", obj["schema"]
+    return obj
+
+
 def scaled_model(embed, hidden, layers, seed=0, scale=3.0):
     """float32 parameters of a model, the default initialisation times `scale` (gates saturate,
     predictions far from uniform: a harder test than the initialisation), and its Layout."""

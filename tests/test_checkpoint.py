@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
+from world import TINY_MODEL_L2 as MODEL
 import zosoma
 from zosoma.model import reference
 from zosoma.formats.checkpoint import Checkpoint, description, load_checkpoint, save_checkpoint, summary
@@ -21,7 +22,6 @@ from zosoma.runs.folder import last_metrics
 from helpers import assert_close
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
-MODEL = ModelConfig(embed=8, hidden=16, layers=2)
 
 
 def make_checkpoint(step=7, seed=0) -> Checkpoint:

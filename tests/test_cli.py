@@ -1,6 +1,7 @@
 """The command line, through click's CliRunner and as a real subprocess: the main commands work,
 and bad input gets one line, a non-zero exit, and destroys nothing."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,13 +13,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from helpers import one_line_error, zosoma_cmd
+from helpers import cli_json, one_line_error, zosoma_cmd
+from world import tiny_args
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.runs.folder import RunFolder
 from zosoma.cli.main import cli
 
-TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16",
-        "--perturbations", "2", "--checkpoint-every", "3"]
+TINY = tiny_args(4, 2, checkpoint_every=3)
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +53,16 @@ def test_train_info_eval_export(tmp_path, text_files):
                   "--heldout", str(text_files / "held"), "--steps", "5", "--run-dir", str(run_dir),
                   "--wikitext", str(text_files / "held" / "h.txt")] + TINY)
     assert result.exit_code == 0, result.output
-    assert "held-out nats/byte" in result.output and "WikiText-103 test nats/byte" in result.output
+    results = json.loads((run_dir / "results.json").read_text())
+    assert set(results["heldout"]) == {"h", "overall"} and results["wikitext103"] > 0
     for name in ("checkpoint.h5", "metrics.jsonl", "results.json"):
         assert (run_dir / name).exists()
     assert load_checkpoint(run_dir / "checkpoint.h5").step == 5
 
-    result = run(["info", str(run_dir)])
-    assert result.exit_code == 0 and "step" in result.output
-    result = run(["eval", str(run_dir / "checkpoint.h5"), "--data", str(text_files / "held")])
-    assert result.exit_code == 0 and "h " in result.output
+    info = cli_json(["info", run_dir], "info")
+    assert info["kind"] == "checkpoint" and info["step"] == 5 and info["model"]["hidden"] == 16
+    scored = cli_json(["eval", run_dir / "checkpoint.h5", "--data", text_files / "held"], "eval")
+    assert scored["step"] == 5 and set(scored["heldout"]) == {"h", "overall"}
     for flag, value in (("--top-k", "1"), ("--temperature", "0.5")):  # a single model has no router to set
         line = one_line_error(run(["eval", str(run_dir), flag, value]), code=2)
         assert line.endswith(f"{flag} is an option of SOMA runs; {run_dir} is a single model"), line
@@ -107,7 +109,7 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
 def test_subprocess_sigkill_then_resume_equals_uninterrupted(tmp_path, text_files):
     """A run killed with SIGKILL and resumed ends with the same parameters as an uninterrupted run."""
     args = ["train", "--data", str(text_files / "a.txt"), "--steps", "300", "--checkpoint-every", "5",
-            "--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "--perturbations", "2"]
+            *tiny_args(4, 2)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     full = subprocess.run(zosoma_cmd() + args + ["--run-dir", str(tmp_path / "full")], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -168,11 +170,12 @@ def test_soma_commands(tmp_path, text_files):
     result = run(["train", "--experts", "2", "--workers", "1", "--chunk-size", "128", "--steps", "3",
                   "--heldout", str(text_files / "held"), "--run-dir", str(run_dir)] + data + TINY)
     assert result.exit_code == 0, result.output
-    assert "cluster 0:" in result.output and "routed" in result.output and "oracle" in result.output
-    result = run(["info", str(run_dir)])
-    assert result.exit_code == 0 and "expert1: step 3/3" in result.output
-    result = run(["eval", str(run_dir), "--data", str(text_files / "held"), "--top-k", "1"])
-    assert result.exit_code == 0 and "expert1" in result.output
+    results = json.loads((run_dir / "results.json").read_text())
+    assert set(results["heldout"]["overall"]) == {"routed", "expert0", "expert1", "oracle"}
+    info = cli_json(["info", run_dir], "info")
+    assert [(e["expert"], e["step"], e["steps"]) for e in info["experts_status"]] == [(0, 3, 3), (1, 3, 3)]
+    scored = cli_json(["eval", run_dir, "--data", text_files / "held", "--top-k", "1"], "eval")
+    assert scored["top_k"] == 1 and {"routed", "expert0", "expert1", "oracle"} <= set(scored["heldout"]["overall"])
     assert "exceeds the 2 experts" in one_line_error(run(["eval", str(run_dir), "--top-k", "3"]))
     line = one_line_error(run(["eval", str(run_dir), "--streams", "2"]), code=2)  # SOMA is scored by segments
     assert line.endswith(f"--streams is an option of single models; {run_dir} is a SOMA run"), line
@@ -182,8 +185,8 @@ def test_soma_commands(tmp_path, text_files):
     result = run(["train", "--resume", str(run_dir)])
     assert result.exit_code == 0, result.output  # already finished: nothing to train, evaluates again
 
-    result = run(["cluster", "-N", "2", "--chunk-size", "128"] + data)
-    assert result.exit_code == 0 and "purity" in result.output
+    clustered = cli_json(["cluster", "-N", "2", "--chunk-size", "128"] + data, "cluster")
+    assert len(clustered["clusters"]) == 2 and 0 < clustered["purity"] <= 1
     assert "cannot make 5000 clusters" in one_line_error(run(["cluster", "-N", "5000", "--chunk-size", "128"] + data))
     assert "exceeds the 2 experts" in one_line_error(run(["train", "--experts", "2", "--top-k", "3"] + data), code=2)
     assert "--experts 2 or more" in one_line_error(run(["train", "--loss", "summed"] + data), code=2)
@@ -193,8 +196,8 @@ def test_soma_commands(tmp_path, text_files):
 
 
 def test_data_show_and_download(tmp_path, request):
-    result = run(["data", "show"])
-    assert result.exit_code == 0 and "drama" in result.output and "bigram" in result.output
+    shown = cli_json(["data", "show"], "data-show")
+    assert shown["splits"]["heldout"]["documents"][0]["name"] == "drama" and shown["baselines"]["bigram"] > 0
     shared = request.getfixturevalue("wikitext_files")
     import zipfile
     archive = tmp_path / "wikitext-103-raw-v1.zip"

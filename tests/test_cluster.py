@@ -31,10 +31,7 @@ from zosoma.corpus import Corpus, chunk, load_corpus
 from zosoma.errors import CheckpointError, ConfigError, DataError, WriteError
 
 from helpers import assert_close
-
-pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from world import synthetic_corpus
 
 JIT = not numba.config.DISABLE_JIT
 needs_jit = pytest.mark.skipif(not JIT, reason="the shipped corpus is too big without the JIT")
@@ -44,18 +41,6 @@ SMALL = ClusterConfig(n_clusters=3, n_features=2**10, svd_dim=8, svd_oversample=
 
 def texts_of(*strings):
     return tuple(np.frombuffer(s, np.uint8) for s in strings)
-
-
-def synthetic_corpus(per_domain=12, size=200, seed=0) -> Corpus:
-    """Three unmistakable byte 'domains': lowercase words, digit groups, and punctuation runs."""
-    rng = np.random.default_rng(seed)
-    alphabets = {"letters": b"abcdefghij ", "digits": b"0123456789 ", "marks": b"!?.,;:-+*/ "}
-    names, docs = [], []
-    for name, alphabet in alphabets.items():
-        for _ in range(per_domain):
-            names.append(name)
-            docs.append(np.frombuffer(alphabet, np.uint8)[rng.integers(0, len(alphabet), size)])
-    return Corpus(tuple(names), tuple(docs))
 
 
 # --- features against plain Python -------------------------------------------------------------
@@ -180,21 +165,27 @@ def optimal_balanced_cost(sq_dist, caps):
     return sq_dist[rows, columns[cols]].sum()
 
 
-@settings(max_examples=40 if JIT else 10, deadline=None)
-@given(M=st.integers(1, 40), N=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
-def test_balanced_assignment_is_optimal_and_balanced(M, N, seed):
-    N = min(N, M)
-    rng = np.random.default_rng(seed)
-    points, centers = rng.standard_normal((M, 3)), rng.standard_normal((N, 3))
-    sq = ((points[:, None] - centers[None]) ** 2).sum(-1)
-    labels = balanced_assignment(sq)
-    sizes = np.bincount(labels, minlength=N)
-    assert sizes.sum() == M and sizes.max() - sizes.min() <= (1 if M % N else 0)
-    caps = cl._balanced_caps(sq.argmin(axis=1), M, N)
-    assert np.array_equal(sizes, caps)
-    cost = sq[np.arange(M), labels].sum()
-    bound = M * 5e-7 * (sq.max() - sq.min()) + 1e-9
-    assert cost <= optimal_balanced_cost(sq, caps) + bound
+def test_balanced_assignment_is_optimal_and_balanced():
+    pytest.importorskip("hypothesis", reason="property tests need hypothesis (the test extra)")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=40 if JIT else 10, deadline=None)
+    @given(M=st.integers(1, 40), N=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+    def optimal_and_balanced(M, N, seed):
+        N = min(N, M)
+        rng = np.random.default_rng(seed)
+        points, centers = rng.standard_normal((M, 3)), rng.standard_normal((N, 3))
+        sq = ((points[:, None] - centers[None]) ** 2).sum(-1)
+        labels = balanced_assignment(sq)
+        sizes = np.bincount(labels, minlength=N)
+        assert sizes.sum() == M and sizes.max() - sizes.min() <= (1 if M % N else 0)
+        caps = cl._balanced_caps(sq.argmin(axis=1), M, N)
+        assert np.array_equal(sizes, caps)
+        cost = sq[np.arange(M), labels].sum()
+        bound = M * 5e-7 * (sq.max() - sq.min()) + 1e-9
+        assert cost <= optimal_balanced_cost(sq, caps) + bound
+    optimal_and_balanced()
 
 
 def test_balanced_assignment_keeps_nearest_when_it_is_balanced():

@@ -6,15 +6,13 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
+from world import TINY_MODEL_L2 as MODEL
 from zosoma.model import reference
-from zosoma.config import ModelConfig
 from zosoma.corpus import Corpus
 from zosoma.errors import DataError
 from zosoma.engines.ops import Ops
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus, stream_batches
 from zosoma.model.params import Layout, init_params
-
-MODEL = ModelConfig(embed=8, hidden=16, layers=2)
 
 
 def reference_nats(theta, layout, data):

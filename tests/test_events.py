@@ -3,16 +3,16 @@ what metrics.jsonl says (per step), the evaluation, and a resumed or restarted r
 
 import json
 
-import numpy as np
 import pytest
 
 pytest.importorskip("tensorboard", reason="the test extra installs TensorBoard, whose reader checks the files")
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer  # noqa: E402
 
 from helpers import run_cli  # noqa: E402
+from world import tiny_args  # noqa: E402
 from zosoma.runs.folder import CHECKPOINT, METRICS  # noqa: E402
 
-TINY = ["--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "-P", "4"]
+TINY = tiny_args(4, 4)
 
 
 def scalars(logdir) -> dict:
@@ -27,15 +27,6 @@ def scalars(logdir) -> dict:
 
 def metrics(folder):
     return [json.loads(line) for line in (folder / METRICS).read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("events") / "a.txt"
-    rng = np.random.default_rng(5)
-    words = [b"river", b"stone", b"light", b"0123", b"\n"]
-    path.write_bytes(b" ".join(words[i] for i in rng.integers(0, 5, 3000)))
-    return path
 
 
 def test_a_run_folder_shows_its_metrics_in_tensorboard(text, tmp_path):

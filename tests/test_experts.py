@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 
+from world import TINY_MODEL as MODEL
 from zosoma.engines.cpu import forward
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline, LocalProcesses
 from zosoma.runs.folder import SOMA, RunFolder
 from zosoma.runs.records import Clusters, Evaluated, Step
 from zosoma.training.soma import start_soma
 
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
 
 

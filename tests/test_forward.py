@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import assert_close, random_bytes, scaled_model
+from world import TINY_MODEL_L2
 from zosoma.engines.cpu import forward
 from zosoma.model import reference
-from zosoma.config import VOCAB, ModelConfig
+from zosoma.config import VOCAB
 from zosoma.model.params import Layout, init_params
 
 LOSS_RTOL = 1e-5  # mean loss vs the float64 reference (the accuracy requirement)
@@ -212,7 +213,7 @@ def test_context_columns_skip_the_output_layer_and_change_nothing_after(scored_f
     """Routed inference scores a segment after its context: with scored_from the context only
     carries the state (nll 0 there), and every scored column is bit for bit the full forward's,
     across chunk boundaries (T > the rows per chunk / B)."""
-    layout = Layout(ModelConfig(embed=8, hidden=16, layers=2))
+    layout = Layout(TINY_MODEL_L2)
     theta = init_params(layout.config, 5) * 2
     data = np.random.default_rng(3).integers(0, 256, (20, 97), dtype=np.uint8)
     full, full_state = forward.nll_stream(theta, layout, data[:, :-1], data[:, 1:])

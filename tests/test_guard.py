@@ -4,14 +4,13 @@ reaches the same verdict."""
 import numpy as np
 import pytest
 
-from zosoma.config import ModelConfig, TrainConfig
+from world import TINY_MODEL as MODEL
+from zosoma.config import TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.runs import guard as g
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Diverged, Finished, Step
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
-
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 
 
 def verdicts(losses, skipped=None, window=g.WINDOW):

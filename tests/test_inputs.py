@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from world import TINY_MODEL_ARGS as MODEL, tiny_args
 import zosoma
 from helpers import one_line_error, run_cli, zosoma_cmd
 from zosoma.config import ModelConfig, TrainConfig
@@ -22,8 +23,7 @@ from zosoma.runs.folder import CHECKPOINT, RunFolder
 from zosoma.strategies import make_strategy
 from zosoma.strategies.settings import SlowStep, check_memory, resolve
 
-MODEL = ["--embed", "8", "--hidden", "16", "--layers", "1"]
-TINY = [*MODEL, "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
+TINY = tiny_args(4, 2, lr=0.05)
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
 

@@ -1,25 +1,20 @@
 """What the commands give a program or a log: --json objects with a stable schema, and progress
 as plain lines when there is no terminal (a log file, nohup, SLURM)."""
 
-import json
 import re
 import subprocess
 
-import numpy as np
 import pytest
 
-from helpers import run_cli, zosoma_cmd
+from helpers import cli_json, run_cli, zosoma_cmd
+from world import tiny_args
 
-TINY = ["--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "-P", "4"]
+TINY = tiny_args(4, 4)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, text):
     root = tmp_path_factory.mktemp("json")
-    text = root / "a.txt"
-    rng = np.random.default_rng(2)
-    words = [b"river", b"stone", b"light", b"0123", b"\n"]
-    text.write_bytes(b" ".join(words[i] for i in rng.integers(0, 5, 3000)))
     base = ["train", "--data", text, "--heldout", text, *TINY, "--steps", "6", "--quiet"]
     assert run_cli(base + ["--run-dir", root / "one"]).exit_code == 0
     assert run_cli(base + ["--run-dir", root / "soma", "--experts", "2", "--chunk-size", "256",
@@ -27,41 +22,33 @@ def runs(tmp_path_factory):
     return root, text
 
 
-def parsed(args, kind):
-    result = run_cli(args + ["--json"])
-    assert result.exit_code == 0, result.output
-    obj = json.loads(result.output)
-    assert obj["schema"] == f"zosoma.{kind}/1"
-    return obj
-
-
 def test_eval_and_info_as_json(runs):
     root, text = runs
-    one = parsed(["eval", root / "one", "--data", text], "eval")
+    one = cli_json(["eval", root / "one", "--data", text], "eval")
     assert one["kind"] == "single" and one["step"] == 6 and set(one["heldout"]) == {"a", "overall"}
-    soma = parsed(["eval", root / "soma", "--data", text], "eval")
+    soma = cli_json(["eval", root / "soma", "--data", text], "eval")
     assert soma["kind"] == "soma" and {"routed", "expert0", "expert1", "oracle"} <= set(soma["heldout"]["overall"])
     assert soma["dropped"] == [] and soma["top_k"] == 2
-    info = parsed(["info", root / "one"], "info")
+    info = cli_json(["info", root / "one"], "info")
     assert info["kind"] == "checkpoint" and info["step"] == 6 and info["train"]["shaping"] == ["normalize"]
     assert [t["name"] for t in info["tensors"]][0] == "embed" and info["last_metrics"]["step"] == 6
-    info = parsed(["info", root / "soma"], "info")
+    info = cli_json(["info", root / "soma"], "info")
     assert info["kind"] == "soma" and [e["step"] for e in info["experts_status"]] == [6, 6]
 
 
 @pytest.mark.slow
 def test_data_show_cluster_and_bench_as_json(tmp_path):
-    shown = parsed(["data", "show"], "data-show")
+    shown = cli_json(["data", "show"], "data-show")
     assert shown["baselines"]["trigram"] == pytest.approx(2.2206, abs=1e-4)
     assert [d["name"] for d in shown["splits"]["heldout"]["documents"]][0] == "drama"
-    clusters = parsed(["cluster", "-N", "2"], "cluster")
+    clusters = cli_json(["cluster", "-N", "2"], "cluster")
     assert len(clusters["clusters"]) == 2 and sum(c["size"] for c in clusters["clusters"]) == clusters["chunks"]
-    comm = parsed(["bench", "comm", "-W", "4"], "bench-comm")
+    comm = cli_json(["bench", "comm", "-W", "4"], "bench-comm")
     assert [r["preset"] for r in comm["results"]] == ["tiny", "small", "paper"]
-    forward = parsed(["bench", "forward", "--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2",
+    forward = cli_json(["bench", "forward", "--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2",
                       "--seq-len", "8", "--repeats", "1", "--no-numpy"], "bench-forward")
     assert [r["name"] for r in forward["results"] if (r["tokens_per_s"] or 0) > 0]  # the skipped ones: null
-    spsa = parsed(["bench", "spsa", "--preset", "tiny", "-P", "2", "--batch", "2", "--seq-len", "4", "--steps", "1",
+    spsa = cli_json(["bench", "spsa", "--preset", "tiny", "-P", "2", "--batch", "2", "--seq-len", "4", "--steps", "1",
                    "--no-peers"], "bench-spsa")  # its model config was once not serialisable
     assert spsa["results"]["model"] == {"embed": 32, "hidden": 64, "layers": 1} and spsa["results"]["step_s"] > 0
 

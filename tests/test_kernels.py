@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
+from world import PHILOX_KAT, TINY_MODEL, TINY_MODEL_L2
 from zosoma.engines.cuda import backend
 from zosoma.engines.cpu import lowrank as eggroll
 from zosoma.engines.cpu import forward
@@ -44,14 +45,7 @@ from zosoma.mixture.sample import sample
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATE_H = custom_kernels.KERNEL_DIR / "emulate.h"
-M32 = 0xFFFFFFFF
 
-PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10: (counter, key, expected output)
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((M32, M32, M32, M32), (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-]
 NOISE_KEYS = [  # (seed, expert, step, member); seeds above 2**32 exercise the key's high word
     (0, 0, 0, 0), (1234, 2, 7, 3), (2**40 + 12345, 1, 99, 17), (2**63 + 5, 7, 2**31 + 3, 2**32 - 1),
 ]
@@ -504,7 +498,7 @@ def routed_setup():
     docs = tuple(np.frombuffer(a, np.uint8)[rng.integers(0, len(a), 200)] for a in alphabets for _ in range(8))
     config = ClusterConfig(n_clusters=4, n_features=2**10, svd_dim=8, svd_oversample=4, seed=3)
     clustering, _ = fit_clusters(Corpus(tuple(str(i // 8) for i in range(len(docs))), docs), config)
-    layouts = (Layout(ModelConfig(embed=8, hidden=16, layers=1)), Layout(ModelConfig(embed=6, hidden=8, layers=2)))
+    layouts = (Layout(TINY_MODEL), Layout(ModelConfig(embed=6, hidden=8, layers=2)))
     experts = tuple(((init_params(layouts[i % 2].config, 5, i) * 3).astype(np.float32), layouts[i % 2])
                     for i in range(4))
     return Ensemble(experts, Router(clustering, 2)), np.concatenate(docs[::5])
@@ -701,7 +695,7 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     from zosoma.model.evaluate import evaluate_bytes
     from zosoma.runs.trainer import Trainer, new_state
 
-    model = ModelConfig(embed=8, hidden=16, layers=2)
+    model = TINY_MODEL_L2
     cfg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3)
     text = np.frombuffer(b"a forward-only trainer checks its device path " * 20, np.uint8)
     sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)

@@ -9,6 +9,7 @@ import pytest
 
 from helpers import (assert_close, error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, run_cli as run,
                      snapshot, users_files, zosoma_cmd)
+from world import tiny_args
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.formats import onnx as zonnx
 from zosoma.model import reference
@@ -102,8 +103,7 @@ def test_training_graph_takes_theta_and_returns_losses():
 
 # --- the command line ------------------------------------------------------------------------------
 
-TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16", "-P", "2",
-        "--steps", "2", "--checkpoint-every", "2"]
+TINY = tiny_args(2, 2, steps=2, checkpoint_every=2)
 
 
 

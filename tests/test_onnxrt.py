@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import assert_close, one_line_error, run_cli as run
+from helpers import assert_close, cli_json, one_line_error, run_cli as run
+from world import TINY_MODEL_L2, tiny_args
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.engines import get_ops, run_ops
@@ -67,7 +68,7 @@ def test_a_short_run_ends_where_the_numba_engines_does(corpus, tmp_path):
 
 
 def test_streaming_nll_with_carried_state():
-    layout = Layout(ModelConfig(embed=8, hidden=16, layers=2))
+    layout = Layout(TINY_MODEL_L2)
     theta = init_params(layout.config, 3) * 2
     data = np.random.default_rng(0).integers(0, 256, (3, 30), dtype=np.uint8)
     ort, native = get_ops("cpu", "onnxruntime"), get_ops("cpu")
@@ -96,17 +97,9 @@ def test_engine_names():
 
 # --- the command line ------------------------------------------------------------------------------
 
-TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16", "-P", "2",
-        "--checkpoint-every", "2"]
+TINY = tiny_args(2, 2, checkpoint_every=2)
 
 
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "t.txt"
-    path.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 80)
-    return path
 
 
 @pytest.mark.slow
@@ -144,7 +137,7 @@ def test_an_engine_that_is_not_installed_is_one_line(text, tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_bench_forward_reports_onnxruntime_beside_numba():
-    result = run(["bench", "forward", "--engine", "onnxruntime", "--embed", "8", "--hidden", "8", "--layers", "1",
-                  "--batch", "2", "--seq-len", "8", "--repeats", "1", "--no-numpy"])
-    assert result.exit_code == 0, result.output
-    assert "onnxruntime population_loss M=1" in result.output and "cpu population_loss M=1" in result.output
+    bench = cli_json(["bench", "forward", "--engine", "onnxruntime", "--embed", "8", "--hidden", "8", "--layers", "1",
+                      "--batch", "2", "--seq-len", "8", "--repeats", "1", "--no-numpy"], "bench-forward")
+    timed = {r["name"] for r in bench["results"] if (r["tokens_per_s"] or 0) > 0}
+    assert {"onnxruntime population_loss M=1", "cpu population_loss M=1"} <= timed

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helpers import cli_json
+from world import TINY_MODEL as MODEL, tiny_args
 from zosoma.cli.main import cli
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import TrainConfig
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline
@@ -21,9 +23,8 @@ from zosoma.runs.records import Step
 from zosoma.training.single import start_run
 from zosoma.training.soma import start_soma
 
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
-TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16", "-P", "4"]
+TINY = tiny_args(2, 4)
 
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
@@ -141,9 +142,7 @@ def test_train_command_shards_a_population(tmp_path, two_domains):
 
 
 def test_bench_comm_table():
-    result = CliRunner().invoke(cli, ["bench", "comm", "-W", "8"])
-    assert result.exit_code == 0, result.output
-    tiny = next(line.split() for line in result.output.splitlines() if line.startswith("tiny"))
-    d, P, soma, population = (int(x.replace(",", "")) for x in tiny[1:5])
-    assert (d, P, soma, population) == (49_664, 32, 0, exchange_bytes(32, 8))
-    assert int(tiny[7].replace(",", "")) == round(2 * 7 / 8 * 4 * d)  # ring all-reduce of fp32 gradients
+    tiny = next(r for r in cli_json(["bench", "comm", "-W", "8"], "bench-comm")["results"] if r["preset"] == "tiny")
+    d = tiny["d"]
+    assert (d, tiny["P"], tiny["soma"], tiny["population"]) == (49_664, 32, 0, exchange_bytes(32, 8))
+    assert tiny["allreduce_per_worker"] == round(2 * 7 / 8 * 4 * d)  # ring all-reduce of fp32 gradients

@@ -21,16 +21,9 @@ from helpers import (error_line, on_a_full_disk, on_a_read_only_disk, one_line_e
 from zosoma.cli.main import cli
 from zosoma.model.noise import philox4x32_10, stream_key
 from zosoma.porting import check_port
-from zosoma.porting.kit import STAGES, write_kit
+from zosoma.porting.kit import STAGES
 
 pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
-
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kit") / "kit"
-    write_kit(out)
-    return out
 
 
 def _load(kit, name):

@@ -26,7 +26,7 @@ from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.porting import check_port
-from zosoma.porting.kit import STAGES, write_kit
+from zosoma.porting.kit import STAGES
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Step
 from zosoma.runs.trainer import RunState, Trainer, train
@@ -34,12 +34,8 @@ from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
 from zosoma.strategies.shaping import Chain
 
-
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kit") / "kit"
-    write_kit(out)
-    return out
+pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
+pytest.importorskip("onnxruntime", reason="the port runs the kit's ONNX model in ONNX Runtime (the onnx extra)")
 
 
 @pytest.fixture(scope="module")

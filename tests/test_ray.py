@@ -27,8 +27,9 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import RAY_OPTIONS, zosoma_cmd
+from world import TINY_MODEL as MODEL, tiny_args
 from zosoma.cli.main import cli
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline
 from zosoma.runs.folder import RunFolder
@@ -45,9 +46,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 # Ray workers cannot import this module (tests/ is no package): send the test's units by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=12, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
-TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "2", "--seq-len", "16"]
+TINY = tiny_args(2)
 
 
 pytestmark = [pytest.mark.usefixtures("scratch_cwd"), pytest.mark.ray, pytest.mark.slow]  # Ray takes seconds to start

@@ -11,7 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from zosoma.config import ModelConfig, TrainConfig, to_json
+from world import TINY_MODEL as MODEL
+from zosoma.config import TrainConfig, to_json
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.formats.h5util import content_digest, text_array, text_attr
@@ -24,7 +25,6 @@ from zosoma.training.single import resume_run, start_run
 from zosoma.training.soma import resume_soma, start_soma
 from zosoma.runs.trainer import Trainer, from_checkpoint, guard_of, new_state, train
 
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 BASE = dict(steps=12, batch=2, seq_len=16, perturbations=4, warmup=2, checkpoint_every=5)
 STRATEGY = {"sgd": dict(lr=0.2, weight_decay=0.01), "momentum": dict(lr=0.05, momentum=0.8),
             "adam": dict(lr=0.01, weight_decay=0.01), "eggroll": dict(eps=0.01, lr=0.5, rank=2),

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from helpers import zosoma_cmd
-from zosoma.config import ModelConfig, TrainConfig, from_json, to_json
+from world import TINY_MODEL as MODEL, tiny_args
+from zosoma.config import TrainConfig, from_json, to_json
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline, LocalProcesses
@@ -24,7 +25,6 @@ from zosoma.strategies.shaping import Chain, spread
 from zosoma.strategies.shaping.clip import WARMUP
 from zosoma.strategies.shaping.normalize import WARMUP as NORMALIZE_WARMUP
 
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 CFG = TrainConfig(steps=120, batch=4, seq_len=16, perturbations=4, lr=0.2, checkpoint_every=20)
 
 
@@ -261,8 +261,7 @@ def test_restarts_are_the_same_inline_and_in_processes(tmp_path):
 @pytest.mark.subprocess
 def test_a_restart_decision_survives_sigkill_and_resume(tmp_path):
     text = text_corpus(tmp_path)
-    args = ["train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",
-            "--seq-len", "16", "-P", "4", "--lr", "40", "--steps", "3000", "--checkpoint-every", "20",
+    args = ["train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=40, steps=3000, checkpoint_every=20),
             "--on-divergence", "restart", "--max-restarts", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     done = subprocess.run(zosoma_cmd() + [str(a) for a in args + ["--run-dir", whole]], capture_output=True, text=True)
@@ -331,8 +330,7 @@ def test_a_dropped_single_model_is_said_on_resume_and_the_advice_is_a_new_run(tm
     from helpers import one_line_error, snapshot
     from zosoma.runs.folder import LOCK
     text, run = text_corpus(tmp_path), tmp_path / "run"
-    done = cli_train("train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",
-                     "--seq-len", "16", "-P", "4", "--lr", "40", "--steps", "3000", "--checkpoint-every", "20",
+    done = cli_train("train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=40, steps=3000, checkpoint_every=20),
                      "--on-divergence", "restart", "--max-restarts", "1", "--run-dir", run, "--quiet")
     assert done.exit_code == 1 and "training gave up on it, so resuming cannot help; start a new run with a " \
                                    "lower --lr" in done.output, done.output
@@ -349,8 +347,8 @@ def test_a_dropped_single_model_is_said_on_resume_and_the_advice_is_a_new_run(tm
 @pytest.mark.slow
 def test_on_divergence_continue_says_its_verdict_once_and_trains_on(tmp_path):
     text, run = text_corpus(tmp_path), tmp_path / "run"
-    done = cli_train("train", "--data", text, "--heldout", text, "--embed", "8", "--hidden", "16", "--batch", "4",
-                     "--seq-len", "16", "-P", "4", "--lr", "400", "--steps", "300", "--on-divergence", "continue",
+    done = cli_train("train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=400, steps=300),
+                     "--on-divergence", "continue",
                      "--run-dir", run, "--quiet")
     assert done.exit_code == 0, done.output
     verdict = json.loads((run / "results.json").read_text())["divergence"]

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from world import ALPHABETS, TINY_MODEL as TINY, TINY_MODEL_L2, synthetic_corpus
 from zosoma.benchmarks.bench_route import bench_route, format_route, matched_config, matched_configs
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.config import ClusterConfig
@@ -26,19 +27,6 @@ from zosoma.runs.folder import RunFolder
 from zosoma.training.soma import load_ensemble
 
 from helpers import assert_close
-
-TINY = ModelConfig(embed=8, hidden=16, layers=1)
-ALPHABETS = {"letters": b"abcdefghij ", "digits": b"0123456789 ", "marks": b"!?.,;:-+*/ "}
-
-
-def synthetic_corpus(per_domain=12, size=200, seed=0) -> Corpus:
-    rng = np.random.default_rng(seed)
-    names, docs = [], []
-    for name, alphabet in ALPHABETS.items():
-        for _ in range(per_domain):
-            names.append(name)
-            docs.append(np.frombuffer(alphabet, np.uint8)[rng.integers(0, len(alphabet), size)])
-    return Corpus(tuple(names), tuple(docs))
 
 
 def small_config(n):
@@ -274,7 +262,7 @@ def test_sampling_is_seeded_exact_length_and_validated(clusterings):
 def test_sampling_follows_the_prompt_and_carries_state(clusterings):
     """Without a re-route, sampling equals a reference that re-reads the whole history from zero
     state at every byte: the prompt's last `context` bytes, then everything generated."""
-    model = ModelConfig(embed=8, hidden=16, layers=2)
+    model = TINY_MODEL_L2
     ens = ensemble_of(clusterings[3], 2, model=model)
     prompt, context, n, seed, temp = b"0123 99 4567 abc ", 12, 25, 3, 0.7
     got = sample(ens, prompt, n_bytes=n, temperature=temp, seed=seed, reroute_every=1000,

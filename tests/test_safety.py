@@ -18,12 +18,13 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import zosoma_cmd
+from world import TINY_MODEL, tiny_args
 from zosoma import atomic
 from zosoma.cli.main import cli
 from zosoma.errors import ConfigError, WriteError
 from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder, RunInUse
 
-TINY = ["--embed", "8", "--hidden", "16", "--layers", "1", "--batch", "4", "--seq-len", "16", "-P", "2", "--lr", "0.05"]
+TINY = tiny_args(4, 2, lr=0.05)
 
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
@@ -642,7 +643,7 @@ def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(tex
     from zosoma.runs.folder import StillTraining
     from zosoma.training.soma import create_soma
     run = tmp_path / "run"
-    create_soma(run, ModelConfig(embed=8, hidden=16, layers=1), TrainConfig(steps=5, batch=4, seq_len=16,
+    create_soma(run, TINY_MODEL, TrainConfig(steps=5, batch=4, seq_len=16,
                 perturbations=2), 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])
     holder = hold_lock(run)
     try:

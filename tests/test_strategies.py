@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma.config import ModelConfig, TrainConfig
+from world import TINY_MODEL as MODEL
+from zosoma.config import TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
@@ -16,8 +17,6 @@ from zosoma.runs.trainer import Trainer, new_state, train
 from zosoma.strategies import STRATEGIES, make_strategy
 from zosoma.strategies.es import OpenES, centered_ranks
 from zosoma.strategies.summed import Summed
-
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 
 
 def corpus():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
+from world import TINY_MODEL, TINY_MODEL_L2
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.model.noise import add_noise, noise
@@ -183,7 +184,7 @@ def test_carried_state_matches_one_pass_and_torch(E, H, L):
 
 # --- 2. SPSA directional derivatives vs autograd ---------------------------------------------------
 
-DIRECTIONAL_CONFIG = ModelConfig(embed=8, hidden=16, layers=2)  # d = 10,112
+DIRECTIONAL_CONFIG = TINY_MODEL_L2  # d = 10,112
 
 
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
@@ -274,7 +275,7 @@ def test_spsa_estimate_is_unbiased_with_the_predicted_cosine():
 def test_antithetic_pair_shares_one_regenerated_delta(kind):
     """theta + eps delta and theta - eps delta use the same member's delta; MeZO-style in-place
     perturb / evaluate / regenerate / restore gives the same g_k and returns to theta."""
-    theta, layout = make_theta(ModelConfig(embed=8, hidden=16, layers=1), seed=4)
+    theta, layout = make_theta(TINY_MODEL, seed=4)
     batch = make_batch(2, 10, seed=4)
     eps, args = 1e-3, (31, 2, 17, 5)  # seed, expert, step, member
     delta = noise(layout.size, *args, kind)

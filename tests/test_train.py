@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
+from world import TINY_MODEL as MODEL
 from zosoma.model import reference
-from zosoma.config import ModelConfig, TrainConfig
+from zosoma.config import TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.errors import CheckpointError
 from zosoma.engines.ops import Ops, member_chunks
@@ -20,8 +21,6 @@ from zosoma.runs.records import Finished, Step
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.spsa import SPSA, Adam, Momentum
-
-MODEL = ModelConfig(embed=8, hidden=16, layers=1)
 
 
 def small_corpus(n=4000, seed=0):

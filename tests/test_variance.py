@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from zosoma.config import ModelConfig
+from world import TINY_MODEL as TINY
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.model.noise import noise
 from zosoma.engines.ops import Ops
@@ -56,7 +56,6 @@ def test_quadratic_blocks_are_equal():
 def test_quadratic_ratio_is_one_over_n(quadratic):
     for rec in quadratic:
         N = rec["N"]
-        assert rec["inverse_N"] == 1 / N
         assert rec["theory"] == pytest.approx((D - 1) / (N * D - 1), rel=1e-12)
         # about 1/N (the paper's claim), then the exact theory (6% with the JIT: sd about 1%)
         assert abs(rec["ratio"] * N - 1) < 0.10, rec
@@ -110,7 +109,6 @@ def test_rejects_bad_sizes():
 
 # --- real LSTM experts ---------------------------------------------------------------------------
 
-TINY = ModelConfig(embed=8, hidden=16, layers=1)
 REPS, P_LSTM = (64, 8) if JIT else (4, 4)
 
 

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import one_line_error
+from world import TINY_MODEL
 from zosoma import yardsticks
 from zosoma.cli.main import cli
 from zosoma.corpus import Corpus, load_corpus
@@ -257,11 +258,11 @@ def test_data_yardsticks_command(small_shipped):
 
 
 def test_eval_prints_the_yardsticks_beside_its_table(small_shipped, tmp_path):
-    from zosoma.config import ModelConfig, TrainConfig
+    from zosoma.config import TrainConfig
     from zosoma.formats.checkpoint import Checkpoint, save_checkpoint
     from zosoma.model.params import init_params
 
-    model = ModelConfig(embed=8, hidden=16, layers=1)
+    model = TINY_MODEL
     ckpt = tmp_path / "model.h5"
     save_checkpoint(ckpt, Checkpoint(model=model, train=TrainConfig(), theta=init_params(model, seed=0), step=0))
     held = tmp_path / "held"
