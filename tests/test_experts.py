@@ -1,6 +1,8 @@
 """SOMA training: clusters, independent experts, the summed-loss ablation, resumption, errors."""
 
+import copy
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -8,9 +10,10 @@ import pytest
 from zosoma.engines.cpu import forward
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.runs.executor import Inline, LocalProcesses
+from zosoma.runs.executor import Cores, Inline, LocalProcesses
 from zosoma.runs.folder import SOMA, RunFolder
-from zosoma.runs.records import Clusters, Evaluated, Step
+from zosoma.runs.population_workers import exchange_bytes
+from zosoma.runs.records import Clusters, Evaluated, Finished, Step
 from zosoma.runs.soma import start_soma
 
 MODEL = ModelConfig(embed=8, hidden=16, layers=1)
@@ -116,6 +119,43 @@ def test_worker_processes_match_in_process_training(tmp_path, two_domains):
         a = expert_checkpoint(tmp_path / "serial", i).theta
         b = expert_checkpoint(tmp_path / "pool", i).theta
         assert np.array_equal(a, b)
+
+
+def test_free_cores_are_lent_once_every_unit_has_started():
+    """Two workers, three units: a core freed while a unit waits for a worker goes to that unit;
+    one freed after every unit started is lent to the unit still running."""
+    first = Cores(multiprocessing.get_context("spawn"), 2, 3)
+    second = copy.copy(first)  # the other worker's view of the same counts
+    first.start(), second.start()  # units 0 and 1
+    assert second.borrow(1) == 0  # every core is held
+    first.end()  # unit 0 ends; unit 2 has not started yet
+    assert second.borrow(1) == 0
+    first.start()  # unit 2
+    second.end()  # unit 1 ends: its core is free until the run ends
+    assert first.borrow(5) == 1 and first.borrow(5) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_last_expert_takes_the_freed_core_with_the_same_bits(tmp_path, two_domains):
+    """Three experts over two worker processes: once two have finished, the third spreads its
+    population over both cores from its next checkpoint to its end (its steps exchange scalars
+    between two workers), and every expert ends with the bits of the in-process run."""
+    cfg = TrainConfig(steps=40, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+    soma_run(tmp_path / "serial", two_domains, n_experts=3, cfg=cfg, executor=Inline())
+    records = soma_run(tmp_path / "pool", two_domains, n_experts=3, cfg=cfg, executor=LocalProcesses(2))
+    for i in range(3):
+        assert np.array_equal(expert_checkpoint(tmp_path / "serial", i).theta,
+                              expert_checkpoint(tmp_path / "pool", i).theta)
+    finished = [r for r in records if isinstance(r, Finished)]
+    last = finished[-1].expert
+    at = len(records) - records[::-1].index(finished[-2])  # where the other experts had all ended
+    then = max([r.step for r in records[:at] if isinstance(r, Step) and r.expert == last], default=0)
+    spread = [r.step for r in records if isinstance(r, Step) and r.expert == last
+              and r.metrics["comm_bytes"] == exchange_bytes(cfg.perturbations, 2)]
+    assert spread == list(range(spread[0], cfg.steps + 1))  # once spread, to the end
+    assert (spread[0] - 1) % cfg.checkpoint_every == 0  # from a checkpoint, which its new workers read
+    assert spread[0] - 1 <= then + 2 * cfg.checkpoint_every  # at once (one checkpoint's slack for the report)
 
 
 @pytest.mark.slow

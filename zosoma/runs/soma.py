@@ -36,7 +36,7 @@ from zosoma.runs.events import EventLog
 from zosoma.runs.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
-from zosoma.runs.population_workers import summed_trainers
+from zosoma.runs.population_workers import borrower, summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.single import data_record, extended, load_data, recorded_data
@@ -282,7 +282,8 @@ class ExpertUnit:
                               from_checkpoint(ckpt), expert=self.expert,
                               extra={"data": self.soma["data"], "loss": self.soma["loss"]}, ops=get_ops(self.device))
             yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
-            yield from train(trainer, stopping)
+            # cores that other experts left free at the end of the run share this one's population
+            yield from train(trainer, stopping, borrower(trainer, self.device))
 
 
 def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:
