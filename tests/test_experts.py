@@ -155,7 +155,8 @@ def test_the_last_expert_takes_the_freed_core_with_the_same_bits(tmp_path, two_d
               and r.metrics["comm_bytes"] == exchange_bytes(cfg.perturbations, 2)]
     assert spread == list(range(spread[0], cfg.steps + 1))  # once spread, to the end
     assert (spread[0] - 1) % cfg.checkpoint_every == 0  # from a checkpoint, which its new workers read
-    assert spread[0] - 1 <= then + 2 * cfg.checkpoint_every  # at once (one checkpoint's slack for the report)
+    # at its next checkpoint (with one more as slack: the other's core is freed just after its Finished)
+    assert spread[0] - 1 <= then + 2 * cfg.checkpoint_every
 
 
 @pytest.mark.slow

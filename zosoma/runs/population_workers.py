@@ -465,8 +465,8 @@ class Borrower:
     """An independent expert's trainer spread over the cores its executor lends it
     (zosoma.runs.executor.Cores: those no other unit holds, at the end of a run). Called between
     steps; the spread happens at a checkpointed step (every checkpoint_every steps), whose
-    checkpoint the new workers read, so no checkpoint is added and the run's files and numbers
-    are those of the trainer alone."""
+    checkpoint the new workers read: no checkpoint is added, and the numbers are those of the
+    trainer alone (its steps' records count the scalars exchanged, logged in scalars.jsonl)."""
 
     def __init__(self, cores, device: str = "cpu"):
         self.cores, self.device = cores, device
