@@ -1,6 +1,8 @@
 """SOMA training: clusters, independent experts, the summed-loss ablation, resumption, errors."""
 
+import copy
 import json
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -9,10 +11,11 @@ from world import TINY_MODEL as MODEL
 from zosoma.engines.cpu import forward
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.workers.executor import Inline, LocalProcesses
+from zosoma.workers.executor import Cores, Inline, LocalProcesses
 from zosoma.runs.folder import SOMA, RunFolder
+from zosoma.workers.population_workers import exchange_bytes
 from zosoma.runs.records import Clusters, Evaluated, Step
-from zosoma.training.soma import start_soma
+from zosoma.training.soma import resume_soma, start_soma
 
 CFG = TrainConfig(steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
 
@@ -116,6 +119,47 @@ def test_worker_processes_match_in_process_training(tmp_path, two_domains):
         a = expert_checkpoint(tmp_path / "serial", i).theta
         b = expert_checkpoint(tmp_path / "pool", i).theta
         assert np.array_equal(a, b)
+
+
+def test_free_cores_are_lent_once_every_unit_has_started():
+    """Two workers, three units: a core freed while a unit waits for a worker goes to that unit;
+    one freed after every unit started is lent to the unit still running."""
+    first = Cores(multiprocessing.get_context("spawn"), 2, 3)
+    second = copy.copy(first)  # the other worker's view of the same counts
+    first.start(), second.start()  # units 0 and 1
+    assert second.borrow(1) == 0  # every core is held
+    first.end()  # unit 0 ends; unit 2 has not started yet
+    assert second.borrow(1) == 0
+    first.start()  # unit 2
+    second.end()  # unit 1 ends: its core is free until the run ends
+    assert first.borrow(5) == 1 and first.borrow(5) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_last_expert_takes_the_freed_core_with_the_same_bits(tmp_path, two_domains):
+    """Three experts over two worker processes, two of them already trained: the third spreads its
+    population over both cores from its next checkpoint to its end (its steps exchange scalars
+    between two workers), and every expert ends with the bits of the in-process run."""
+    cfg = TrainConfig(steps=60, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+    soma_run(tmp_path / "serial", two_domains, n_experts=3, cfg=cfg, executor=Inline())
+    stopped = []  # expert 2 stopped at step 4, experts 0 and 1 done
+    for r in start_soma(tmp_path / "pool", MODEL, cfg, n_experts=3, chunk_size=256, executor=Inline(),
+                        train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")],
+                        should_stop=lambda: bool(stopped)):
+        if isinstance(r, Step) and r.expert == 2 and r.step == 4:
+            stopped.append(r)
+    records = list(resume_soma(tmp_path / "pool", executor=LocalProcesses(2)))
+    for i in range(3):
+        assert np.array_equal(expert_checkpoint(tmp_path / "serial", i).theta,
+                              expert_checkpoint(tmp_path / "pool", i).theta)
+    assert {r.expert for r in records if isinstance(r, Step)} == {2}
+    spread = [r.step for r in records if isinstance(r, Step) and r.expert == 2
+              and r.metrics["comm_bytes"] == exchange_bytes(cfg.perturbations, 2)]
+    assert spread == list(range(spread[0], cfg.steps + 1))  # once spread, to the end
+    assert (spread[0] - 1) % cfg.checkpoint_every == 0  # from a checkpoint, which its new workers read
+    # once the others' units ended (slack for a loaded machine: their cores are freed just after their Finished)
+    assert spread[0] - 1 <= 4 + 2 * cfg.checkpoint_every
 
 
 @pytest.mark.slow

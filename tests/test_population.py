@@ -16,6 +16,7 @@ from zosoma.cli.main import cli
 from zosoma.config import TrainConfig
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
+from zosoma.workers import population_workers
 from zosoma.workers.executor import Inline
 from zosoma.runs.folder import RunFolder
 from zosoma.workers.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
@@ -84,6 +85,39 @@ def test_workers_open_the_engine_the_run_hands_them(tmp_path, two_domains):
     run(tmp_path / "one", two_domains, cfg=cfg, ops=ops)
     run(tmp_path / "w2", two_domains, Sharding(InProcess(), 2), cfg=cfg, ops=ops)
     assert np.array_equal(theta(tmp_path / "w2"), theta(tmp_path / "one"))
+
+
+class Lending:
+    """An executor's Cores lending one core at every ask, two in all."""
+    threads = 1
+
+    def __init__(self):
+        self.left = 2
+
+    def borrow(self, most):
+        n = min(1, most, self.left)
+        self.left -= n
+        return n
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_an_expert_spreads_over_lent_cores_with_the_same_bits(tmp_path, two_domains, monkeypatch):
+    """Lent a core at two checkpoints, an independent expert goes from one worker to 2, then 3 (its
+    population's P pairs over them), and ends with the bits of the expert alone."""
+    kw = dict(n_experts=2, chunk_size=256, executor=Inline(), top_k=2,
+              train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])
+    list(start_soma(tmp_path / "alone", MODEL, CFG, **kw))
+    lending = Lending()
+    monkeypatch.setattr(population_workers, "spare_cores", lambda: lending)
+    records = list(start_soma(tmp_path / "spread", MODEL, CFG, **kw))
+    for i in range(2):
+        a = RunFolder(tmp_path / "alone").expert(i).read_checkpoint().theta
+        b = RunFolder(tmp_path / "spread").expert(i).read_checkpoint().theta
+        assert np.array_equal(a, b)
+    sent = [r.metrics["comm_bytes"] for r in steps(records) if r.expert == 0]
+    assert sent == [exchange_bytes(4, 2)] * 4 + [exchange_bytes(4, 3)] * 6  # from steps 0 and 4 (checkpoint_every)
+    assert {r.metrics["comm_bytes"] for r in steps(records) if r.expert == 1} == {0}  # nothing left to lend
 
 
 def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):

@@ -310,17 +310,21 @@ def summary_of(ckpt: Checkpoint) -> dict:
     return training_summary(guard_of(ckpt), e.get("divergence"), e.get("restarts") or (), e.get("dropped"))
 
 
-def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False,
+          widen: Callable[[Trainer], Trainer] | None = None) -> Iterator:
     """Train one model with its own losses (SOMA's independent experts; a single model) to
     cfg.steps, or fewer when restarts re-ran steps (Trainer.spent), yielding a Step record per
     step and a final Finished, or Stopped when should_stop() turned true (the state is
-    checkpointed first)."""
+    checkpointed first). `widen`, given, may hand the model to a trainer over more workers
+    before a step (zosoma.workers.population_workers.Borrower)."""
     try:
         while not trainer.done:
             if should_stop():
                 trainer.checkpoint()
                 yield Stopped(trainer.expert, trainer.state.step)
                 return
+            if widen is not None:
+                trainer = widen(trainer)
             yield trainer.update(*trainer.coefficients(*trainer.losses()))
             if said := trainer.went_on():
                 yield said

@@ -37,7 +37,7 @@ from zosoma.runs.events import EventLog
 from zosoma.workers.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
-from zosoma.workers.population_workers import summed_trainers
+from zosoma.workers.population_workers import borrower, summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
@@ -288,7 +288,8 @@ class ExpertUnit:
                               extra={"data": self.soma.data.to_json(), "loss": self.soma.loss},
                               ops=get_ops(self.device))
             yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
-            yield from train(trainer, stopping)
+            # cores that other experts left free at the end of the run share this one's population
+            yield from train(trainer, stopping, borrower(trainer, self.device))
 
 
 def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:

@@ -9,7 +9,10 @@ a unit that raised:
     Inline()               one unit after another in this process
     LocalProcesses(n)      n spawned worker processes on this machine, one BLAS thread each on a
                            machine with n cores; Ctrl-C reaches only the parent, which asks every
-                           unit to stop through a shared Event; a worker whose parent died exits
+                           unit to stop through a shared Event; a worker whose parent died exits.
+                           Once every unit has started, the cores that no unit uses are lent to the
+                           units still running (spare_cores: a SOMA expert spreads its population
+                           over them), so no core idles while a unit still has work
     RayExecutor(...)       Ray tasks on this machine or a cluster, retried when a worker or node
                            dies (zosoma.workers.ray_executor; units name their folder as unit.run_dir)
 
@@ -67,9 +70,10 @@ class LocalProcesses:
         quiet_resource_tracker()
         ctx = multiprocessing.get_context("spawn")
         records, stop = ctx.Queue(), ctx.Event()
+        cores = Cores(ctx, self.workers, len(units), self.threads)
         with child_threads(self.threads), ProcessPoolExecutor(
                 self.workers, mp_context=ctx, initializer=_init_worker,
-                initargs=(records, stop, os.getpid())) as pool:
+                initargs=(records, stop, os.getpid(), cores)) as pool:
             futures = {pool.submit(_run_unit, i, unit): i for i, unit in enumerate(units)}
             pending, done = set(futures), set()
             while pending or not records.empty():
@@ -96,9 +100,46 @@ class LocalProcesses:
                         yield Failed(futures[f], one_line(error))
 
 
+class Cores:
+    """A LocalProcesses pool's cores, counted across its workers: each running unit holds one, and
+    may borrow those no unit holds once every unit has started (a unit waiting for a worker comes
+    first). Borrowed cores come back when the unit ends. `threads`: BLAS threads per core's process."""
+
+    def __init__(self, ctx, cores: int, units: int, threads: int = 1):
+        self.cores, self.units, self.threads = cores, units, threads
+        self._lock = ctx.Lock()
+        self._started, self._busy = ctx.RawValue("i", 0), ctx.RawValue("i", 0)
+        self._borrowed = 0  # by this process's unit
+
+    def start(self) -> None:
+        """A unit starts in this worker, on a core of its own."""
+        with self._lock:
+            self._started.value += 1
+            self._busy.value += 1
+
+    def end(self) -> None:
+        """This worker's unit ended: its core and those it borrowed are free."""
+        with self._lock:
+            self._busy.value -= 1 + self._borrowed
+        self._borrowed = 0
+
+    def borrow(self, most: int) -> int:
+        """How many of at most `most` free cores this worker's unit now holds besides its own."""
+        with self._lock:
+            n = max(0, min(most, self.cores - self._busy.value)) if self._started.value == self.units else 0
+            self._busy.value += n
+        self._borrowed += n
+        return n
+
+
+def spare_cores() -> Cores | None:
+    """In a LocalProcesses worker, the pool's Cores its unit may borrow from; None elsewhere."""
+    return _cores
+
+
 # --- in the worker processes ---------------------------------------------------------------------
 
-_records = _stop = None
+_records = _stop = _cores = None
 _terminated = False  # this worker got SIGTERM
 
 
@@ -108,12 +149,12 @@ class _Done:
     unit: int
 
 
-def _init_worker(records, stop, parent: int) -> None:
-    global _records, _stop
+def _init_worker(records, stop, parent: int, cores: Cores) -> None:
+    global _records, _stop, _cores
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which asks the units to stop
     # SLURM and systemd send SIGTERM to every process: the unit stops as if asked (checkpointed)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    _records, _stop = records, stop
+    _records, _stop, _cores = records, stop, cores
     threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
 
 
@@ -131,8 +172,12 @@ def exit_with_parent(parent: int) -> None:
 
 
 def _run_unit(index: int, unit: Unit) -> None:
-    for record in unit(lambda: _terminated or _stop.is_set()):
-        _records.put(record)
+    _cores.start()
+    try:
+        for record in unit(lambda: _terminated or _stop.is_set()):
+            _records.put(record)
+    finally:
+        _cores.end()
     _records.put(_Done(index))
     if _terminated:  # a pool that signalled its workers (it broke) waits for them to exit, not to return
         _records.close()

@@ -18,6 +18,11 @@ ends bit for bit where the single-process run ends: a member's losses do not dep
 worker, or how many threads, computed them (zosoma.engines.cpu.threads). EGGROLL is not sharded: its
 population shares one GEMM over all members, so splitting them changes the rounding.
 
+A SOMA expert spreads this way at the end of a run (Borrower): once no other expert waits for a
+worker, its executor lends it the cores other experts left free, and at its next checkpoint it
+becomes a ShardedTrainer over its own core plus those, its own process only gathering and sending
+scalars; the same numbers again.
+
 The summed-loss ablation runs through the same exchange: one worker per expert, each evaluating
 all P pairs of its own expert; the driver sums the experts' differences (zosoma.strategies.summed)
 and every expert applies the shared scalars.
@@ -51,7 +56,7 @@ from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, ZosomaError
 from zosoma.model.params import Layout
-from zosoma.workers.executor import child_threads, exit_with_parent, one_line
+from zosoma.workers.executor import child_threads, exit_with_parent, one_line, spare_cores
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.trainer import RunState, Trainer, stream
 from zosoma.strategies import make_strategy
@@ -442,6 +447,48 @@ def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSam
              for pairs in shard_pairs(cfg.perturbations, sharding.size)]
     return ShardedTrainer(folder, model, cfg, sampler, state, Group(sharding.workers, specs), range(len(specs)),
                           extra=extra)
+
+
+def spread(trainer: Trainer, width: int, workers, device: str = "cpu") -> ShardedTrainer:
+    """`trainer`'s model, at a step it has a checkpoint for, with its P pairs over `width` workers
+    spawned by `workers` (a transport); the trainer it was (on fewer workers) is given up."""
+    if isinstance(trainer, ShardedTrainer):
+        trainer._sync()
+        for m in trainer.members:
+            trainer.group.close(m)
+    specs = [ShardSpec(str(trainer.folder.path), trainer.sampler.corpus, trainer.expert, pairs, device)
+             for pairs in shard_pairs(trainer.cfg.perturbations, width)]
+    wider = ShardedTrainer(trainer.folder, trainer.model, trainer.cfg, trainer.sampler, trainer.state,
+                           Group(workers, specs), range(width), expert=trainer.expert, extra=trainer.extra)
+    wider.events = trainer.events  # one event file per session
+    return wider
+
+
+class Borrower:
+    """An independent expert's trainer spread over the cores its executor lends it
+    (zosoma.workers.executor.Cores: those no other unit holds, at the end of a run). Called between
+    steps; the spread happens at a checkpointed step (every checkpoint_every steps), whose
+    checkpoint the new workers read: no checkpoint is added, and the numbers are those of the
+    trainer alone (its steps' records count the scalars exchanged, logged in scalars.jsonl)."""
+
+    def __init__(self, cores, device: str = "cpu"):
+        self.cores, self.device = cores, device
+
+    def __call__(self, trainer: Trainer) -> Trainer:
+        """`trainer`, or the same model over more workers when cores were lent."""
+        cfg = trainer.cfg
+        width = len(trainer.members) if isinstance(trainer, ShardedTrainer) else 1
+        if trainer.state.step % cfg.checkpoint_every or width >= cfg.perturbations or trainer.strategy.ask(0, 0).rank:
+            return trainer  # no checkpoint here to start workers from; or nothing to share (EGGROLL: not sharded)
+        more = self.cores.borrow(cfg.perturbations - width)
+        return spread(trainer, width + more, Processes(self.cores.threads), self.device) if more else trainer
+
+
+def borrower(trainer: Trainer, device: str) -> Borrower | None:
+    """A Borrower for `trainer` where its executor lends cores (zosoma.workers.executor.spare_cores)
+    and its forwards run on them (not on a GPU); else None."""
+    cores = spare_cores()
+    return Borrower(cores, device) if cores is not None and not trainer.ops.on_device else None
 
 
 def summed_trainers(trainers: Sequence[Trainer], workers) -> list[ShardedTrainer]:
