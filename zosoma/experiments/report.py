@@ -183,8 +183,9 @@ def write_csv(results, path, budget=None):
                 out.writerow(row)
 
 
-def _mean_curve(runs):
-    """Per method: x (mean FLOPs, mean wall s) and y (mean, min, max held-out) over seeds at each step.
+def _mean_curve(runs, *xs):
+    """Per method: x (mean of each key of xs over seeds; default FLOPs and wall s) and y (mean,
+    min, max held-out) over seeds at each step.
 
     Seeds normally log the same steps; if not, only the steps every seed has are used (None if there are none)."""
     by_step = [{p["step"]: p for p in run["curve"]} for run in runs]
@@ -196,7 +197,7 @@ def _mean_curve(runs):
         return np.array([[s[step][key] for s in by_step] for step in steps], dtype=float)
 
     y = column("heldout")
-    return column("flops").mean(1), column("wall_s").mean(1), y.mean(1), y.min(1), y.max(1)
+    return (*(column(x).mean(1) for x in xs or ("flops", "wall_s")), y.mean(1), y.min(1), y.max(1))
 
 
 PLOTS_NEED = "plots need matplotlib: pip install 'zosoma[plots]'"
@@ -378,13 +379,15 @@ def yardsticks_markdown(yardsticks):
     return _table(header, body)
 
 
-def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=None, yardsticks=None):
+def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=None, yardsticks=None,
+                 price=None):
     """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir (and
     n_curve.png when runs belong to series); returns their paths, a plot's None where matplotlib
     is missing (the tables come first: hours of runs are never lost to a missing plot library).
     `budget`: the forward FLOPs every run may spend, beside which the table puts each method's.
     With yardsticks (zosoma.yardsticks.lookup's, on the same held-out texts), their table follows
-    the method table."""
+    the method table. With price, (levels, the yardsticks on the curve's texts), the price of
+    zero-order (zosoma.experiments.price) at those levels and price.png."""
     if not results:
         raise ConfigError("no finished runs to report")
     out_dir = Path(out_dir)
@@ -403,6 +406,10 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=No
                      "shortest method's mean), summed over a run's experts")
     if views:
         text += f"\nEqual compute{', two views' if len(views) == 2 else ''}: {'; '.join(views)}.\n"
+    if price:
+        from zosoma.experiments.price import price_section
+        text += "\n" + price_section(results, *price)
+        paths["price.png"] = out_dir / "price.png"
     if yardsticks and "heldout" in yardsticks:
         text += ("\n## Yardsticks: byte n-grams counted on the train split and compressors, on the same bytes and "
                  f"segments (zosoma data yardsticks)\n\n{yardsticks_markdown(yardsticks)}\n")
@@ -422,6 +429,9 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=No
         if curve:
             plot_n_curve(curve, paths["n_curve.png"], title=title)
         plot_curves(results, paths["nats_vs_flops.png"], paths["nats_vs_wall.png"], title=title)
+        if price:
+            from zosoma.experiments.price import plot_price
+            plot_price(results, paths["price.png"], price[1], title=title)
     except NoPlots:
         paths.update({name: None for name in paths if name.endswith(".png")})
     return paths

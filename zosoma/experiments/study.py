@@ -154,13 +154,21 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
         with folder.lock(wait=True):  # one writer per run folder (a killed study's worker may linger)
             if folder.read_result() is None:
                 check_job(job, folder)
-                run = Run(folder, job.spec, job.device)
+                run = open_job_run(folder, job)
                 result = job.score(run, stopping)
                 if result is None:
                     return None
                 folder.write_result({**result, "checkpoint_steps": [t.state.step for t in run.trainers]})
                 return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
     return check_job(job, folder)
+
+
+def open_job_run(folder: RunFolder, job: Job):
+    """The job's Run; a backprop method's BackpropRun (zosoma.experiments.backprop: PyTorch)."""
+    if job.spec.train.optimizer == "backprop":
+        from zosoma.experiments.backprop import BackpropRun
+        return BackpropRun(folder, job.spec, job.device)
+    return Run(folder, job.spec, job.device)
 
 
 @dataclass(frozen=True)
@@ -306,7 +314,8 @@ class Run:
 
     def totals(self) -> dict:
         s = [t.state for t in self.trainers]
-        return {"step": self.step, "flops": float(sum(x.tokens for x in s)) * self.spec.model.flops_per_token(),
+        tokens = sum(x.tokens for x in s)  # forward tokens
+        return {"step": self.step, "tokens": tokens, "flops": float(tokens) * self.spec.model.flops_per_token(),
                 "wall_s": sum(x.wall_s for x in s)}
 
     def ensemble(self, top_k: int | None = None) -> Ensemble:
