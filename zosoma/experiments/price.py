@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import platform
+import textwrap
 
 import numpy as np
 
@@ -113,9 +114,8 @@ def price_section(results: list[dict], levels, yardsticks=None) -> str:
             "levels are measured too (zosoma.yardsticks); the method table above scores the whole held-out split. "
             "CPU-seconds: the run's process CPU time while training (every thread's; evaluation left out), read off its "
             "held-out curve (the first crossing, linearly interpolated between curve points), mean over the seeds when "
-            "every seed reached the level. Backprop's FLOPs count its backward pass at 2x the forward. "
-            f"Machine: {machine()}" + ("; backprop in PyTorch on one thread (torch.set_num_threads(1))" if torch else "")
-            + ".\n")
+            "every seed reached the level. Backprop's FLOPs count its backward pass at 2x the forward"
+            + ("; backprop runs PyTorch on one thread (torch.set_num_threads(1))" if torch else "") + ".\n")
 
 
 def plot_price(results: list[dict], path, yardsticks=None, title: str | None = None) -> dict:
@@ -135,17 +135,18 @@ def plot_price(results: list[dict], path, yardsticks=None, title: str | None = N
         if curve is None:
             continue
         cpu, mean, lo, hi = curve
-        keep = cpu > 0  # step 0: no place on a log axis
+        keep = np.arange(cpu.size) > 0  # step 0, untrained: no place on a log axis
         (line,) = ax.plot(cpu[keep], mean[keep], marker=".", label=method)
         ax.fill_between(cpu[keep], lo[keep], hi[keep], color=line.get_color(), alpha=0.2, linewidth=0)
-    for k in YARDSTICK_LEVELS:
+    for k, style in zip(YARDSTICK_LEVELS, ("--", ":")):
         if yardsticks is not None and k in yardsticks.nats:
-            ax.axhline(yardsticks.overall(k), color="gray", linestyle="--", linewidth=1, label=f"{label(k)} (yardstick)")
+            ax.axhline(yardsticks.overall(k), color="gray", linestyle=style, linewidth=1.2,
+                       label=f"{label(k)}, {yardsticks.overall(k):.3f} (yardstick)")
     ax.set_xscale("log")
     ax.set_xlabel("training CPU-seconds (process CPU time, summed over a run's experts)")
     ax.set_ylabel("held-out nats/byte (the curve's texts)")
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

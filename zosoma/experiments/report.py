@@ -395,6 +395,9 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=No
     paths = {name: out_dir / name for name in ("results.md", "results.csv", "nats_vs_flops.png", "nats_vs_wall.png")}
     rows = summarise(results, budget)
     text = f"# {title}\n\n{NOTE}\n\n{markdown_table(rows)}\n"
+    if price:  # CPU-seconds are the machine's: name it
+        from zosoma.experiments.price import machine
+        text = f"# {title}\n\nMachine: {machine()}.\n\n{NOTE}\n\n{markdown_table(rows)}\n"
     at, _ = equal_wall_clock(results)
     views = []
     if budget is not None:
