@@ -12,7 +12,10 @@ rounded down. The steps a restart re-runs are spent too: a model that restarted 
 share is spent, at a lower step (zosoma.runs.trainer, Trainer.spent), so no run spends more than
 the budget; the report puts each method's spend beside it and marks a run over it. EGGROLL is charged the same dense FLOPs per member: its shared GEMM does that work,
 and its rank-r corrections are left out like the gate math. Wall time is training seconds (no
-evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours.
+evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours;
+CPU-seconds (cpu_s, in every curve point and record) are the process CPU time spent training
+(_CpuClock), which a shared machine's other jobs do not inflate. A backprop method
+(zosoma.experiments.backprop) counts its backward pass at 2x the forward's FLOPs.
 
 Evaluation. Every method is scored by one protocol, the routed one of zosoma.mixture.routing: segments of
 `segment` predicted bytes, each after `context` bytes of warm-up (and, for SOMA, routing) context.
