@@ -79,7 +79,7 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     blas = [f"{p.get('internal_api')} {p.get('architecture')}" for p in threadpool_info() if p.get("user_api") == "blas"]
-    return f"{os.cpu_count()} x {model}; NumPy's BLAS: {', '.join(blas) or 'unknown'}"
+    return f"{os.cpu_count()} x {model}; NumPy's BLAS: {', '.join(dict.fromkeys(blas)) or 'unknown'}"
 
 
 def _seconds(t: float | None, ratio: float | None) -> str:
