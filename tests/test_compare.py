@@ -99,7 +99,9 @@ def test_shipped_configs_load():
 
 @pytest.mark.parametrize("text, message", [
     (MINI.replace("curve_points", "curve_pionts"), "unknown key"),
-    (MINI.replace('flops = 4e9', ''), "missing key 'flops'"),
+    (MINI.replace('flops = 4e9', ''), r"give the comparison a budget \(flops\) or the method its steps"),
+    (MINI.replace('curve_points = 2', 'curve_spacing = "square"'), "curve_spacing must be one of linear, log"),
+    (MINI.replace('curve_points = 2', 'price_levels = [2.5, -1]'), "price_levels must be a positive finite number"),
     (MINI.replace('flops = 4e9', 'flops = 10'), "less than one step"),
     (MINI.replace('lr = 0.05}', 'lr = 0.05, rank = 2}'), "--rank is not used by --optimizer sgd"),
     (MINI.replace('train = {perturbations = 2, lr = 0.05}', 'train = {steps = 5}'), "set by the comparison"),
@@ -201,6 +203,16 @@ def test_curve_steps():
     assert curve_steps(100, 4) == [0, 25, 50, 75, 100]
     assert curve_steps(10, 3) == [0, 4, 7, 10]
     assert curve_steps(2, 8) == [0, 1, 2]
+    assert curve_steps(10000, 4, "log") == [0, 10, 100, 1000, 10000]
+
+
+def test_a_methods_own_steps_and_seeds(tmp_path):
+    """A method's steps replace the budget's, and its seeds are some of the comparison's."""
+    path = tmp_path / "own.toml"
+    path.write_text(MINI.replace('name = "SPSA P=2"', 'name = "SPSA P=2"\nsteps = 7\nseeds = [1]'))
+    cmp = load_comparison(path)
+    assert cmp.methods[1].train.steps == 7
+    assert [j.name for j in jobs(cmp) if j.curve] == ["soma-n-2-seed0", "soma-n-2-seed1", "spsa-p-2-seed1"]
 
 
 def test_single_model_scored_by_the_segment_protocol(mini, tmp_path):

@@ -37,11 +37,13 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
     if not plan:
         device = device_ops(device).name
-    click.echo(f"{cmp.title}\nbudget {cmp.flops:.3g} forward FLOPs per run; seeds {list(cmp.seeds)}; output {out}")
+    budget = f"budget {cmp.flops:.3g} forward FLOPs per run" if cmp.flops else "each method's own steps"
+    click.echo(f"{cmp.title}\n{budget}; seeds {list(cmp.seeds)}; output {out}")
     click.echo(f"  {'method':<24}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
     for m in cmp.methods + cmp.ablation:
         params = m.experts * m.model.n_params()
-        click.echo(f"  {m.name:<24}{params:>10,}{m.train.perturbations:>6}{m.train.steps:>7}"
+        P = "-" if m.kind == "backprop" else m.train.perturbations  # backprop: one forward and backward
+        click.echo(f"  {m.name:<24}{params:>10,}{P:>6}{m.train.steps:>7}"
                    f"{m.flops_per_step() * m.train.steps:>11.3g}")
     sweep, todo = tuning_jobs(cmp), all_jobs(cmp)
     if sweep:

@@ -12,7 +12,10 @@ rounded down. The steps a restart re-runs are spent too: a model that restarted 
 share is spent, at a lower step (zosoma.runs.trainer, Trainer.spent), so no run spends more than
 the budget; the report puts each method's spend beside it and marks a run over it. EGGROLL is charged the same dense FLOPs per member: its shared GEMM does that work,
 and its rank-r corrections are left out like the gate math. Wall time is training seconds (no
-evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours.
+evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours;
+CPU-seconds (cpu_s, in every curve point and record) are the process CPU time spent training
+(_CpuClock), which a shared machine's other jobs do not inflate. A backprop method
+(zosoma.experiments.backprop) counts its backward pass at 2x the forward's FLOPs.
 
 Evaluation. Every method is scored by one protocol, the routed one of zosoma.mixture.routing: segments of
 `segment` predicted bytes, each after `context` bytes of warm-up (and, for SOMA, routing) context.
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -53,6 +57,7 @@ from typing import Callable
 from zosoma.corpus import Corpus, load_corpus, load_text
 from zosoma.download import find_wikitext103
 from zosoma.errors import ConfigError
+from zosoma.experiments.backprop import import_torch
 from zosoma.experiments.compare_config import Comparison, Method, Tuning, slug
 from zosoma.experiments.report import lost
 from zosoma.experiments.study import Run, Spec, StudyFolder
@@ -100,26 +105,27 @@ class Job:
         protocol = dict(segment=cmp.segment, context=cmp.context)
         curve = folder.read_curve()
         events = EventLog(folder.path)  # the run's curve and final figures for TensorBoard
+        cpu = _CpuClock(curve)
         if self.curve:
-            subset = Corpus(run.heldout.names, tuple(d[:cmp.curve_bytes] for d in run.heldout.docs))
-            for target in curve_steps(run.cfg.steps, cmp.curve_points):
+            subset = curve_texts(run.heldout, cmp)
+            for target in curve_steps(run.cfg.steps, cmp.curve_points, cmp.curve_spacing):
                 if run.step > target:
                     continue  # passed before a restart; its point was recorded then
-                if not run.advance(target, stopping):
+                if not cpu.advance(run, target, stopping):
                     return None
                 if run.diverged:
                     break  # scored below where the guard stopped it
                 if run.step not in {p["step"] for p in curve}:  # one point where a run stopped short
-                    point = {**run.totals(), "heldout": run.score(subset, **protocol)["overall"]}
+                    point = {**run.totals(), "cpu_s": cpu.seconds, "heldout": run.score(subset, **protocol)["overall"]}
                     curve.append(point)
                     folder.append_curve(point)
                     events.evaluation(point["step"], point["heldout"], tag="eval/heldout_curve")
-        elif not run.advance(run.cfg.steps, stopping):
+        elif not cpu.advance(run, run.cfg.steps, stopping):
             return None
         m = self.method
         result = {"method": m.name, "kind": m.kind, "seed": self.seed, "loss": m.loss, "experts": m.experts,
                   "series": list(m.series), "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps,
-                  **run.totals(), **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
+                  **run.totals(), "cpu_s": cpu.seconds, **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
                   "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(run.cfg)}
         if self.tuning:  # tuning reads the validation split only
             result["validation"] = run.score(load_corpus(None, "validation"), **protocol)["overall"]
@@ -137,10 +143,32 @@ class Job:
         return result
 
 
+def curve_texts(heldout: Corpus, cmp: Comparison) -> Corpus:
+    """What the held-out curve scores: the first curve_bytes of each held-out file."""
+    return Corpus(heldout.names, tuple(d[:cmp.curve_bytes] for d in heldout.docs))
+
+
+class _CpuClock:
+    """A run's training CPU-seconds: this process's CPU time (every thread's, so a BLAS or torch
+    thread pool's too) while the run advances, evaluation left out, added to what its curve
+    recorded before a restart (the steps after its last point that a kill cut short are not
+    counted). Wall time, on a shared machine, counts other processes' turns; CPU time does not."""
+
+    def __init__(self, curve: list[dict]):
+        self.seconds = max((p.get("cpu_s", 0.0) for p in curve), default=0.0)
+
+    def advance(self, run, target: int, stopping: Callable[[], bool]) -> bool:
+        t0 = time.process_time()
+        try:
+            return run.advance(target, stopping)
+        finally:
+            self.seconds += time.process_time() - t0
+
+
 def jobs(cmp: Comparison, device: str = "cpu", wikitext: str | None = None) -> list[Job]:
     """The comparison's main runs (its methods as configured or tuned) and the ablation's."""
     out = [Job(f"{slug(m.name)}-seed{s}", m, s, cmp, True, device=device, wikitext=wikitext)
-           for s in cmp.seeds for m in cmp.methods]
+           for s in cmp.seeds for m in cmp.methods if s in (m.seeds or cmp.seeds)]
     out += [Job(f"{slug(m.name)}-seed{s}", m, s, cmp, False, device=device, wikitext=wikitext)
             for s in cmp.ablation_seeds for m in cmp.ablation]
     return out
@@ -196,8 +224,12 @@ def _best(method: Method, tuning: Tuning, results: list[dict], rows: list[dict])
     return best[1]
 
 
-def curve_steps(steps: int, points: int) -> list[int]:
-    """0 and `points` evenly spaced steps ending at `steps` (fewer when steps < points)."""
+def curve_steps(steps: int, points: int, spacing: str = "linear") -> list[int]:
+    """0 and `points` steps ending at `steps`, evenly spaced in the step (linear) or in its
+    logarithm (log: steps ** (k / points), where a level is reached early); fewer where
+    they coincide."""
+    if spacing == "log":
+        return sorted({0} | {math.ceil(steps ** (k / points)) for k in range(1, points + 1)})
     return sorted({0} | {math.ceil(steps * k / points) for k in range(1, points + 1)})
 
 
@@ -207,7 +239,8 @@ def settings(cmp: Comparison) -> dict:
     """What a comparison's results depend on besides each run's own configuration (which its
     checkpoints and result.json record): the evaluation protocol, SOMA's chunking and routing, the
     tuning sweep. OUT is bound to these (RunFolder.bind)."""
-    return {"curve_points": cmp.curve_points, "curve_bytes": cmp.curve_bytes, "segment": cmp.segment,
+    spacing = {"curve_spacing": cmp.curve_spacing} if cmp.curve_spacing != "linear" else {}  # older folders: linear
+    return {"curve_points": cmp.curve_points, **spacing, "curve_bytes": cmp.curve_bytes, "segment": cmp.segment,
             "context": cmp.context, "top_k": cmp.top_k, "chunk_size": cmp.chunk_size,
             "eval_top_k": list(cmp.eval_top_k), "tuning": dataclasses.asdict(cmp.tuning) if cmp.tuning else None}
 
@@ -259,6 +292,8 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
     from zosoma.yardsticks import lookup
 
     out_dir = Path(out_dir)
+    if any(m.kind == "backprop" for m in cmp.methods):
+        import_torch()  # before anything trains: one line saying how to install it
     folder = study_folder(cmp, out_dir)
     rows = None
     with folder.open(known_jobs(cmp, folder, device, wikitext)):  # nothing trains in a folder another config left
@@ -279,8 +314,16 @@ def run_comparison(cmp: Comparison, out_dir: Path, executor=None, wikitext: str 
                       "same command resumes the rest")
     main = [results[j.name] for j in todo if j.curve and j.name in results]
     pairs = ablation_pairs([results[j.name] for j in todo if not j.curve and j.name in results])
-    yardsticks = lookup(load_corpus(None, "heldout"), wikitext, cmp.segment, cmp.context)
-    paths = (write_report(main, pairs, out_dir, cmp.title, tuning=rows, budget=cmp.flops, yardsticks=yardsticks)
+    heldout = load_corpus(None, "heldout")
+    yardsticks = lookup(heldout, wikitext, cmp.segment, cmp.context)
+    price = None
+    if cmp.price_levels and main:  # the levels are read off the curves: the yardsticks on the curve's texts
+        from zosoma.experiments.price import CURVE_ORDERS
+        from zosoma.yardsticks import measure
+        price = (cmp.price_levels, measure(load_corpus(None, "train"), curve_texts(heldout, cmp), CURVE_ORDERS,
+                                           cmp.segment, cmp.context))
+    paths = (write_report(main, pairs, out_dir, cmp.title, tuning=rows, budget=cmp.flops, yardsticks=yardsticks,
+                          price=price)
              if main else {})
     if errors:
         raise ConfigError(f"{len(errors)} run(s) failed; the first: {errors[0]}")

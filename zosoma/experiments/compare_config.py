@@ -6,8 +6,12 @@ A comparison is a TOML file (the shipped ones are in zosoma/experiments/configs/
 
     title = "..."
     seeds = [0, 1, 2]
-    flops = 1.5e13            # forward-FLOP budget of every run (all members of all experts)
+    flops = 1.5e13            # forward-FLOP budget of every run (all members of all experts); may be
+                              # left out when every method gives its own steps
     curve_points = 8          # held-out evaluations along training (step 0 is added)
+    curve_spacing = "linear"  # or "log": the points evenly spaced in log(step), most of them early
+    price_levels = [2.86, 2.5]  # optional: the report's price of zero-order (zosoma.experiments.price):
+                              # the CPU-seconds each method needs to reach these held-out levels
     curve_bytes = 8192        # bytes of each held-out file scored at those points
     train = {batch = 8, seq_len = 32}          # TrainConfig fields shared by every method
 
@@ -16,6 +20,13 @@ A comparison is a TOML file (the shipped ones are in zosoma/experiments/configs/
     experts = 2                                # default 1: one monolithic model
     model = {embed = 32, hidden = 64, layers = 1}
     train = {perturbations = 64, lr = 0.15}    # the method's own TrainConfig fields
+    steps = 4000                               # optional: its own steps, not the budget's
+    seeds = [0]                                # optional: some of the seeds only
+
+    [[method]]
+    name = "backprop"                          # the backprop baseline (zosoma.experiments.backprop)
+    model = {embed = 32, hidden = 64}
+    train = {optimizer = "backprop", lr = 3e-3}  # Adam(W): lr, momentum (beta1), beta2, weight_decay
 
     [ablation]                                 # optional: independent vs summed losses
     seeds = [0, 1, 2]
@@ -40,6 +51,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
+from zosoma.experiments.backprop import BACKPROP, flops_per_step as backprop_flops, resolve_backprop
 from zosoma.model.protocol import PROTOCOL
 from zosoma.strategies.settings import MODEL_KEYS, TRAIN_KEYS, resolve
 
@@ -53,18 +65,21 @@ class Method:
     experts: int = 1
     loss: str = "independent"
     series: tuple[str, ...] = ()  # curves the method is a point of (the N-curve: "equal params", ...)
+    seeds: tuple[int, ...] | None = None  # some of the comparison's seeds only (None: every one)
 
     @property
     def kind(self) -> str:
         if self.experts > 1:
             return "soma"
-        return self.train.optimizer if self.train.optimizer in ("eggroll", "es") else "spsa"
+        return self.train.optimizer if self.train.optimizer in ("eggroll", "es", BACKPROP) else "spsa"
 
     def flops_per_step(self) -> float:
         """Forward FLOPs of a mean step: N experts x 2 P x B x T tokens, P the query schedule's
         mean (zosoma.strategies.queries: the constant P, unless it grows)."""
         from zosoma.strategies.queries import make_queries
         t = self.train
+        if t.optimizer == BACKPROP:  # a forward and a backward pass (zosoma.experiments.backprop)
+            return backprop_flops(self.model, t)
         return self.experts * 2 * make_queries(t).mean_pairs() * t.batch * t.seq_len * self.model.flops_per_token()
 
 
@@ -72,11 +87,13 @@ class Method:
 class Comparison:
     title: str
     seeds: tuple[int, ...]
-    flops: float
+    flops: float | None  # the forward-FLOP budget of every run; None: each method gives its steps
     methods: tuple[Method, ...]
     ablation: tuple[Method, ...]  # (independent, summed), or () when the file has none
     ablation_seeds: tuple[int, ...]
     curve_points: int = 8
+    curve_spacing: str = "linear"  # CURVE_SPACINGS
+    price_levels: tuple[float, ...] = ()  # held-out levels of the price table (a report setting only)
     curve_bytes: int = 8192
     segment: int = PROTOCOL.segment
     context: int = PROTOCOL.context
@@ -101,7 +118,9 @@ class Tuning:
         return self.methods is None or method.name in self.methods
 
 
-_TOP_KEYS = {"title", "seeds", "flops", "curve_points", "curve_bytes", "segment", "context", "top_k",
+CURVE_SPACINGS = ("linear", "log")
+
+_TOP_KEYS = {"title", "seeds", "flops", "curve_points", "curve_spacing", "price_levels", "curve_bytes", "segment", "context", "top_k",
              "chunk_size", "train", "method", "ablation", "tuning", "eval_top_k"}
 
 
@@ -125,7 +144,7 @@ def load_comparison(path: Path) -> Comparison:
     _known(raw, _TOP_KEYS, str(path))
     try:
         shared = dict(_train_table(raw.get("train", {}), str(path)))
-        budget = _positive_number(raw["flops"], f"{path}: flops")
+        budget = _positive_number(raw["flops"], f"{path}: flops") if "flops" in raw else None
         methods = tuple(_method(m, shared, f"{path} [[method]] {m.get('name', '?') if isinstance(m, dict) else '?'}",
                                 budget=budget) for m in _list(raw.get("method", []), f"{path}: [[method]]"))
         ablation, ablation_seeds = (), ()
@@ -145,9 +164,14 @@ def load_comparison(path: Path) -> Comparison:
                             methods=_names(t["methods"]) if "methods" in t else None)
         lowest = {"curve_points": 1, "curve_bytes": 2, "segment": 1, "context": 1, "top_k": 1, "chunk_size": 1}
         top_k = tuple(_int(k, f"{path}: eval_top_k") for k in _list(raw.get("eval_top_k", []), f"{path}: eval_top_k"))
+        spacing = raw.get("curve_spacing", Comparison.curve_spacing)
+        if spacing not in CURVE_SPACINGS:
+            raise ConfigError(f"{path}: curve_spacing must be one of {', '.join(CURVE_SPACINGS)}, got {spacing!r}")
         cmp = Comparison(title=str(raw.get("title", Path(path).stem)), seeds=_seeds(raw["seeds"], f"{path}: seeds"),
                          flops=budget, methods=methods, ablation=ablation, ablation_seeds=ablation_seeds,
-                         tuning=tuning, eval_top_k=top_k,
+                         tuning=tuning, eval_top_k=top_k, curve_spacing=spacing,
+                         price_levels=tuple(_positive_number(x, f"{path}: price_levels")
+                                            for x in _list(raw.get("price_levels", []), f"{path}: price_levels")),
                          **{k: _int(raw[k], f"{path}: {k}", low) for k, low in lowest.items() if k in raw})
     except KeyError as e:
         raise ConfigError(f"{path}: missing key {e.args[0]!r}") from None
@@ -158,6 +182,10 @@ def load_comparison(path: Path) -> Comparison:
     names = [m.name for m in cmp.methods]
     if len(set(map(slug, names))) != len(names):
         raise ConfigError(f"{path}: method names must be distinct: {names}")
+    for m in cmp.methods:
+        if m.seeds is not None and not set(m.seeds) <= set(cmp.seeds):
+            raise ConfigError(f"{path} [[method]] {m.name}: seeds {list(m.seeds)} must be some of the "
+                              f"comparison's {list(cmp.seeds)}")
     unknown = sorted(set(cmp.tuning.methods or ()) - set(names)) if cmp.tuning else []
     if unknown:
         raise ConfigError(f"{path} [tuning]: no such method(s) {unknown}; the methods are {names}")
@@ -222,14 +250,25 @@ def _positive_number(value, what: str) -> float:
 def _method(raw: dict, shared: dict, where: str, budget: float | None = None, steps: int | None = None) -> Method:
     """One method's table (`where` names it in errors) with the shared train fields under its own;
     its steps are the budget's, or `steps`."""
-    _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series"}, where)
+    _known(raw, {"name", "experts", "loss", "model", "train", "steps", "series", "seeds"}, where)
     given = {**_known(raw.get("model", {}), MODEL_KEYS, f"{where} model"), **_train_table(raw.get("train", {}), where)}
     try:
-        model, train_cfg = resolve(None, given, shared, loss=str(raw.get("loss", "independent")))
+        if given.get("optimizer") == BACKPROP:
+            model = resolve(None, {k: v for k, v in given.items() if k in MODEL_KEYS})[0]
+            train_cfg = resolve_backprop(model, {k: v for k, v in given.items() if k not in MODEL_KEYS}, shared)
+        else:
+            model, train_cfg = resolve(None, given, shared, loss=str(raw.get("loss", "independent")))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     method = Method(str(raw["name"]), model, train_cfg, _int(raw.get("experts", 1), f"{where}: experts"),
-                    str(raw.get("loss", "independent")), _names(raw.get("series", ())))
+                    str(raw.get("loss", "independent")), _names(raw.get("series", ())),
+                    _seeds(raw["seeds"], f"{where}: seeds") if "seeds" in raw else None)
+    if train_cfg.optimizer == BACKPROP and method.experts > 1:
+        raise ConfigError(f"{where}: a backprop method trains one model (experts = 1)")
+    if steps is None and "steps" in raw:
+        steps = _int(raw["steps"], f"{where}: steps")
+    if steps is None and budget is None:
+        raise ConfigError(f"{where}: give the comparison a budget (flops) or the method its steps")
     if steps is None:
         steps = int(budget // method.flops_per_step())
         if steps < 1:

@@ -17,6 +17,7 @@ import numpy as np
 
 from zosoma.atomic import atomic_path, atomic_write
 from zosoma.errors import ConfigError
+from zosoma.experiments.price import YARDSTICK_LEVELS, machine, price_section
 
 NOTE = "Nats/byte are computed by the same segment protocol for every method."
 MISSING = "n/a"
@@ -183,8 +184,9 @@ def write_csv(results, path, budget=None):
                 out.writerow(row)
 
 
-def _mean_curve(runs):
-    """Per method: x (mean FLOPs, mean wall s) and y (mean, min, max held-out) over seeds at each step.
+def _mean_curve(runs, *xs):
+    """Per method: x (mean of each key of xs over seeds; default FLOPs and wall s) and y (mean,
+    min, max held-out) over seeds at each step.
 
     Seeds normally log the same steps; if not, only the steps every seed has are used (None if there are none)."""
     by_step = [{p["step"]: p for p in run["curve"]} for run in runs]
@@ -196,7 +198,7 @@ def _mean_curve(runs):
         return np.array([[s[step][key] for s in by_step] for step in steps], dtype=float)
 
     y = column("heldout")
-    return column("flops").mean(1), column("wall_s").mean(1), y.mean(1), y.min(1), y.max(1)
+    return (*(column(x).mean(1) for x in xs or ("flops", "wall_s")), y.mean(1), y.min(1), y.max(1))
 
 
 PLOTS_NEED = "plots need matplotlib: pip install 'zosoma[plots]'"
@@ -214,6 +216,42 @@ def _matplotlib():
     except ImportError as err:
         raise NoPlots(PLOTS_NEED) from err
     return Figure, FigureCanvasAgg
+
+
+def plot_price(results: list[dict], path, yardsticks=None, title: str | None = None) -> dict:
+    """price.png: held-out nats/byte (the curve's texts) against training CPU-seconds (log x), one
+    line per method (the mean over seeds at each curve step) with a band from the best to the worst
+    seed, and the n-gram levels of `yardsticks` (on the same texts) as horizontal lines. Returns
+    {label: (x, y)} of what was drawn."""
+    from zosoma.yardsticks import label
+
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(7.5, 4.8), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for method, runs in _by_method(results).items():
+        curve = _mean_curve(runs, "cpu_s")
+        if curve is None:
+            continue
+        cpu, mean, lo, hi = curve
+        keep = np.arange(cpu.size) > 0  # step 0, untrained: no place on a log axis
+        (line,) = ax.plot(cpu[keep], mean[keep], marker=".", label=method)
+        ax.fill_between(cpu[keep], lo[keep], hi[keep], color=line.get_color(), alpha=0.2, linewidth=0)
+    for k, style in zip(YARDSTICK_LEVELS, ("--", ":")):
+        if yardsticks is not None and k in yardsticks.nats:
+            ax.axhline(yardsticks.overall(k), color="gray", linestyle=style, linewidth=1.2,
+                       label=f"{label(k)}, {yardsticks.overall(k):.3f} (yardstick)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training CPU-seconds (process CPU time, summed over a run's experts)")
+    ax.set_ylabel("held-out nats/byte (the curve's texts)")
+    if title:
+        ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path, "plot") as tmp:
+        fig.savefig(tmp, format="png")
+    return {line.get_label(): (np.asarray(line.get_xdata()), np.asarray(line.get_ydata())) for line in ax.get_lines()}
 
 
 def plot_curves(results, path_flops, path_wall, title=None):
@@ -378,13 +416,15 @@ def yardsticks_markdown(yardsticks):
     return _table(header, body)
 
 
-def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=None, yardsticks=None):
+def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=None, yardsticks=None,
+                 price=None):
     """results.md, results.csv, nats_vs_flops.png and nats_vs_wall.png in out_dir (and
     n_curve.png when runs belong to series); returns their paths, a plot's None where matplotlib
     is missing (the tables come first: hours of runs are never lost to a missing plot library).
     `budget`: the forward FLOPs every run may spend, beside which the table puts each method's.
     With yardsticks (zosoma.yardsticks.lookup's, on the same held-out texts), their table follows
-    the method table."""
+    the method table. With price, (levels, the yardsticks on the curve's texts), the price of
+    zero-order (zosoma.experiments.price) at those levels and price.png."""
     if not results:
         raise ConfigError("no finished runs to report")
     out_dir = Path(out_dir)
@@ -392,6 +432,8 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=No
     paths = {name: out_dir / name for name in ("results.md", "results.csv", "nats_vs_flops.png", "nats_vs_wall.png")}
     rows = summarise(results, budget)
     text = f"# {title}\n\n{NOTE}\n\n{markdown_table(rows)}\n"
+    if price:  # CPU-seconds are the machine's: name it
+        text = f"# {title}\n\nMachine: {machine()}.\n\n{NOTE}\n\n{markdown_table(rows)}\n"
     at, _ = equal_wall_clock(results)
     views = []
     if budget is not None:
@@ -403,6 +445,9 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=No
                      "shortest method's mean), summed over a run's experts")
     if views:
         text += f"\nEqual compute{', two views' if len(views) == 2 else ''}: {'; '.join(views)}.\n"
+    if price:
+        text += "\n" + price_section(results, *price)
+        paths["price.png"] = out_dir / "price.png"
     if yardsticks and "heldout" in yardsticks:
         text += ("\n## Yardsticks: byte n-grams counted on the train split and compressors, on the same bytes and "
                  f"segments (zosoma data yardsticks)\n\n{yardsticks_markdown(yardsticks)}\n")
@@ -422,6 +467,8 @@ def write_report(results, ablation_pairs, out_dir, title, tuning=None, budget=No
         if curve:
             plot_n_curve(curve, paths["n_curve.png"], title=title)
         plot_curves(results, paths["nats_vs_flops.png"], paths["nats_vs_wall.png"], title=title)
+        if price:
+            plot_price(results, paths["price.png"], price[1], title=title)
     except NoPlots:
         paths.update({name: None for name in paths if name.endswith(".png")})
     return paths

@@ -40,10 +40,10 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from zosoma.config import ABSENT, RETIRED, ModelConfig, TrainConfig
-from zosoma.corpus import BatchSampler, Corpus
+from zosoma.corpus import BatchSampler
 from zosoma.engines import get_ops
-from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
+from zosoma.experiments.scoring import Scored
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.runs.records import Failed, Note, Result
@@ -53,7 +53,7 @@ from zosoma.training.soma import create_soma, lockstep_trainers, open_soma, trai
 from zosoma.workers.executor import Inline
 from zosoma.runs.trainer import train
 from zosoma.mixture.cluster import load_clustering
-from zosoma.mixture.routing import Ensemble, Router, Whole, evaluate_routed, evaluate_routed_corpus
+from zosoma.mixture.routing import Ensemble, Router, Whole
 
 
 class Job(Protocol):
@@ -140,13 +140,21 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
         with folder.lock(wait=True):  # one writer per run folder (a killed study's worker may linger)
             if folder.read_result() is None:
                 check_job(job, folder)
-                run = Run(folder, job.spec, job.device)
+                run = open_job_run(folder, job)
                 result = job.score(run, stopping)
                 if result is None:
                     return None
                 folder.write_result({**result, "checkpoint_steps": [t.state.step for t in run.trainers]})
                 return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
     return check_job(job, folder)
+
+
+def open_job_run(folder: RunFolder, job: Job):
+    """The job's Run; a backprop method's BackpropRun (zosoma.experiments.backprop: PyTorch)."""
+    if job.spec.train.optimizer == "backprop":
+        from zosoma.experiments.backprop import BackpropRun
+        return BackpropRun(folder, job.spec, job.device)
+    return Run(folder, job.spec, job.device)
 
 
 @dataclass(frozen=True)
@@ -219,7 +227,7 @@ class StudyFolder:
 
 # ------------------------------------------------------------------------------------ the run
 
-class Run:
+class Run(Scored):
     """The trainers of one job's run folder (one model, or one per SOMA expert), opened from its
     checkpoints or created at step 0 from the Spec, and how to score them."""
 
@@ -292,7 +300,8 @@ class Run:
 
     def totals(self) -> dict:
         s = [t.state for t in self.trainers]
-        return {"step": self.step, "flops": float(sum(x.tokens for x in s)) * self.spec.model.flops_per_token(),
+        tokens = sum(x.tokens for x in s)  # forward tokens
+        return {"step": self.step, "tokens": tokens, "flops": float(tokens) * self.spec.model.flops_per_token(),
                 "wall_s": sum(x.wall_s for x in s)}
 
     def ensemble(self, top_k: int | None = None) -> Ensemble:
@@ -304,18 +313,6 @@ class Run:
             k = min(top_k or router.top_k, len(self.trainers) - len(dropped))
             router = Router(router.clustering, k, router.temperature, dropped)
         return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
-
-    def score(self, corpus: Corpus, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context,
-              top_k: int | None = None,
-              ops: Ops | None = None) -> dict:
-        """Nats/byte of the (routed) model on each name of corpus, and "overall", by the segment
-        protocol (zosoma.mixture.routing), with `ops` (default: the device's fp32 engine)."""
-        by = evaluate_routed_corpus(self.ensemble(top_k), corpus, ops or self.ops, segment=segment, context=context)
-        return {name: r["routed"].nats_per_byte for name, r in by.items()}
-
-    def score_bytes(self, data: np.ndarray, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context) -> float:
-        return evaluate_routed(self.ensemble(), data, segment=segment, context=context,
-                               ops=self.ops)["routed"].nats_per_byte
 
 
 def _drain(records: Iterator) -> None:

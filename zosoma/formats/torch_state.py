@@ -40,3 +40,18 @@ def export_torch(theta: np.ndarray, layout: Layout, path) -> None:
     buffer = io.BytesIO()  # torch.save's own file errors are RuntimeErrors: zosoma.atomic writes the bytes
     torch.save(state, buffer)
     atomic_write(path, buffer.getbuffer(), "export")  # an existing file is replaced whole or not at all
+
+
+def theta_from_torch_state(state: dict[str, np.ndarray], layout: Layout, dtype=np.float32) -> np.ndarray:
+    """The inverse of torch_state_arrays: theta (d,) from state_dict entries (NumPy arrays) of
+    modules named `embedding`, `lstm`, `linear`; torch's two LSTM biases become their sum."""
+    theta = np.empty(layout.size, dtype)
+    p = layout.views(theta)
+    p["embed"][...] = state["embedding.weight"]
+    for layer in range(layout.config.layers):
+        p[f"lstm{layer}.w_ih"][...] = state[f"lstm.weight_ih_l{layer}"].T
+        p[f"lstm{layer}.w_hh"][...] = state[f"lstm.weight_hh_l{layer}"].T
+        p[f"lstm{layer}.bias"][...] = state[f"lstm.bias_ih_l{layer}"] + state[f"lstm.bias_hh_l{layer}"]
+    p["out.w"][...] = state["linear.weight"].T
+    p["out.b"][...] = state["linear.bias"]
+    return theta

@@ -481,6 +481,10 @@ class RunFolder:
     def append_curve(self, point: dict) -> None:
         append_line(self.path / CURVE, json.dumps(point), "curve")
 
+    def clear_curve(self) -> None:
+        """Forget the curve: for a run that starts again from step 0 (one that keeps no checkpoints)."""
+        (self.path / CURVE).unlink(missing_ok=True)
+
     # --- a folder of runs bound to its settings ----------------------------------------------
 
     def bind(self, study: str, settings: dict, write: bool = True) -> None:
