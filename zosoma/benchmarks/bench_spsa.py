@@ -232,10 +232,10 @@ def format_gemm_paths(paths: dict) -> str:
     (the compute-bound time over the measured step) and GEMM share of the peak, what bounds it."""
     head = (f"  {'path (' + forward.GEMM_ENV + ')':<44} {'s/step':>8} {'tokens/s':>11} {'x blas':>7} "
             f"{'of roofline':>11} {'of peak':>8}  bound")
-    lines = ["GEMM paths, same rounds (auto: the one training takes here)", head]
+    lines = ["GEMM paths, same rounds ([chosen]: the one training takes here, ZOSOMA_CPU_GEMM)", head]
     for path, p in paths.items():
         f = p["roofline"]
-        label = f"{path}: {PATH_NAMES[path]}" + (" [auto]" if p["chosen"] else "")
+        label = f"{path}: {PATH_NAMES[path]}" + (" [chosen]" if p["chosen"] else "")
         lines.append(f"  {label:<44} {p['step_s']:>8.4f} {p['tokens_per_s']:>11,.0f} "
                      f"{paths['blas']['step_s'] / p['step_s']:>6.2f}x {f['compute_bound_s'] / p['step_s']:>11.0%} "
                      f"{f['fraction_of_peak']:>8.0%}  {f['bound']}")

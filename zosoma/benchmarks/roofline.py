@@ -179,7 +179,7 @@ def format_paths_table(results: list[dict]) -> str:
     the peak, and what bounds it."""
     lines = ["GEMM paths at each shape, same rounds (blas: BLAS calls, today's path; loops: compiled loops):",
              f"  {'shape':<16} {'blas tok/s':>11} {'loops tok/s':>11} {'loops/blas':>10} {'of roofline':>13} "
-             f"{'of peak':>11}  {'auto':<5} {'bound (blas / loops)'}"]
+             f"{'of peak':>11}  {'taken':<5} {'bound (blas / loops)'}"]
     for r in results:
         paths = r.get("gemm_paths")
         if not paths:
@@ -189,8 +189,8 @@ def format_paths_table(results: list[dict]) -> str:
         fb, fl = blas["roofline"], loops["roofline"]
         frac = f"{fb['compute_bound_s'] / blas['step_s']:.0%} / {fl['compute_bound_s'] / loops['step_s']:.0%}"
         peak = f"{fb['fraction_of_peak']:.0%} / {fl['fraction_of_peak']:.0%}"
-        auto = "loops" if loops["chosen"] else "blas"
+        taken = "loops" if loops["chosen"] else "blas"
         lines.append(f"  {f'E={m.embed} H={m.hidden} L={m.layers}':<16} {blas['tokens_per_s']:>11,.0f} "
                      f"{loops['tokens_per_s']:>11,.0f} {blas['step_s'] / loops['step_s']:>9.2f}x {frac:>13} {peak:>11}  "
-                     f"{auto:<5} {fb['bound']} / {fl['bound']}")
+                     f"{taken:<5} {fb['bound']} / {fl['bound']}")
     return "\n".join(lines)

@@ -78,13 +78,13 @@ _TRANSPOSED_MIN_HIDDEN = 32
 # H = 176 on (a small K makes the GEMM cheap and the softmax's memory traffic the cost).
 _OUTPUT_ROWS_PER_H = 4
 _OUTPUT_ROWS_MIN = 128
-# The GEMMs as BLAS calls or as compiled loops (_small_dot): GEMM_ENV forces one ("blas", "loops");
-# "auto" (the default) takes the loops up to LOOPS_MAX_ROWS batch rows and H * max(E, H) up to
-# LOOPS_MAX_WORK, where they were faster (see uses_loops).
+# The GEMMs as BLAS calls (the default) or as compiled loops (_small_dot), as GEMM_ENV says. The
+# loops are 1.17-1.35x faster at SOMA's expert shapes against OpenBLAS's Haswell kernels but
+# 0.85-1.00x against its SkylakeX kernels (what an AVX-512 machine gets by default), and they sum
+# in another order (a run's bits differ at 1e-6): so they are a choice, not the default
+# (results/bench-spsa-shapes-after.txt).
 GEMM_ENV = "ZOSOMA_CPU_GEMM"
-GEMM_PATHS = ("auto", "blas", "loops")
-LOOPS_MAX_ROWS = 32
-LOOPS_MAX_WORK = 64 * 64
+GEMM_PATHS = ("blas", "loops")
 _PAIRS_PER_ITEM = 4  # SPSA pairs per thread work item (perturbed_sums)
 
 # Rational tanh approximation on [-7.905, 7.905] (Eigen's generic_fast_tanh_float): odd degree-13
@@ -480,8 +480,8 @@ def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step
 
 
 def gemm_path() -> str:
-    """The forward's GEMMs as the environment asks (GEMM_ENV): "auto", "blas" or "loops"."""
-    path = os.environ.get(GEMM_ENV, "") or "auto"
+    """The forward's GEMMs as the environment asks (GEMM_ENV): "blas" (the default) or "loops"."""
+    path = os.environ.get(GEMM_ENV, "") or "blas"
     if path not in GEMM_PATHS:
         raise ConfigError(f"{GEMM_ENV} must be one of {', '.join(GEMM_PATHS)}, got {path!r}")
     return path
@@ -503,12 +503,9 @@ def forced_gemm(path: str):
 
 def uses_loops(config, B: int) -> bool:
     """Whether the forward of a model (ModelConfig) on B batch rows runs its GEMMs as compiled
-    loops (_small_dot) rather than BLAS calls: as GEMM_ENV says, and under "auto" for the shapes
-    where the loops were faster (LOOPS_MAX_WORK)."""
-    path = gemm_path()
-    if path != "auto":
-        return path == "loops"
-    return B <= LOOPS_MAX_ROWS and config.hidden * max(config.hidden, config.embed) <= LOOPS_MAX_WORK
+    loops (_small_dot) rather than BLAS calls: as GEMM_ENV says (the model and B do not decide it
+    today; kept in the signature for a rule by shape once one pays on every BLAS kernel)."""
+    return gemm_path() == "loops"
 
 
 def _offsets(layout: Layout) -> np.ndarray:
