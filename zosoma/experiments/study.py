@@ -47,7 +47,7 @@ from zosoma.experiments.scoring import Scored
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.runs.records import Failed, Note, Result
-from zosoma.training.run import Spec  # what a job's run is (the comparison and the precision study take it from here)
+from zosoma.training.run import Run as RunHandle, Spec  # what a job's run is (the comparison and the precision study take it from here)
 from zosoma.training.single import data_record, load_data, new_trainer, open_run
 from zosoma.training.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
 from zosoma.workers.executor import Inline
@@ -113,8 +113,9 @@ def check_job(job: Job, folder: RunFolder) -> dict | None:
     result = finished(job, folder)
     if result is not None:
         return result
-    if folder.is_soma:
-        soma = folder.read_soma()
+    opened = RunHandle.open(folder.path)
+    if opened.is_soma:
+        soma = opened.shape
         _check(job, folder, {k: getattr(soma, k) for k in ("experts", "loss", "chunk_size")})
         held = [folder.expert(i) for i in range(soma.experts)]
     elif folder.has_checkpoint:

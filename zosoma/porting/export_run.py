@@ -53,7 +53,8 @@ from zosoma.formats.onnx import export_onnx
 from zosoma.formats.torch_state import export_torch
 from zosoma.model.params import Layout
 from zosoma.porting.output_folder import MANIFEST, output_folder
-from zosoma.runs.folder import RunFolder, checkpoint_path, refuse_run_files
+from zosoma.runs.folder import checkpoint_path, refuse_run_files
+from zosoma.training.run import Run
 from zosoma.training.soma import DroppedExperts, dropped_of, router_of
 
 SOMA_FORMAT, SOMA_VERSION = "zosoma-onnx-soma", 2  # 2: dropped experts, top_k over those left
@@ -68,9 +69,10 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
                fallback: bool = False) -> list[str]:
     """Export a checkpoint file, a run folder, one expert's folder or a SOMA run folder to `out`
     (a .onnx file, or a folder for a SOMA run). Returns lines describing what was written."""
-    out, folder = Path(out), RunFolder(run)
+    out = Path(out)
     refuse_run_files(out, "export")
-    if not folder.is_soma:
+    opened = Run.open(run)
+    if not opened.is_soma:
         if out.exists() and not force:
             raise ConfigError(f"{out} exists; pass --force to overwrite it")
         ckpt = _read_model(run, fallback)
@@ -80,7 +82,7 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
         export_onnx(ckpt.theta, layout, out, form, seq_len)
         return [f"wrote {out}: ONNX ({form}) of {run}, step {ckpt.step}, {_shape(ckpt.model)}, "
                 f"{layout.size:,} parameters"]
-    soma = folder.read_soma()
+    folder, soma = opened.folder, opened.shape
     n = soma.experts
     ckpts = [folder.expert(i).read_checkpoint(fallback=fallback) for i in range(n)]
     router = router_of(folder, ckpts, soma.top_k)  # the routing the run is evaluated with
@@ -110,10 +112,11 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
 def export_torch_run(run, out, force: bool = False, fallback: bool = False) -> list[str]:
     """Export a checkpoint file, a run folder or one expert's folder as a torch state_dict to the
     file `out` (a SOMA run folder is refused: one expert at a time). Returns lines describing it."""
-    out, folder = Path(out), RunFolder(run)
+    out = Path(out)
     refuse_run_files(out, "export")
-    if folder.is_soma:
-        raise ConfigError(_one_expert(folder, fallback))
+    opened = Run.open(run)
+    if opened.is_soma:
+        raise ConfigError(_one_expert(opened, fallback))
     if out.exists() and not force:
         raise ConfigError(f"{out} exists; pass --force to overwrite it")
     ckpt = _read_model(run, fallback)
@@ -133,9 +136,9 @@ def _read_model(run, fallback: bool):
     return ckpt
 
 
-def _one_expert(folder: RunFolder, fallback: bool) -> str:
+def _one_expert(run: Run, fallback: bool) -> str:
     """Why a SOMA run is not exported whole to torch: its experts to export, one at a time."""
-    n = folder.read_soma().experts
+    folder, n = run.folder, run.shape.experts
     dropped = dropped_of([folder.expert(i).read_checkpoint(fallback=fallback) for i in range(n)])
     if len(dropped) == n:
         return f"{folder}: every expert was dropped (they all diverged): nothing to export"
