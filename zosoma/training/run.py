@@ -21,11 +21,19 @@ from typing import Callable, Iterable, Iterator
 
 from zosoma.config import LOSSES, PRESETS, ModelConfig, TrainConfig, _typed
 from zosoma.corpus import Corpus
+from zosoma.engines import get_ops, run_ops
 from zosoma.errors import OptionError
+from zosoma.formats.checkpoint import description, load_checkpoint, summary
+from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
-from zosoma.runs.folder import RunFolder, new_run_dir
+from zosoma.runs.folder import RunFolder, checkpoint_path, last_metrics, new_run_dir, warn_if_training
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
+from zosoma.strategies.settings import resolve
+from zosoma.training.single import evaluate_run, load_model, resume_run, start_run
+from zosoma.training.soma import evaluate_soma, load_ensemble, resume_soma, soma_description, soma_summary, start_soma
+from zosoma.workers.placing import place
+from zosoma.workers.population_workers import check_shardable
 
 SOMA_OPTIONS = ("loss", "top_k", "chunk_size")  # what shapes a SOMA run: refused with one expert
 RESUME_TAKES = ("steps", "wikitext")  # what a resume takes besides where it runs
@@ -64,8 +72,6 @@ class Spec:
         """The spec of a new run from what a user gave (zosoma.strategies.settings.resolve for
         the model and training options); loss, top_k and chunk_size are None when not given, and
         given with one expert are refused, as options that would be silently ignored."""
-        from zosoma.strategies.settings import resolve
-
         if not isinstance(preset, str) or preset not in PRESETS:
             raise OptionError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
         soma = {k: v for k, v in zip(SOMA_OPTIONS, (loss, top_k, chunk_size)) if v is not None}
@@ -137,18 +143,12 @@ class Run:
         """A new run of `spec` on `data`, placed by `placement`, in run_dir (new or empty; default
         runs/<preset>-<time>, made here and taken back if the run fails before writing in it). Every
         option is checked before any folder is made; training happens as the records are read."""
-        from zosoma.engines import get_ops, run_ops
-        from zosoma.training.single import start_run
-        from zosoma.training.soma import start_soma
-        from zosoma.workers.placing import place
-
         cfg = spec.train
         if not spec.is_soma and placement.workers is not None:
             raise _soma_only("workers")
         ops = get_ops(placement.device)  # "where", resolved once: the run hands its engine down
         run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if placement.population_workers:
-            from zosoma.workers.population_workers import check_shardable
             check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
         executor, summed, sharding = place(placement, spec.experts, spec.loss)
         made = None if run_dir else new_run_dir(spec.folder_prefix())
@@ -202,9 +202,6 @@ class SingleModel(Run):
     """One model's run folder, or its checkpoint file."""
 
     def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
-        from zosoma.engines import get_ops
-        from zosoma.training.single import resume_run
-        from zosoma.workers.placing import place
 
         placement = placement or self.folder.read_placement()
         _, _, sharding = place(placement, 1)
@@ -212,15 +209,10 @@ class SingleModel(Run):
                                               placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
-        from zosoma.training.single import load_model
         return load_model(self.path, fallback=fallback)
 
     def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
                  streams=None) -> dict:
-        from zosoma.formats.checkpoint import load_checkpoint
-        from zosoma.model.params import Layout
-        from zosoma.runs.folder import warn_if_training
-        from zosoma.training.single import evaluate_run
 
         ckpt = self.folder.read_checkpoint(fallback=fallback) if self.path.is_dir() else load_checkpoint(self.path)
         warn_if_training(self.path, [ckpt.step])
@@ -229,8 +221,6 @@ class SingleModel(Run):
         return {"kind": "single", "step": ckpt.step, "n_params": ckpt.model.n_params(), **r}
 
     def describe(self, fallback=False) -> dict:
-        from zosoma.formats.checkpoint import description
-        from zosoma.runs.folder import checkpoint_path, last_metrics
 
         path = checkpoint_path(self.path, fallback=fallback)
         return {"kind": "checkpoint", **description(path, last_metrics(path))}
@@ -239,8 +229,6 @@ class SingleModel(Run):
         return [description["step"]]
 
     def summary(self, description: dict) -> str:
-        from zosoma.formats.checkpoint import summary
-        from zosoma.runs.folder import last_metrics
 
         path = description["checkpoint"]  # the file describe() read
         return summary(path, last_metrics(path))
@@ -256,9 +244,6 @@ class Soma(Run):
         return self.folder.read_soma()
 
     def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
-        from zosoma.engines import get_ops
-        from zosoma.training.soma import resume_soma
-        from zosoma.workers.placing import place
 
         placement = placement or self.folder.read_placement()
         shape = self.shape
@@ -267,12 +252,10 @@ class Soma(Run):
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
-        from zosoma.training.soma import load_ensemble
         return load_ensemble(self.path, top_k, temperature, fallback=fallback)
 
     def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
                  streams=None) -> dict:
-        from zosoma.training.soma import evaluate_soma
 
         if streams is not None:
             raise OptionError(f"--streams is an option of single models; {self.path} is a SOMA run")
@@ -281,7 +264,6 @@ class Soma(Run):
         return {"kind": "soma", "n_params": ensemble.n_params, "dropped": list(ensemble.router.dropped), **r}
 
     def describe(self, fallback=False) -> dict:
-        from zosoma.training.soma import soma_description
 
         return {"kind": "soma", **soma_description(self.path, fallback=fallback)}
 
@@ -289,5 +271,4 @@ class Soma(Run):
         return [e["step"] for e in description["experts_status"]]
 
     def summary(self, description: dict) -> str:
-        from zosoma.training.soma import soma_summary
         return soma_summary(description)
