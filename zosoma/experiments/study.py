@@ -44,7 +44,6 @@ from zosoma.corpus import BatchSampler
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.experiments.scoring import Scored
-from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.runs.records import Failed, Note, Result
 from zosoma.training.run import Run as RunHandle, Spec  # what a job's run is (the comparison and the precision study take it from here)
