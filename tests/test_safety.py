@@ -406,7 +406,7 @@ def test_an_interrupt_from_the_library_aborts_with_its_code(text, tmp_path, monk
         raise Interrupted(signal.SIGINT)
         yield
 
-    monkeypatch.setattr("zosoma.training.single.start_run", interrupted)
+    monkeypatch.setattr("zosoma.training.run.start_run", interrupted)  # where the run handle calls it
     result = invoke(train_args(text, tmp_path / "run", 2))
     assert result.exit_code == 130 and result.output.strip().splitlines()[-1] == "aborted"
 
