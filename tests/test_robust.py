@@ -17,7 +17,8 @@ from zosoma.workers.executor import Inline, LocalProcesses
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Finished, Restarted, Step
 from zosoma.training.soma import create_soma, load_ensemble, resume_soma
-from zosoma.runs.trainer import RESTART_STREAM, Trainer, from_checkpoint, new_state, train
+from zosoma.runs.stepper import RESTART_STREAM
+from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import check_options
 from zosoma.strategies.es import OpenES

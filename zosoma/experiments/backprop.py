@@ -132,7 +132,7 @@ class BackpropRun(Scored):
     def __init__(self, folder, spec, device: str = "cpu"):
         from zosoma.engines import get_ops
         from zosoma.training.single import load_data
-        from zosoma.runs.trainer import stream
+        from zosoma.runs.stepper import stream
 
         torch = import_torch()
         torch.set_num_threads(1)  # one core, as each ZO worker's one BLAS thread

@@ -24,7 +24,7 @@ from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
 from zosoma.porting.stage import Out, Stage
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
-from zosoma.runs.trainer import RESTART_STREAM, stream
+from zosoma.runs.stepper import RESTART_STREAM, stream
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.eggroll import zscore
 from zosoma.strategies.es import centered_ranks

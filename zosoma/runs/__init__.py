@@ -1,7 +1,8 @@
 """A run's folder, its training loop and its records.
 
-Owns every file name inside a run folder (folder), the training loop over a strategy and an
-engine (trainer) with its divergence guard (guard), the typed records training yields (records),
+Owns every file name inside a run folder (folder), what a model takes steps with: its strategy,
+engine, layout, batches and stream (stepper), the training loop over it (trainer) with its
+divergence guard (guard), the typed records training yields (records),
 the event file beside metrics.jsonl (events), where a run's work goes, as a record
 (placement), and the records of what a run is (shape). May import the foundation, model,
 formats, engines and strategies; the workers (zosoma.workers) and the single-model and SOMA

@@ -1,20 +1,21 @@
 """The training loop of one model: a strategy, an engine, a run folder.
 
-One step (zosoma.strategies.base):
+One step (zosoma.strategies.base), its pieces a Stepper's (zosoma.runs.stepper):
 
-    batch        = sampler.batch(seed, expert, step)                  a pure function of the counters
-    pop          = strategy.ask(expert, step)                         which 2P_t members
-    plus, minus  = strategy.losses(ops, theta, layout, batch, pop, state)   forward passes only
+    pop          = stepper.ask(step)                                  which 2P_t members
+    plus, minus  = stepper.losses(theta, state, pop)                  batch(seed, stream, step), a pure
+                                                                      function of the counters; forward
+                                                                      passes only
     coeffs, loss = strategy.coefficients(plus, minus)                 P scalars
     coeffs       = strategy.shape(coeffs, shaping)                    raw spread recorded; the default
                                                                       run normalizes them
-    theta, state = strategy.apply(ops, layout, theta, state, coeffs, pop, restarts)
+    theta, state = stepper.apply(theta, state, coeffs, pop)           Strategy.apply:
                    lr = schedule(step) * restart_lr_factor ** restarts; a non-finite scalar skips
     the step's record -> metrics.jsonl; every K steps -> checkpoint.h5 (which counts the records
                                                                    and checksums them)
 
 Shape then apply is Strategy.tell; a sharded model (zosoma.workers.population_workers) shapes here
-and applies on its workers, with the same Strategy.apply.
+and applies on its workers, each with a Stepper of its own opened from the checkpoint.
 
 theta and the optimizer state live on the engine (a GPU keeps them there); the host gets them
 only for checkpoints. Batches and noise are regenerated from counters, so a run resumed from a
@@ -35,15 +36,14 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler
-from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
-from zosoma.model.params import Layout, init_params
+from zosoma.model.params import init_params
 from zosoma.runs.events import EventLog
 from zosoma.runs.folder import MetricsMark, RunFolder
 from zosoma.runs.guard import DivergenceGuard, window_for
 from zosoma.runs.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
+from zosoma.runs.stepper import Stepper
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import lr_scale
 from zosoma.strategies.settings import check_memory
@@ -86,15 +86,6 @@ def guard_of(ckpt: Checkpoint) -> DivergenceGuard:
     return DivergenceGuard(**state) if state is not None else DivergenceGuard.replay(ckpt.stored_metrics or [])
 
 
-# A restart moves an expert's batches and noise to a stream of their own: counters use
-# expert + RESTART_STREAM * restarts where they used the expert (no two experts' streams meet).
-RESTART_STREAM = 1 << 16
-
-
-def stream(expert: int, restarts: int) -> int:
-    return expert + RESTART_STREAM * restarts
-
-
 class Trainer:
     """One model's training: `losses` evaluates the step's population, `update` applies
     coefficients. Independent training feeds each expert its own coefficients; the summed-loss
@@ -103,15 +94,10 @@ class Trainer:
     def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
                  expert: int = 0, extra: dict | None = None, ops: Ops | None = None):
         check_memory(model, cfg)  # a run resumed on a smaller machine, or started before this check
-        if sampler.T1 != cfg.seq_len + 1:
-            raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
+        self.stepper = Stepper(model, cfg, sampler, expert, len(state.restarts), ops)
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         self.model, self.cfg, self.sampler, self.expert = model, cfg, sampler, expert
-        self.strategy = make_strategy(cfg)
-        # the run's engine and forward precision are part of its config (a resume keeps them)
-        self.ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)
-        self.layout = Layout(model)
-        self.strategy.check(self.layout)
+        self.strategy, self.ops, self.layout = self.stepper.strategy, self.stepper.ops, self.stepper.layout
         self.extra = dict(extra or {}, expert=expert, seed=cfg.seed)
         self.tokens_per_pair = 2 * cfg.batch * cfg.seq_len  # a pair's two members' predicted bytes
         self.total_tokens = self.tokens_per_pair * self.strategy.total_pairs()  # P_t summed (the query schedule)
@@ -150,13 +136,8 @@ class Trainer:
 
     def losses(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's members' losses on its minibatch: plus (P,) and minus (P,)."""
-        t0 = time.perf_counter()
-        cfg, step = self.cfg, self.state.step
-        batch = self.sampler.batch(cfg.seed, self.stream, step, cfg.batch)
-        self.timings = {"data": time.perf_counter() - t0}
-        self._pop = self.strategy.ask(self.stream, step)
-        return self.strategy.losses(self.ops, self.state.theta, self.layout, batch, self._pop, self.state.optimizer,
-                                    timings=self.timings)
+        self.timings, self._pop = {}, self.stepper.ask(self.state.step)
+        return self.stepper.losses(self.state.theta, self.state.optimizer, self._pop, timings=self.timings)
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
         """The strategy's P scalars and the minibatch loss estimate at theta."""
@@ -168,7 +149,7 @@ class Trainer:
         poison theta and the optimizer state). Returns the step's record."""
         t0 = time.perf_counter()
         cfg, state, step = self.cfg, self.state, self.state.step
-        pop = self._pop if self._pop is not None else self.strategy.ask(self.stream, step)
+        pop = self._pop if self._pop is not None else self.stepper.ask(step)
         coeffs, shaping, shaped = self.strategy.shape(coeffs, state.shaping)
         theta, opt, lr, skipped = self.apply(coeffs, pop)
         self.timings["update"] = self.timings.get("update", 0.0) + time.perf_counter() - t0
@@ -197,8 +178,7 @@ class Trainer:
     def apply(self, coeffs: np.ndarray, pop):
         """(theta, optimizer state, lr, skipped) after the step's update from the shaped scalars
         (zosoma.workers.population_workers applies it on the workers instead)."""
-        return self.strategy.apply(self.ops, self.layout, self.state.theta, self.state.optimizer, coeffs, pop,
-                                   len(self.state.restarts))
+        return self.stepper.apply(self.state.theta, self.state.optimizer, coeffs, pop)
 
     def to_checkpoint(self) -> Checkpoint:
         state, to_numpy = self.state, self.ops.to_numpy
@@ -276,7 +256,7 @@ class Trainer:
         self._go_on(state)
 
     def _go_on(self, state: RunState) -> None:
-        """Take `state` on: on the engine, with its stream (the counters of its batches and noise),
+        """Take `state` on: on the engine, with its restarts' stream (the counters of its batches and noise),
         its guard judging over this run's window, and its metrics log opened at its mark (checked;
         the file is cut back by self.log.cut())."""
         state.theta = self.ops.asarray(state.theta)
@@ -284,7 +264,7 @@ class Trainer:
         state.guard = dataclasses.replace(state.guard, window=window_for(self.cfg.steps))
         self.log = self.folder.metrics_log(state.log)
         state.log = self.log.mark  # a version 1-2 checkpoint's records or a damaged file: the log's own
-        self.state, self.stream = state, stream(self.expert, len(state.restarts))
+        self.state, self.stepper.restarts = state, len(state.restarts)
 
     def summary(self) -> dict:
         """What results record of the training itself (training_summary)."""

@@ -20,8 +20,9 @@ only. Per step and expert:
 
 The bookkeeping (shaping, the rate, the skip) is this base's, written once (evosax's `tell`
 shapes fitness, then calls the strategy's `_tell`); a subclass writes only the maths (ask,
-coefficients, update). Every place that steps calls it: the training loop (tell), a population
-worker (apply, on scalars the driver shaped) and zosoma.Optimizer (tell), so their bit-exact
+coefficients, update). Every place that steps calls it: the training loop (shape, then apply,
+through its zosoma.runs.stepper.Stepper), a population worker (apply, through a Stepper of its own,
+on scalars the driver shaped) and zosoma.Optimizer (tell), so their bit-exact
 agreement holds by construction. The P scalars are all that a step needs to agree on an update:
 any engine or machine regenerates the directions from the counters. Optimizer state is a dict of
 arrays (checkpointed as is, kept on the engine between steps). Each strategy declares the

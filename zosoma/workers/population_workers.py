@@ -1,7 +1,7 @@
 """One model's population over W workers: only scalars travel, every worker applies the same update.
 
 The step's P pairs are split into W contiguous shares. Each worker holds theta and the strategy
-state (read from the run's checkpoint), draws the step's batch itself (a pure function of the
+state (read from the run's checkpoint) and a Stepper opened from it (zosoma.runs.stepper), draws the step's batch itself (a pure function of the
 counters), evaluates its share and returns only its members' losses. The driver gathers them in
 pair order, turns them into the P update scalars (the strategy's coefficients), logs them in the
 run folder (scalars.jsonl) and sends them to every worker; every worker applies the identical
@@ -53,12 +53,11 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.engines import get_ops
 from zosoma.errors import ConfigError, ZosomaError
-from zosoma.model.params import Layout
 from zosoma.workers.executor import child_threads, exit_with_parent, one_line, spare_cores
 from zosoma.runs.folder import RunFolder
-from zosoma.runs.trainer import RunState, Trainer, stream
+from zosoma.runs.stepper import Stepper
+from zosoma.runs.trainer import RunState, Trainer
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import finite, lr_at
 
@@ -113,26 +112,20 @@ class Shard:
 
     def __init__(self, spec: ShardSpec, step: int, replay: Sequence = ()):
         ckpt = RunFolder(spec.run_dir).read_checkpoint(step)
-        self.restarts = len(ckpt.extra.get("restarts") or ())  # a restart's stream and rate (zosoma.runs.trainer)
-        self.cfg, self.stream, self.pairs = ckpt.train, stream(spec.expert, self.restarts), spec.pairs
-        self.strategy = make_strategy(ckpt.train)
-        self.ops = get_ops(spec.device, ckpt.train.engine, ckpt.train.forward_precision)
-        self.layout = Layout(ckpt.model)
-        self.sampler = BatchSampler(spec.corpus, ckpt.train.seq_len + 1)
-        self.theta = self.ops.asarray(ckpt.theta)
-        self.optimizer = {k: self.ops.asarray(v) for k, v in ckpt.optimizer.items()}
+        self.stepper, self.pairs = Stepper.of(ckpt, spec.corpus, spec.expert, spec.device), spec.pairs
+        asarray = self.stepper.ops.asarray
+        self.theta, self.optimizer = asarray(ckpt.theta), {k: asarray(v) for k, v in ckpt.optimizer.items()}
         self.step = ckpt.step
         for coeffs in replay:
             self.apply(coeffs)
         self.update_s = 0.0  # the last update's seconds, reported with the next losses
 
     def apply(self, coeffs) -> None:
-        """The step's update from its P scalars (shaped by the driver), with the Strategy.apply
-        that Trainer.update calls."""
+        """The step's update from its P scalars (shaped by the driver), as Trainer.update applies
+        it (Stepper.apply)."""
         t0 = time.perf_counter()
-        self.theta, self.optimizer, _, _ = self.strategy.apply(self.ops, self.layout, self.theta, self.optimizer,
-                                                               np.asarray(coeffs, np.float64),
-                                                               self.strategy.ask(self.stream, self.step), self.restarts)
+        coeffs, pop = np.asarray(coeffs, np.float64), self.stepper.ask(self.step)
+        self.theta, self.optimizer, _, _ = self.stepper.apply(self.theta, self.optimizer, coeffs, pop)
         self.step += 1
         self.update_s = time.perf_counter() - t0
 
@@ -140,17 +133,13 @@ class Shard:
         """(plus, minus, timings) of this worker's pairs at `step`: (|pairs|,) float64 each."""
         if step != self.step:
             raise RuntimeError(f"population worker at step {self.step} was asked for step {step}")
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        batch = self.sampler.batch(cfg.seed, self.stream, step, cfg.batch)
-        timings = {"data": time.perf_counter() - t0, "update": self.update_s}
-        plus, minus = self.strategy.losses(self.ops, self.theta, self.layout, batch, self.strategy.ask(self.stream, step),
-                                           self.optimizer, pairs=self.pairs, timings=timings)
+        timings = {"update": self.update_s}
+        plus, minus = self.stepper.losses(self.theta, self.optimizer, self.stepper.ask(step), self.pairs, timings)
         return plus, minus, timings
 
     def state(self):
         """(step, theta, optimizer state) as NumPy arrays, for a checkpoint."""
-        to_numpy = self.ops.to_numpy
+        to_numpy = self.stepper.ops.to_numpy
         return self.step, to_numpy(self.theta), {k: to_numpy(v) for k, v in self.optimizer.items()}
 
 
@@ -366,7 +355,7 @@ class ShardedTrainer(Trainer):
     def losses(self):
         t0 = time.perf_counter()
         step = self.state.step
-        self._pop = self.strategy.ask(self.stream, step)
+        self._pop = self.stepper.ask(step)
         every = self.group.losses(step)
         mine = [every[m] for m in self.members]
         wall = time.perf_counter() - t0
