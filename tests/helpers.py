@@ -79,6 +79,16 @@ def random_bytes(seed, shape):
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
 
 
+def streamed_in_halves(nll_stream, theta, layout, tokens, targets, cut=10):
+    """An engine's `nll_stream` over tokens and targets (B, T) in one pass, then in two: the first
+    `cut` steps, and the rest carrying on from the state they leave. Returns the whole pass's nll
+    (B, T) and final state, the first half's nll and state, the second half's nll and final state."""
+    whole, state_whole = nll_stream(theta, layout, tokens, targets)
+    first, state = nll_stream(theta, layout, tokens[:, :cut], targets[:, :cut])
+    second, state_halves = nll_stream(theta, layout, tokens[:, cut:], targets[:, cut:], state)
+    return whole, state_whole, first, state, second, state_halves
+
+
 def on_a_tmpfs(tmp_path, argv, options, seed=None):
     """Run argv with tmp_path/disk a tmpfs mounted with `options` ("size=160k"; "ro" remounts it
     read-only once `seed`'s contents are copied onto it), in a user namespace (`unshare -rm`) or as

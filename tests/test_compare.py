@@ -20,14 +20,14 @@ from zosoma.model.evaluate import EvalResult
 from zosoma.engines.cpu.forward import nll_stream
 from zosoma.mixture.routing import cut_segments
 
-MINI = """
-title = "mini"
-seeds = [0, 1]
-flops = 4e9
-curve_points = 2
-curve_bytes = 1024
-train = {batch = 2, seq_len = 8}
 
+def header(title, seeds, flops, curve_bytes):
+    """The top of a comparison's TOML as the tests here write it: its budget, its curve, its batches."""
+    return (f'\ntitle = "{title}"\nseeds = {seeds}\nflops = {flops}\ncurve_points = 2\ncurve_bytes = {curve_bytes}\n'
+            'train = {batch = 2, seq_len = 8}\n')
+
+
+MINI = header("mini", [0, 1], "4e9", 1024) + """
 [[method]]
 name = "SOMA N=2"
 experts = 2
@@ -267,14 +267,7 @@ def test_a_finished_run_is_not_repeated(mini, tmp_path):
     assert ckpt.stat().st_mtime_ns == stamp
 
 
-WILD = """
-title = "wild"
-seeds = [0]
-flops = 4e8
-curve_points = 2
-curve_bytes = 256
-train = {batch = 2, seq_len = 8}
-
+WILD = header("wild", [0], "4e8", 256) + """
 [[method]]
 name = "SPSA wild"
 model = {embed = 4, hidden = 8, layers = 1}
@@ -317,14 +310,8 @@ def test_a_soma_run_with_another_expert_count_is_refused(mini, tmp_path):
         run_job(Job("run", other.methods[0], 0, other), tmp_path / "run")
 
 
-TINY = """
-title = "tiny"
-seeds = [0]
-flops = 4e6               # a few steps per run
-curve_points = 2
-curve_bytes = 256
-train = {batch = 2, seq_len = 8}
-
+# flops: a few steps per run
+TINY = header("tiny", [0], "4e6", 256) + """
 [[method]]
 name = "SPSA small"
 model = {embed = 4, hidden = 8, layers = 1}
@@ -422,14 +409,8 @@ def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
         np.testing.assert_array_equal(a.losses()[0], b.losses()[0])
 
 
-HOT = """
-title = "hot"
-seeds = [0]
-flops = 4.7e7             # 150 steps
-curve_points = 2
-curve_bytes = 256
-train = {batch = 2, seq_len = 8}
-
+# flops: 150 steps
+HOT = header("hot", [0], "4.7e7", 256) + """
 [[method]]
 name = "SPSA hot"         # runs away; its guard restarts it at step 70, from step 0 at lr 0.4
 model = {embed = 4, hidden = 8, layers = 1}

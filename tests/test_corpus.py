@@ -164,10 +164,15 @@ def _missing(tmp_path):
     return tmp_path / "nope.txt", ()
 
 
-def _empty_file(tmp_path):
-    p = tmp_path / "empty.txt"
-    p.write_bytes(b"")
+def _file(tmp_path, name, data):
+    """A file `name` holding `data`, loaded on its own."""
+    p = tmp_path / name
+    p.write_bytes(data)
     return p, ()
+
+
+def _empty_file(tmp_path):
+    return _file(tmp_path, "empty.txt", b"")
 
 
 def _empty_dir(tmp_path):
@@ -178,21 +183,15 @@ def _empty_dir(tmp_path):
 
 
 def _fake_gzip(tmp_path):
-    p = tmp_path / "plain.txt.gz"
-    p.write_bytes(b"this is not gzip")
-    return p, ()
+    return _file(tmp_path, "plain.txt.gz", b"this is not gzip")
 
 
 def _truncated_gzip(tmp_path):
-    p = tmp_path / "cut.gz"
-    p.write_bytes(gzip.compress(b"x" * 10000)[:-12])
-    return p, ()
+    return _file(tmp_path, "cut.gz", gzip.compress(b"x" * 10000)[:-12])
 
 
 def _empty_gzip(tmp_path):
-    p = tmp_path / "nothing.gz"
-    p.write_bytes(gzip.compress(b""))
-    return p, ()
+    return _file(tmp_path, "nothing.gz", gzip.compress(b""))
 
 
 def _empty_in_dir(tmp_path):

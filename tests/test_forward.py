@@ -8,7 +8,7 @@ default init every model predicts about ln 256 and a loss check would prove litt
 import numpy as np
 import pytest
 
-from helpers import assert_close, random_bytes, scaled_model
+from helpers import assert_close, random_bytes, scaled_model, streamed_in_halves
 from world import TINY_MODEL_L2
 from zosoma.engines.cpu import forward
 from zosoma.model import reference
@@ -104,9 +104,8 @@ def test_nll_stream_carries_state():
     theta, layout = scaled_model(9, 11, 2)
     data = random_bytes(7, (3, 26))
     tokens, targets = data[:, :-1], data[:, 1:]
-    whole, state_whole = forward.nll_stream(theta, layout, tokens, targets)
-    first, state = forward.nll_stream(theta, layout, tokens[:, :10], targets[:, :10])
-    second, state_halves = forward.nll_stream(theta, layout, tokens[:, 10:], targets[:, 10:], state)
+    whole, state_whole, first, state, second, state_halves = streamed_in_halves(forward.nll_stream, theta, layout,
+                                                                                 tokens, targets)
     ref, ref_state = _ref_nll(theta, layout, tokens, targets)
     ref_second, _ = _ref_nll(theta, layout, tokens[:, 10:], targets[:, 10:],
                              [(h.astype(np.float64), c.astype(np.float64)) for h, c in state])

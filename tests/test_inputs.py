@@ -201,6 +201,23 @@ def started(proc, check, timeout=180.0) -> None:
         time.sleep(0.05)
 
 
+def stopped(cmd, ready, pauses, timeout):
+    """Run `cmd` until `ready()`; then for each pause wait that long and send SIGTERM, the process
+    still running each time. Its exit code, stdout, stderr and the seconds it took after the last."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started(proc, ready)
+        for pause in pauses:
+            time.sleep(pause)
+            assert proc.poll() is None
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err, time.monotonic() - sent
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_second_signal_stops_a_step_of_minutes_at_once(text, tmp_path):
@@ -209,20 +226,10 @@ def test_a_second_signal_stops_a_step_of_minutes_at_once(text, tmp_path):
     run = tmp_path / "run"
     cmd = zosoma_cmd() + ["train", "--data", str(text), "--run-dir", str(run), "--steps", "3", *MODEL,
                           "--batch", "200000", "--seq-len", "16", "-P", "64", "--log-every", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        started(proc, lambda: (run / CHECKPOINT).exists())
-        time.sleep(3)  # inside the first step
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(2)
-        assert proc.poll() is None  # the first signal waits for the end of the step
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert time.monotonic() - sent < 15, "the second signal did not stop the step"
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    # the first signal, inside the first step, waits for its end: still running 2 s later
+    code, out, err, took = stopped(cmd, lambda: (run / CHECKPOINT).exists(), pauses=(3, 2), timeout=60)
+    assert took < 15, "the second signal did not stop the step"
+    assert code == 128 + signal.SIGTERM, err
     assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
     assert err.strip().splitlines()[-1] == ("stopped at once; the newest checkpoint is kept. Continue with: zosoma "
                                             f"train --resume {run}")
@@ -238,17 +245,10 @@ def test_a_stop_during_the_final_evaluation_ends_at_once(text, tmp_path):
     heldout.write_bytes(text.read_bytes() * 1200)
     cmd = zosoma_cmd() + ["train", "--data", str(text), "--heldout", str(heldout), "--run-dir", str(run),
                           "--steps", "2", *TINY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        started(proc, lambda: (run / CHECKPOINT).exists() and RunFolder(run).read_checkpoint().step == 2)
-        time.sleep(1)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert time.monotonic() - sent < 15, "the stop waited for the evaluation"
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    saved = lambda: (run / CHECKPOINT).exists() and RunFolder(run).read_checkpoint().step == 2  # noqa: E731
+    code, out, err, took = stopped(cmd, saved, pauses=(1,), timeout=120)
+    assert took < 15, "the stop waited for the evaluation"
+    assert code == 128 + signal.SIGTERM, err
     assert f"zosoma train --resume {run}" in out + err and "Traceback" not in err
     assert not (run / "results.json").exists()
     assert RunFolder(run).read_checkpoint().step == 2 and RunFolder(run).owner() is None

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, streamed_in_halves
 from world import PHILOX_KAT, TINY_MODEL, TINY_MODEL_L2
 from zosoma.engines.cuda import backend
 from zosoma.engines.cpu import lowrank as eggroll
@@ -402,9 +402,8 @@ def test_nll_stream_carries_state_and_log_probs_match(rt):
     theta, layout = _model(10, 12, 2)
     data = _bytes(5, (2, 25))
     tokens, targets = data[:, :-1], data[:, 1:]
-    whole, state_whole = cuda_forward.nll_stream(theta, layout, tokens, targets)
-    first, state = cuda_forward.nll_stream(theta, layout, tokens[:, :10], targets[:, :10])
-    second, state_halves = cuda_forward.nll_stream(theta, layout, tokens[:, 10:], targets[:, 10:], state)
+    whole, state_whole, first, state, second, state_halves = streamed_in_halves(cuda_forward.nll_stream, theta,
+                                                                                 layout, tokens, targets)
     assert whole.dtype == np.float32 and whole.shape == (2, 24)
     assert_close(np.concatenate([first, second], axis=1), whole, atol=NLL_ATOL, name="halves")
     want, _ = forward.nll_stream(theta, layout, tokens, targets)

@@ -71,14 +71,21 @@ def test_a_float32_box_muller_needs_the_gaussian_tolerance(kit):
     assert 2e-4 < worst < 5e-4
 
 
-@pytest.mark.subprocess
-def test_a_perturbed_output_is_rejected(kit, tmp_path):
+def _port_of_losses(kit, tmp_path, change):
+    """A port folder holding the kit's losses with nll[1, 3] replaced by `change` of it; the folder,
+    the kit's losses and the port's nll."""
     port = tmp_path / "port"
     port.mkdir()
     losses = _load(kit, "losses")
     nll = losses["nll"].copy()
-    nll[1, 3] += 1e-3
+    nll[1, 3] = change(nll[1, 3])
     np.savez(port / "losses.npz", nll=nll, loss=losses["loss"])
+    return port, losses, nll
+
+
+@pytest.mark.subprocess
+def test_a_perturbed_output_is_rejected(kit, tmp_path):
+    port = _port_of_losses(kit, tmp_path, lambda x: x + 1e-3)[0]
     noise_out = _load(kit, "noise")
     rad = noise_out["rademacher"].copy()
     rad[2, 200] *= -1
@@ -119,12 +126,7 @@ def test_nan_or_inf_from_the_port_fails_at_any_tolerance(bad):
 
 @pytest.mark.subprocess
 def test_a_nan_in_the_port_is_reported_with_its_sides(kit, tmp_path):
-    port = tmp_path / "port"
-    port.mkdir()
-    losses = _load(kit, "losses")
-    nll = losses["nll"].copy()
-    nll[1, 3] = np.nan
-    np.savez(port / "losses.npz", nll=nll, loss=losses["loss"])
+    port, losses, nll = _port_of_losses(kit, tmp_path, lambda x: np.nan)
     result = subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(port)],
                             capture_output=True, text=True)
     assert result.returncode == 1, result.stdout

@@ -14,8 +14,8 @@ import pytest
 from world import TINY_MODEL as MODEL
 from zosoma.config import TrainConfig, to_json
 from zosoma.corpus import BatchSampler, load_corpus
-from zosoma.formats.checkpoint import load_checkpoint
-from zosoma.formats.h5util import content_digest, text_array, text_attr
+from zosoma.formats.checkpoint import load_checkpoint, write_contents
+from zosoma.formats.h5util import text_array
 from zosoma.model.params import Layout
 from zosoma.workers.executor import Inline
 from zosoma.runs.folder import METRICS, MetricsDamaged, RunFolder
@@ -146,23 +146,9 @@ def write_format_2(path, ckpt, records):
              "config": to_json(ckpt.model, ckpt.train), "created": "2026-12-01T00:00:00+00:00",
              "step": str(ckpt.step), "extra": json.dumps(extra, sort_keys=True), "metrics": json.dumps(records),
              "layout": json.dumps([[e.name, list(e.shape), e.offset] for e in layout.entries])}
-    params = [(e.name, layout.view(ckpt.theta, e.name)) for e in layout.entries]
-    optimizer = sorted(ckpt.optimizer.items())
-    checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
-                              [("optimizer/" + n, a) for n, a in optimizer])
+    numbers = {"format_version": np.int64(2), "step": np.int64(ckpt.step)}
     with h5py.File(path, "w") as f:
-        for key in ("format", "zosoma_version", "config", "created"):
-            f.attrs[key] = text_attr(texts[key])
-        f.attrs["format_version"], f.attrs["step"] = np.int64(2), np.int64(ckpt.step)
-        f.attrs["checksum"] = text_attr(checksum)
-        f.create_dataset("extra", data=text_array(texts["extra"]))
-        group = f.create_group("params")
-        group.create_dataset("layout", data=text_array(texts["layout"]))
-        for (name, values), e in zip(params, layout.entries):
-            group.create_dataset(name, data=values).attrs["offset"] = np.int64(e.offset)
-        group = f.create_group("optimizer")
-        for name, values in optimizer:
-            group.create_dataset(name, data=values)
+        write_contents(f, texts, numbers, layout, ckpt.theta, ckpt.optimizer)
         f.create_dataset("metrics", data=text_array(texts["metrics"]))
 
 

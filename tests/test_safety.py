@@ -63,6 +63,32 @@ def wait_for(predicate, timeout=120.0):
     return False
 
 
+@pytest.fixture(params=[False, True], ids=["single", "soma"])
+def soma(request) -> bool:
+    """Each test taking it runs as a single model and as a SOMA run."""
+    return request.param
+
+
+def soma_or_single(run: Path, soma: bool, *options) -> tuple[list, list[Path]]:
+    """The training options that make `run` SOMA with two experts (and `options`), or none; and
+    the folders that then train."""
+    if soma:
+        return ["--experts", "2", "--chunk-size", "256", *options], [run / f"expert{i}" for i in range(2)]
+    return [], [run]
+
+
+def sigterm_once_logged(args, folders):
+    """Run zosoma `args` in a session of its own until each of `folders` has logged more than 20
+    steps, then SIGTERM the session, as SLURM and systemd do: every process of the job. Its exit
+    code, stdout and stderr."""
+    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert wait_for(lambda: all((f / METRICS).exists() and len(steps_logged(f)) > 20 for f in folders))
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
@@ -381,18 +407,12 @@ def test_small_things(text, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("soma", [False, True], ids=["single", "soma"])
 def test_sigterm_saves_and_exits_like_ctrl_c(text, tmp_path, soma):
     run = tmp_path / "run"
-    extra = ["--experts", "2", "--workers", "2", "--chunk-size", "256"] if soma else []
+    extra, folders = soma_or_single(run, soma, "--workers", "2")
     args = train_args(text, run, 100000, "--checkpoint-every", "100000", *extra)
-    proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    folders = [run / f"expert{i}" for i in range(2)] if soma else [run]
-    assert wait_for(lambda: all((f / METRICS).exists() and len(steps_logged(f)) > 20 for f in folders))
-    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM and systemd do: every process of the job
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    code, out, err = sigterm_once_logged(args, folders)
+    assert code == 128 + signal.SIGTERM, err
     assert "SIGTERM: stopping after this step" in err and f"Continue with: zosoma train --resume {run}" in out
     for f in folders:  # only the step-0 checkpoint existed: every step logged was saved on the way out
         assert RunFolder(f).read_checkpoint().step == len(steps_logged(f)) > 20
@@ -540,23 +560,17 @@ def test_a_damaged_results_record_is_one_line_and_a_resume_writes_it_again(text,
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("soma", [False, True], ids=["single", "soma"])
 def test_results_of_a_run_extended_then_stopped_are_stale_everywhere_they_are_read(text, tmp_path, soma):
     import zosoma
     from zosoma.runs.folder import StaleResults
     run = tmp_path / "run"
-    extra = ["--experts", "2", "--chunk-size", "256", "--executor", "inline"] if soma else []
+    extra, folders = soma_or_single(run, soma, "--executor", "inline")
     assert invoke(train_args(text, run, 3, "--quiet", *extra)).exit_code == 0
-    folders = [run / f"expert{i}" for i in range(2)] if soma else [run]
     results = zosoma.open_run(run).results
     assert results["checkpoint_steps"] == [3] * len(folders)
     # --steps extends the run; SIGTERM stops it part way, checkpointed
-    proc = subprocess.Popen(zosoma_cmd() + ["train", "--resume", str(run), "--steps", "3000", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert wait_for(lambda: all(len(steps_logged(f)) > 20 for f in folders))
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
+    code = sigterm_once_logged(["train", "--resume", run, "--steps", "3000", "--quiet"], folders)[0]
+    assert code == 128 + signal.SIGTERM
     now = [RunFolder(f).read_checkpoint().step for f in folders]
     assert all(3 < s for s in now) and min(now) < 3000  # inline, expert 0 may have finished first
     stale = f"results.json is of step {', '.join(['3'] * len(folders))}, but the newest checkpoint is at step " \

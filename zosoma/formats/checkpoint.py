@@ -137,31 +137,39 @@ def save_checkpoint(path: PathLike, ckpt: Checkpoint) -> None:
         }
     except TypeError as err:
         raise TypeError(f"checkpoint extra must be JSON serialisable: {err}") from None
-    params = [(e.name, layout.view(ckpt.theta, e.name)) for e in layout.entries]
-    optimizer = [(name, ckpt.optimizer[name]) for name in sorted(ckpt.optimizer)]
-    checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
-                       [("optimizer/" + n, a) for n, a in optimizer])
+    numbers = {"format_version": np.int64(FORMAT_VERSION), "step": np.int64(ckpt.step),
+               "metrics_records": np.int64(ckpt.metrics_records), "metrics_sha256": text_attr(ckpt.metrics_sha256)}
 
     # Built in memory, then written by zosoma.atomic: the HDF5 library never meets a full disk
     # (it leaves half-flushed objects behind that fail again, noisily, until the process crashes).
     image = io.BytesIO()
     with h5py.File(image, "w") as f:
-        for key in ("format", "zosoma_version", "config", "created"):
-            f.attrs[key] = text_attr(texts[key])
-        f.attrs["format_version"] = np.int64(FORMAT_VERSION)
-        f.attrs["step"] = np.int64(ckpt.step)
-        f.attrs["metrics_records"] = np.int64(ckpt.metrics_records)
-        f.attrs["metrics_sha256"] = text_attr(ckpt.metrics_sha256)
-        f.attrs["checksum"] = text_attr(checksum)
-        f.create_dataset("extra", data=text_array(texts["extra"]))
-        group = f.create_group("params")
-        group.create_dataset("layout", data=text_array(texts["layout"]))
-        for (name, values), entry in zip(params, layout.entries):
-            group.create_dataset(name, data=values).attrs["offset"] = np.int64(entry.offset)
-        group = f.create_group("optimizer")
-        for name, values in optimizer:
-            group.create_dataset(name, data=values)
+        write_contents(f, texts, numbers, layout, ckpt.theta, ckpt.optimizer)
     atomic_write(path, image.getbuffer(), "checkpoint")
+
+
+def write_contents(f, texts: dict, numbers: dict, layout: Layout, theta: np.ndarray, optimizer: dict) -> None:
+    """Write into the open HDF5 file `f` what format versions 2 and 3 share: the text attributes,
+    then `numbers` (the version's other root attributes, in their order), the checksum of `texts`
+    and the arrays, /extra, /params (theta (d,) cut by `layout`) and /optimizer. The tests write a
+    version-2 checkpoint with it."""
+    params = [(e.name, layout.view(theta, e.name)) for e in layout.entries]
+    optimizer = [(name, optimizer[name]) for name in sorted(optimizer)]
+    checksum = content_digest(texts, [("params/" + n, a) for n, a in params] +
+                              [("optimizer/" + n, a) for n, a in optimizer])
+    for key in ("format", "zosoma_version", "config", "created"):
+        f.attrs[key] = text_attr(texts[key])
+    for key, value in numbers.items():
+        f.attrs[key] = value
+    f.attrs["checksum"] = text_attr(checksum)
+    f.create_dataset("extra", data=text_array(texts["extra"]))
+    group = f.create_group("params")
+    group.create_dataset("layout", data=text_array(texts["layout"]))
+    for (name, values), entry in zip(params, layout.entries):
+        group.create_dataset(name, data=values).attrs["offset"] = np.int64(entry.offset)
+    group = f.create_group("optimizer")
+    for name, values in optimizer:
+        group.create_dataset(name, data=values)
 
 
 class _Damaged(Exception):
