@@ -653,7 +653,7 @@ def test_commands_on_a_run_still_training_say_so_and_name_the_step_they_read(tex
 @pytest.mark.subprocess
 def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(text, tmp_path):
     import zosoma
-    from zosoma.config import ModelConfig, TrainConfig
+    from zosoma.config import TrainConfig
     from zosoma.runs.folder import StillTraining
     from zosoma.training.soma import create_soma
     run = tmp_path / "run"

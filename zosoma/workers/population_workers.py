@@ -1,8 +1,9 @@
 """One model's population over W workers: only scalars travel, every worker applies the same update.
 
 The step's P pairs are split into W contiguous shares. Each worker holds theta and the strategy
-state (read from the run's checkpoint) and a Stepper opened from it (zosoma.runs.stepper), draws the step's batch itself (a pure function of the
-counters), evaluates its share and returns only its members' losses. The driver gathers them in
+state (read from the run's checkpoint) and a Stepper opened from it (zosoma.runs.stepper), draws
+the step's batch itself (a pure function of the counters), evaluates its share and returns only its
+members' losses. The driver gathers them in
 pair order, turns them into the P update scalars (the strategy's coefficients), logs them in the
 run folder (scalars.jsonl) and sends them to every worker; every worker applies the identical
 update. No parameters travel while training: theta comes to the driver for checkpoints only.
