@@ -17,9 +17,11 @@ for mode in haswell unset; do
     dir=$NEW gemm=(); [ $code = old ] && dir=$OLD; [ $code = loops ] && gemm=(ZOSOMA_CPU_GEMM=loops)
     run=$(mktemp -d)
     echo "== $code engine ($(git -C "$dir" rev-parse --short HEAD) ${gemm[*]}), OPENBLAS_CORETYPE=$(env "${blas[@]}" sh -c 'echo ${OPENBLAS_CORETYPE:-unset}')"
-    (cd "$dir" && setsid env "${blas[@]}" "${gemm[@]}" .venv/bin/zosoma "${best2h[@]}" --run-dir "$run/run" > "$run/log" 2>&1) &
-    sleep 2; pid=$(pgrep -n -f "zosoma train --experts 16 .*--run-dir $run/run")
-    sleep 150; kill -INT -- -"$pid"; wait
+    cd "$dir"
+    setsid env "${blas[@]}" "${gemm[@]}" .venv/bin/zosoma "${best2h[@]}" --run-dir "$run/run" > "$run/log" 2>&1 &
+    pid=$!  # setsid's own process: the leader of the run's process group
+    cd "$NEW"
+    sleep 150; kill -INT -- -"$pid"; wait "$pid"
     grep "tok/s" "$run/log" | sed 's/^\(\[[0-9:]*\]\).*(smoothed), /\1 /'
     rm -rf "$run"
   done
