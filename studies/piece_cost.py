@@ -23,6 +23,7 @@ PIECES = {  # the rates of cut-price.toml's sweep winners (any rate costs the sa
     "P doubling": ["--lr", "0.3", "--queries", "doubling"],
     "ES": ["--optimizer", "es", "--eps", "0.04", "--lr", "0.02"],
     "ES + Adam": ["--optimizer", "es", "--transforms", "adam", "--eps", "0.04", "--lr", "0.004"],
+    "one-sided": ["--optimizer", "onesided", "--lr", "0.6"],
 }
 PARTS = ("data", "noise", "forward", "update")
 WARM = 50

@@ -159,6 +159,57 @@ def test_the_comparison_turns_a_budget_into_the_schedules_steps(tmp_path):
     assert abs(spent - 1e11) <= doubling.flops_per_step() * 2  # within rounding of a stage end
 
 
+def test_one_sided_spsa_gives_every_member_a_direction_against_numpy():
+    """--optimizer onesided: member j is theta + eps delta_j (2P directions from the counters),
+    its scalar (L_j - mean L) / eps, its estimate their mean along the directions."""
+    P, eps = 3, 0.01
+    cfg = TrainConfig(optimizer="onesided", perturbations=P, eps=eps, batch=3, seq_len=12, shaping=())
+    layout, theta = Layout(MODEL), init_params(MODEL, 2)
+    batch = BatchSampler(corpus(), cfg.seq_len + 1).batch(0, 0, 0, cfg.batch)
+    strategy = make_strategy(cfg)
+    pop = strategy.ask(1, 3)
+    deltas = [noise(theta.size, 0, 1, 3, j) for j in range(2 * P)]
+    assert len({d.tobytes() for d in deltas}) == 2 * P  # no member mirrors another
+    plus, minus = strategy.losses(Ops(), theta, layout, batch, pop, {})
+    want = [reference.loss(theta + np.float32(eps) * delta, layout, batch) for delta in deltas]
+    assert_close(np.stack([plus, minus], axis=1).ravel(), want, rtol=1e-5, name="member losses")
+    g, loss = strategy.coefficients(plus, minus)
+    L = np.stack([plus, minus], axis=1).ravel()
+    assert loss == pytest.approx(L.mean()) and np.array_equal(g, (L - L.mean()) / eps)
+    ghat = sum(g[j] * deltas[j].astype(np.float64) for j in range(2 * P)) / (2 * P)
+    assert_close(strategy.estimate(Ops(), layout, theta, {}, g, pop), ghat, atol=1e-6, rtol=1e-5, name="estimate")
+    members = Optimizer(theta.size, optimizer="onesided", perturbations=P, eps=eps, seed=0).ask(theta, step=3)
+    assert members.shape == (2 * P, theta.size)  # zosoma.Optimizer's members: expert 0's counters, in order j
+    for j in range(2 * P):
+        assert np.array_equal(members[j], theta + np.float32(eps) * noise(theta.size, 0, 0, 3, j))
+
+
+def test_one_sided_halves_the_estimates_error_at_the_same_forwards():
+    """On a linear loss L = g . theta the error of P antithetic pairs is (d - 1)|g|^2 / P, and of
+    2P one-sided members about (d - 1)|g|^2 / (2P): the same 2P forwards measure twice the
+    directions (the mean baseline adds O(1/P) of that)."""
+    d, P, steps = 400, 8, 300
+    g = np.random.default_rng(0).standard_normal(d)
+    errors = {}
+    for name in ("sgd", "onesided"):
+        strategy = make_strategy(TrainConfig(optimizer=name, perturbations=P, eps=1e-3, shaping=()))
+        err = []
+        for step in range(steps):
+            pop = strategy.ask(0, step)
+            if name == "sgd":
+                deltas = [noise(d, 0, 0, step, k).astype(np.float64) for k in range(P)]
+                plus, minus = np.array([x @ g for x in deltas]) * 1e-3, -np.array([x @ g for x in deltas]) * 1e-3
+            else:
+                deltas = [noise(d, 0, 0, step, j).astype(np.float64) for j in range(2 * P)]
+                L = np.array([x @ g for x in deltas]) * 1e-3
+                plus, minus = L[0::2], L[1::2]
+            coeffs, _ = strategy.coefficients(plus, minus)
+            err.append(np.sum((strategy.estimate(Ops(), None, np.zeros(d, np.float32), {}, coeffs, pop) - g) ** 2))
+        errors[name] = np.mean(err) / ((d - 1) * g @ g)
+    assert errors["sgd"] == pytest.approx(1 / P, rel=0.12)
+    assert errors["onesided"] == pytest.approx(1 / (2 * P), rel=0.15)
+
+
 @pytest.mark.parametrize("rule", ["momentum", "adam"])
 def test_a_chained_transform_is_the_built_in_rule_bit_for_bit(rule):
     theta = np.linspace(-1, 1, 64).astype(np.float32)
@@ -197,6 +248,8 @@ def test_pieces_are_refused_where_they_cannot_work():
         resolve(None, {"probes": "sobol"})
     with pytest.raises(ConfigError, match="not sharded over --population-workers"):
         check_shardable(TrainConfig(queries="doubling"), 2)
+    with pytest.raises(ConfigError, match="--probes is not used by --optimizer onesided"):
+        resolve(None, {"optimizer": "onesided", "probes": "orthogonal"})
     error = one_line_error(run_cli(["train", "--optimizer", "eggroll", "--probes", "orthogonal", "--steps", "1"]), 2)
     assert "--probes is not used by --optimizer eggroll" in error
 

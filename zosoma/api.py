@@ -160,10 +160,11 @@ class Optimizer:
 
     def ask(self, theta, step: int) -> np.ndarray:
         """(2P, d) float32: rows 2k and 2k+1 are theta + eps delta_k and theta - eps delta_k, the
-        step's members (regenerated from (seed, step, k), never stored)."""
+        step's members (regenerated from (seed, step, k), never stored); a probe design's or
+        one-sided SPSA's members are the strategy's own (Strategy.members)."""
         from zosoma.engines.ops import perturbed
         pop = self.strategy.ask(0, step)
-        if self.strategy.probes is None:
+        if not self.strategy.host_members:
             return perturbed(self._theta(theta), pop, range(pop.P))
         return self.strategy.members(self._theta(theta), None, pop, self.state)
 

@@ -70,7 +70,8 @@ class TrainConfig:
     eps: float = 1e-3  # perturbation scale: SPSA's eps (MeZO's default), EGGROLL's sigma
     noise: str = "rademacher"  # "rademacher" or "gaussian"
     # The strategy (zosoma.strategies): "sgd", "momentum", "adam" (SPSA with ZO-SGD, ZO-momentum,
-    # ZO-Adam), "eggroll" (low-rank ES) or "es" (OpenAI-ES). ZO-SGD is the default, as in MeZO:
+    # ZO-Adam), "eggroll" (low-rank ES), "es" (OpenAI-ES) or "onesided" (SPSA's forward differences,
+    # 2P directions a step). ZO-SGD is the default, as in MeZO:
     # ZO-Adam's per-coordinate normalisation amplifies the estimate's noise in the many coordinates
     # whose true gradient is small, and learned far slower here.
     optimizer: str = "sgd"

@@ -41,7 +41,7 @@ _TC = TrainConfig()  # defaults shown in --help
 @click.option("--perturbations", "-P", type=int, callback=positive, help=f"P: SPSA directions per step.  [default: {_TC.perturbations}]")
 @click.option("--eps", type=float, callback=positive_float, help=f"Perturbation scale (SPSA eps, EGGROLL sigma).  [default: {_TC.eps}]")
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help=f"Perturbation distribution.  [default: {_TC.noise}]")
-@click.option("--optimizer", type=click.Choice(list(STRATEGIES)), help=f"Strategy: SPSA with update rule sgd, momentum or adam; eggroll (low-rank ES); es (OpenAI-ES).  [default: {_TC.optimizer}]")
+@click.option("--optimizer", type=click.Choice(list(STRATEGIES)), help=f"Strategy: SPSA with update rule sgd, momentum or adam; eggroll (low-rank ES); es (OpenAI-ES); onesided (SPSA with forward differences: 2P directions per step).  [default: {_TC.optimizer}]")
 @click.option("--rank", type=int, callback=positive, help=f"EGGROLL's perturbation rank r.  [default: {_TC.rank}]")
 @click.option("--lr", type=float, callback=positive_float, help=f"Peak learning rate.  [default: {_TC.lr}]")
 @click.option("--schedule", type=click.Choice(["constant", "cosine"]), help=f"Learning-rate schedule after warm-up.  [default: {_TC.schedule}]")

@@ -16,6 +16,7 @@ from zosoma.errors import ConfigError
 from zosoma.strategies.base import Strategy, check_options
 from zosoma.strategies.eggroll import Eggroll
 from zosoma.strategies.es import OpenES
+from zosoma.strategies.onesided import OneSided
 from zosoma.strategies.spsa import SPSA, Adam, Momentum
 
 # --optimizer name -> strategy class. A new strategy is one file and one line here.
@@ -25,6 +26,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "adam": Adam,
     "eggroll": Eggroll,
     "es": OpenES,
+    "onesided": OneSided,
 }
 
 

@@ -114,6 +114,12 @@ class Strategy:
         return ops.materialised_losses(theta, layout, batch, pairs, timings,
                                        lambda chunk, out: members(host, U, pop.scale, chunk, out))
 
+    @property
+    def host_members(self) -> bool:
+        """Whether this strategy's members are built on the host (members()), not regenerated from
+        the counters as antithetic pairs by the engine (a probe design's; one-sided SPSA's)."""
+        return self.probes is not None
+
     _kept = None  # (pop, state, U): the directions of the step in progress, for its update
 
     def directions(self, pop: Population, layout: Layout, d: int, state: dict) -> np.ndarray:
