@@ -1,8 +1,9 @@
 """Training seconds per step of each cut-price piece (docs/cut-price.md) on one expert of SOMA's
-best shape, E=16 H=20 L=1, P=64, B=8, T=32: 300 steps each, timed after the first 50 (compilation
-and warm-up), from the run's own step records. Time it alone: two jobs on two cores distort it.
+best shape, E=16 H=20 L=1, P=64, B=8, T=32 (or, with --shape tiny, the default run's E=32 H=64
+P=32): 300 steps each, timed after the first 50 (compilation and warm-up), from the run's own step
+records. Time it alone: two jobs on two cores distort it.
 
-    python studies/piece_cost.py [--steps 300] [--out FILE]
+    python studies/piece_cost.py [--steps 300] [--shape best|tiny] [--out FILE]
 """
 
 import argparse
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from zosoma.experiments.price import machine
 
-SHAPE = ["--embed", "16", "--hidden", "20", "--layers", "1", "-P", "64"]
+SHAPES = {"best": ["--embed", "16", "--hidden", "20", "--layers", "1", "-P", "64"], "tiny": []}
 PIECES = {  # the rates of cut-price.toml's sweep winners (any rate costs the same)
     "default": ["--lr", "0.3"],
     "orthogonal probes": ["--lr", "0.3", "--probes", "orthogonal"],
@@ -39,16 +40,17 @@ def seconds_a_step(run_dir: Path) -> tuple[float, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--shape", choices=SHAPES, default="best")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     zosoma = Path(sys.executable).with_name("zosoma")
-    lines = [f"# studies/piece_cost.py --steps {args.steps}; {machine()} (BLAS threads: the machine's cores)",
+    lines = [f"# studies/piece_cost.py --steps {args.steps} --shape {args.shape}; {machine()} (BLAS threads: the machine's cores)",
              f"{'piece':18s} {'ms a step':>9s} {'x default':>9s}  " + "  ".join(f"{p:>8s}" for p in PARTS)]
     base = None
     with tempfile.TemporaryDirectory() as tmp:
         for name, options in PIECES.items():
             run_dir = Path(tmp) / name.replace(" ", "-")
-            subprocess.run([str(zosoma), "train", *SHAPE, *options, "--steps", str(args.steps), "--seed", "0",
+            subprocess.run([str(zosoma), "train", *SHAPES[args.shape], *options, "--steps", str(args.steps), "--seed", "0",
                             "--quiet", "--run-dir", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
             step, parts = seconds_a_step(run_dir)
             base = base or step
