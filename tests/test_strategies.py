@@ -119,6 +119,8 @@ def test_summed_wrapper_shares_spsa_scalars_and_refuses_shaped_fitness():
     for name in ("eggroll", "es"):
         with pytest.raises(ConfigError, match=f"--optimizer {name} shapes fitness"):
             Summed([make_strategy(TrainConfig(optimizer=name))])
+    with pytest.raises(ConfigError, match="--optimizer onesided measures one-sided differences"):
+        Summed([make_strategy(TrainConfig(optimizer="onesided"))])
 
 
 

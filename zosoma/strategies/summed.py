@@ -7,7 +7,8 @@ every expert's update uses the shared SPSA scalars of L = sum_j L_j,
     g_k = sum_j (L_j(theta_j + eps delta_{j,k}) - L_j(theta_j - eps delta_{j,k})) / (2 eps),
 
 so the other experts' perturbations become noise in each expert's estimate. It wraps the experts'
-own strategies, which must be SPSA (central differences add up; rank or z-score shaping does not).
+own strategies, which must be SPSA's central differences (they add up; rank or z-score shaping and
+one-sided differences against each expert's own mean do not).
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import numpy as np
 
 from zosoma.errors import ConfigError
 from zosoma.strategies.base import Strategy
+from zosoma.strategies.onesided import OneSided
 from zosoma.strategies.spsa import SPSA, central_differences
 
 
 class Summed:
     def __init__(self, strategies: list[Strategy]):
         for s in strategies:
-            if not isinstance(s, SPSA):
+            if not isinstance(s, SPSA) or isinstance(s, OneSided):
+                what = "measures one-sided differences" if isinstance(s, OneSided) else "shapes fitness instead"
                 raise ConfigError(f"the summed-loss ablation shares SPSA central differences; --optimizer "
-                                  f"{s.name} shapes fitness instead: use sgd, momentum or adam")
+                                  f"{s.name} {what}: use sgd, momentum or adam")
         self.strategies = strategies
         self.eps = strategies[0].cfg.eps
 
