@@ -64,6 +64,8 @@ class Strategy:
     options: frozenset = frozenset()  # TrainConfig fields read beyond COMMON
     defaults: dict = {}  # TrainConfig values this strategy suggests when the user gives none
     builtin: tuple = ()  # update transforms (zosoma.strategies.transforms) the strategy always applies
+    # why its scalars do not add up across experts (the summed-loss ablation refuses it); None: they do
+    not_summable: str | None = "shapes fitness instead"
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -103,16 +105,21 @@ class Strategy:
     def losses(self, ops, theta, layout: Layout, batch, pop: Population, state: dict, pairs: range | None = None,
                timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(plus, minus) losses of the members of `pop` (its `pairs`, default all) on the step's
-        batch: the engine's own from the counters, or, under a probe design, its directions'."""
-        if self.probes is None:
+        batch: the engine's own from the counters, or members built on the host (builder)."""
+        if not self.host_members:
             return ops.perturbed_losses(theta, layout, batch, pop, pairs, timings)
         pairs, timings = range(pop.P) if pairs is None else pairs, {} if timings is None else timings
+        build = self.builder(ops.to_numpy(theta), layout, pop, state, timings)
+        return ops.materialised_losses(theta, layout, batch, pairs, timings, build)
+
+    def builder(self, theta: np.ndarray, layout: Layout, pop: Population, state: dict, timings: dict | None = None):
+        """build(chunk, out): fills out's rows 2j, 2j+1 with the host-built members of pair chunk[j]
+        (here a probe design's theta +/- eps U_k; `timings` gets the directions' "noise" seconds)."""
         t0 = time.perf_counter()
         U = self.directions(pop, layout, theta.size, state)
-        timings["noise"] = timings.get("noise", 0.0) + time.perf_counter() - t0  # building the members' noise
-        host = ops.to_numpy(theta)
-        return ops.materialised_losses(theta, layout, batch, pairs, timings,
-                                       lambda chunk, out: members(host, U, pop.scale, chunk, out))
+        if timings is not None:
+            timings["noise"] = timings.get("noise", 0.0) + time.perf_counter() - t0
+        return lambda chunk, out: members(theta, U, pop.scale, chunk, out)
 
     @property
     def host_members(self) -> bool:
@@ -131,10 +138,10 @@ class Strategy:
         return kept[2]
 
     def members(self, theta: np.ndarray, layout: Layout, pop: Population, state: dict) -> np.ndarray:
-        """(2P, d) float32: rows 2k, 2k+1 the members theta +/- eps U_k of a probe design's `pop`
-        (the counters' own: zosoma.engines.ops.perturbed)."""
-        U = self.directions(pop, layout, theta.size, state)
-        return members(theta, U, pop.scale, range(pop.P), np.empty((2 * pop.P, theta.size), np.float32))
+        """(2P, d) float32: the host-built members of `pop`, rows 2k, 2k+1 those of pair k (the
+        counters' own antithetic pairs: zosoma.engines.ops.perturbed)."""
+        out = np.empty((2 * pop.P, theta.size), np.float32)
+        return self.builder(theta, layout, pop, state)(range(pop.P), out)
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
         """The P per-pair scalars of the update from the members' losses (each (P,)), and the

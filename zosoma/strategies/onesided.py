@@ -32,16 +32,11 @@ class OneSided(SPSA):
     name = "onesided"
     options = SPSA.options - {"probes"}  # its directions are its own
     host_members = True
+    not_summable = "measures one-sided differences"  # against each expert's own mean
 
-    def losses(self, ops, theta, layout, batch, pop, state, pairs=None, timings=None):
-        """(L of direction 2k, L of direction 2k+1) for the population's pairs k."""
-        pairs, timings = range(pop.P) if pairs is None else pairs, {} if timings is None else timings
-        host = ops.to_numpy(theta)
-        return ops.materialised_losses(theta, layout, batch, pairs, timings,
-                                       lambda chunk, out: one_sided_members(host, pop, chunk, out))
-
-    def members(self, theta, layout, pop, state):
-        return one_sided_members(theta, pop, range(pop.P), np.empty((2 * pop.P, theta.size), np.float32))
+    def builder(self, theta, layout, pop, state, timings=None):
+        """Pair k's rows: the members of directions 2k and 2k+1 (no stored directions to time)."""
+        return lambda chunk, out: one_sided_members(theta, pop, chunk, out)
 
     def coefficients(self, plus, minus):
         L = np.stack([plus, minus], axis=1).ravel()  # direction j's loss at index j

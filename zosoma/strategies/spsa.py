@@ -33,6 +33,7 @@ class SPSA(Strategy):
     and an update rule applied to ghat. The plain rule is ZO-SGD (Strategy.update)."""
 
     name = "sgd"
+    not_summable = None  # central differences add up
     options = frozenset({"noise", "weight_decay", "shaping", "clip_at", "normalize_window", "probes", "queries",
                          "transforms"})
 

@@ -17,17 +17,15 @@ import numpy as np
 
 from zosoma.errors import ConfigError
 from zosoma.strategies.base import Strategy
-from zosoma.strategies.onesided import OneSided
-from zosoma.strategies.spsa import SPSA, central_differences
+from zosoma.strategies.spsa import central_differences
 
 
 class Summed:
     def __init__(self, strategies: list[Strategy]):
         for s in strategies:
-            if not isinstance(s, SPSA) or isinstance(s, OneSided):
-                what = "measures one-sided differences" if isinstance(s, OneSided) else "shapes fitness instead"
+            if s.not_summable:
                 raise ConfigError(f"the summed-loss ablation shares SPSA central differences; --optimizer "
-                                  f"{s.name} {what}: use sgd, momentum or adam")
+                                  f"{s.name} {s.not_summable}: use sgd, momentum or adam")
         self.strategies = strategies
         self.eps = strategies[0].cfg.eps
 
