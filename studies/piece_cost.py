@@ -3,7 +3,7 @@ best shape, E=16 H=20 L=1, P=64, B=8, T=32 (or, with --shape tiny, the default r
 P=32): 300 steps each, timed after the first 50 (compilation and warm-up), from the run's own step
 records. Time it alone: two jobs on two cores distort it.
 
-    python studies/piece_cost.py [--steps 300] [--shape best|tiny] [--out FILE]
+    python studies/piece_cost.py [--steps 300] [--shape best|tiny] [--pieces NAME ...] [--out FILE]
 """
 
 import argparse
@@ -41,14 +41,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--shape", choices=SHAPES, default="best")
+    ap.add_argument("--pieces", nargs="+", choices=PIECES, default=list(PIECES), metavar="NAME",
+                    help="the pieces to time (default all; the first is the ratios' base)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     zosoma = Path(sys.executable).with_name("zosoma")
-    lines = [f"# studies/piece_cost.py --steps {args.steps} --shape {args.shape}; {machine()} (BLAS threads: the machine's cores)",
+    lines = [f"# studies/piece_cost.py --steps {args.steps} --shape {args.shape} --pieces {' '.join(map(repr, args.pieces))}; {machine()} (BLAS threads: the machine's cores)",
              f"{'piece':18s} {'ms a step':>9s} {'x default':>9s}  " + "  ".join(f"{p:>8s}" for p in PARTS)]
     base = None
     with tempfile.TemporaryDirectory() as tmp:
-        for name, options in PIECES.items():
+        for name in args.pieces:
+            options = PIECES[name]
             run_dir = Path(tmp) / name.replace(" ", "-")
             subprocess.run([str(zosoma), "train", *SHAPES[args.shape], *options, "--steps", str(args.steps), "--seed", "0",
                             "--quiet", "--run-dir", str(run_dir)], check=True, stdout=subprocess.DEVNULL)

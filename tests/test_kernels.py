@@ -215,13 +215,14 @@ def test_add_noise_rejects_bad_arguments(rt):
         cuda_noise.add_noise(out, out, 1.0, -1, 0, 0, 0)
 
 
+@pytest.mark.parametrize("onesided", [False, True])
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
-def test_perturbed_population_matches_cpu(rt, kind):
+def test_perturbed_population_matches_cpu(rt, kind, onesided):
     theta = np.random.default_rng(1).standard_normal(777).astype(np.float32)
     members = range(3, 10)
-    want = perturbed(theta, Population(10, 1e-3, 2**35 + 9, 2, 11, kind), members)
+    want = perturbed(theta, Population(10, 1e-3, 2**35 + 9, 2, 11, kind, onesided=onesided), members)
     out = _poisoned(rt, want.shape)
-    got = _host(cuda_noise.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out))
+    got = _host(cuda_noise.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out, onesided=onesided))
     if kind == "rademacher":
         np.testing.assert_array_equal(got, want)
     else:
@@ -391,11 +392,12 @@ def test_population_loss_in_member_chunks(rt):
 def test_spsa_losses_match_cpu(rt):
     theta, layout = _model(8, 12, 1, scale=1.0)
     batch = _bytes(4, (3, 9))
-    for kind in ("rademacher", "gaussian"):
-        want = Ops().perturbed_losses(theta, layout, batch, Population(5, 1e-2, 7, 1, 2, kind))
-        got = cuda_forward.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1)
+    for kind, onesided in [("rademacher", False), ("gaussian", False), ("rademacher", True), ("gaussian", True)]:
+        want = Ops().perturbed_losses(theta, layout, batch, Population(5, 1e-2, 7, 1, 2, kind, onesided=onesided))
+        got = cuda_forward.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1,
+                                       pairs=range(1, 5), onesided=onesided)
         for g, w in zip(got, want):
-            assert_close(g, w, rtol=LOSS_RTOL, name=f"spsa losses {kind}")
+            assert_close(g, w[1:], rtol=LOSS_RTOL, name=f"spsa losses {kind}{' one-sided' * onesided}")
 
 
 def test_nll_stream_carries_state_and_log_probs_match(rt):

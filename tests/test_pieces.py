@@ -13,11 +13,13 @@ from helpers import assert_close, one_line_error, run_cli
 from zosoma.api import Optimizer
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.engines.ops import Ops
+from zosoma.engines.cpu import forward
+from zosoma.engines.ops import Ops, perturbed
 from zosoma.errors import ConfigError
 from zosoma.model import reference
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
+from zosoma.model.population import Population
 from zosoma.workers.population_workers import check_shardable
 from zosoma.runs.records import Step
 from zosoma.runs.trainer import Trainer, new_state, train
@@ -182,6 +184,28 @@ def test_one_sided_spsa_gives_every_member_a_direction_against_numpy():
     assert members.shape == (2 * P, theta.size)  # zosoma.Optimizer's members: expert 0's counters, in order j
     for j in range(2 * P):
         assert np.array_equal(members[j], theta + np.float32(eps) * noise(theta.size, 0, 0, 3, j))
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_one_sided_members_are_built_inside_the_fused_forward(kind):
+    """The CPU forward builds a one-sided pair's members from the counters in its pair loop: the
+    same losses as the members built on the host and run through population_loss (what an engine
+    without the fused loop gets), bit for bit with Rademacher noise, and every direction kept for
+    the update when Gaussian."""
+    layout, theta = Layout(MODEL), init_params(MODEL, 2)
+    batch = BatchSampler(corpus(), 13).batch(0, 0, 0, 3)
+    pop = Population(4, 1e-3, 5, 1, 7, kind, onesided=True)
+    fused = Ops()
+    plus, minus = fused.perturbed_losses(theta, layout, batch, pop, range(1, 4))
+    members = perturbed(theta, pop, range(1, 4))
+    host = forward.population_loss(members, layout, batch)
+    exact = np.array_equal if kind == "rademacher" else lambda a, b: np.allclose(a, b, rtol=1e-6, atol=0)
+    assert exact(plus, host[0::2]) and exact(minus, host[1::2])
+    fused.perturbed_losses(theta, layout, batch, pop)  # all pairs: Gaussian directions are kept
+    kept = fused._kept_directions(pop, theta.size, pop.directions)
+    assert (kept is None) == (kind == "rademacher")
+    if kept is not None:
+        assert all(np.array_equal(kept[j], noise(theta.size, 5, 1, 7, j, kind)) for j in range(8))
 
 
 def test_one_sided_halves_the_estimates_error_at_the_same_forwards():

@@ -160,8 +160,8 @@ class Optimizer:
 
     def ask(self, theta, step: int) -> np.ndarray:
         """(2P, d) float32: rows 2k and 2k+1 are theta + eps delta_k and theta - eps delta_k, the
-        step's members (regenerated from (seed, step, k), never stored); a probe design's or
-        one-sided SPSA's members are the strategy's own (Strategy.members)."""
+        step's members (regenerated from (seed, step, k), never stored; one-sided SPSA's along
+        delta_2k and delta_2k+1); a probe design's members are the strategy's own (Strategy.members)."""
         from zosoma.engines.ops import perturbed
         pop = self.strategy.ask(0, step)
         if not self.strategy.host_members:

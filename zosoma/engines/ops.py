@@ -18,7 +18,8 @@ what it is only through the attributes below, never by its name. The interface:
     forwards   population_loss(thetas, layout, batch)           (M,) mean nats/byte of M models
                perturbed_losses(theta, layout, batch, pop, pairs)
                                         (plus, minus): losses of a Population's members, made
-                                        from their counters (dense SPSA/ES or EGGROLL low-rank)
+                                        from their counters (dense SPSA/ES, one-sided or
+                                        EGGROLL low-rank)
                nll_stream(theta, layout, tokens, targets, state)  per-byte nats, state carried
                log_probs(theta, layout, tokens, state)             next-byte log-probabilities
                models_nll(models, rows)  per-byte nats of several models, each on its own rows
@@ -92,16 +93,17 @@ class Ops:
         if type(self).population_loss is Ops.population_loss:  # the CPU forward builds its own members
             t0 = time.perf_counter()
             deltas = None
-            if pop.kind == "gaussian" and len(pairs) == pop.P and pop.P * theta.size * 4 <= _KEEP_BYTES:
-                deltas = np.empty((pop.P, theta.size), np.float32)
+            if pop.kind == "gaussian" and len(pairs) == pop.P and pop.directions * theta.size * 4 <= _KEEP_BYTES:
+                deltas = np.empty((pop.directions, theta.size), np.float32)
             plus, minus = forward.perturbed_sums(theta, layout, batch, pop.scale, pop.seed, pop.expert, pop.step,
-                                                 pop.kind, pairs, deltas)
+                                                 pop.kind, pairs, deltas, pop.onesided)
             self._kept = (pop, theta.size, deltas) if deltas is not None else None
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
             return plus, minus
         # an engine that overrides population_loss gets the members materialised, chunk by chunk
+        host = self.to_numpy(theta)
         return self.materialised_losses(theta, layout, batch, pairs, timings,
-                                        lambda chunk, out: perturbed(theta, pop, chunk, out))
+                                        lambda chunk, out: perturbed(host, pop, chunk, out))
 
     def materialised_losses(self, theta, layout: Layout, batch, pairs: range, timings: dict, build):
         """plus, minus losses of `pairs` run through population_loss on members built on the host:
@@ -172,7 +174,7 @@ class Ops:
     def _kept_directions(self, pop: Population, d: int, P: int):
         """The directions perturbed_losses kept for this population, or None (regenerate)."""
         kept = self._kept
-        return kept[2] if kept is not None and kept[0] == pop and kept[1] == d and P == pop.P else None
+        return kept[2] if kept is not None and kept[0] == pop and kept[1] == d and P == pop.directions else None
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
         """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.engines.cpu.lowrank)."""
@@ -181,15 +183,21 @@ class Ops:
 
 
 def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray | None = None) -> np.ndarray:
-    """The dense antithetic population for `pairs`: rows 2j and 2j+1 are theta + scale*delta_k
-    and theta - scale*delta_k for k = pairs[j]. Returns (2*len(pairs), d) float32."""
+    """The dense population for `pairs`: rows 2j and 2j+1 are theta + scale*delta_k and
+    theta - scale*delta_k for k = pairs[j] (one-sided: theta + scale*delta_2k and
+    theta + scale*delta_2k+1). Returns (2*len(pairs), d) float32."""
     out = np.empty((2 * len(pairs), theta.size), np.float32) if out is None else out
     k0, k1 = noise.stream_key(pop.seed)
     theta = np.ascontiguousarray(theta, np.float32)
-    none = np.empty(0, np.float32)
+    scale, code, none = np.float32(pop.scale), noise.kind_code(pop.kind), np.empty(0, np.float32)
     for j, k in enumerate(pairs):
-        noise_kernels.antithetic_pair(out[2 * j], out[2 * j + 1], theta, np.float32(pop.scale),
-                                      noise.kind_code(pop.kind), k0, k1, k, pop.step, pop.expert, none)
+        if pop.onesided:
+            for i in (0, 1):
+                noise_kernels.shifted(out[2 * j + i], theta, scale, code, k0, k1, 2 * k + i, pop.step, pop.expert,
+                                      none)
+        else:
+            noise_kernels.antithetic_pair(out[2 * j], out[2 * j + 1], theta, scale, code, k0, k1, k, pop.step,
+                                          pop.expert, none)
     return out
 
 

@@ -18,6 +18,9 @@ class Population:
         rank r >= 1 (EGGROLL):         E_k = (scale / sqrt(r)) A_k B_k^T (+ scale * e_k on vectors),
                                        factors sliced from pair k's Gaussian stream (zosoma.model.noise)
 
+    One-sided (dense only: zosoma.strategies.onesided) pair k is instead theta + scale * delta_2k
+    and theta + scale * delta_2k+1: 2P directions of their own, no antithetic twin.
+
     Engines evaluate a Population (or a range of its pairs) without storing any perturbation."""
 
     P: int  # pairs of members
@@ -27,3 +30,9 @@ class Population:
     step: int
     kind: str = "rademacher"  # dense noise: "rademacher" or "gaussian" (rank >= 1: always Gaussian)
     rank: int = 0  # 0: dense; r >= 1: EGGROLL's low-rank perturbations
+    onesided: bool = False  # pair k's members along directions 2k and 2k+1
+
+    @property
+    def directions(self) -> int:
+        """The directions the population measures, as many as the update's scalars."""
+        return 2 * self.P if self.onesided else self.P

@@ -124,7 +124,7 @@ class Strategy:
     @property
     def host_members(self) -> bool:
         """Whether this strategy's members are built on the host (members()), not regenerated from
-        the counters as antithetic pairs by the engine (a probe design's; one-sided SPSA's)."""
+        the counters by the engine (a probe design's)."""
         return self.probes is not None
 
     _kept = None  # (pop, state, U): the directions of the step in progress, for its update

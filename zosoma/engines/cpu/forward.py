@@ -36,7 +36,7 @@ instead.
 
 SPSA's population (`perturbed_sums`) is never materialised: each thread builds a pair's two
 members theta +/- scale * delta_k from the counters (zosoma.model.noise) into its own two buffers
-right before their forwards, one noise pass for both.
+right before their forwards, one noise pass for both (a one-sided pair's members, one pass each).
 
 Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=1.
 `lstm_cell_rows` and `output_rows` are public: zosoma.engines.cpu.lowrank's population forward reuses them.
@@ -452,11 +452,12 @@ def _members_sums(thetas, members, rows, offsets, E, H, L, batches, sums, ws):
 
 
 @njit(**_NOGIL)
-def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step, ks, plus, minus,
+def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step, ks, onesided, plus, minus,
                bufs, deltas, ws):
-    """plus[i], minus[i] = summed nll of theta + scale*delta_k and theta - scale*delta_k,
-    k = ks[i], both built from the counters into bufs (2, d) right before their forwards.
-    batch (B, T+1) uint8; deltas (len(ks), d) keeps each delta_k, or is empty; ws: _workspace."""
+    """plus[i], minus[i] = summed nll of theta + scale*delta_k and theta - scale*delta_k, k = ks[i]
+    (onesided: of theta + scale*delta_2k and theta + scale*delta_2k+1), both built from the
+    counters into bufs (2, d) right before their forwards. batch (B, T+1) uint8; deltas keeps
+    each direction (rows i, or 2i and 2i+1 when onesided), or is empty; ws: _workspace."""
     B, T1 = batch.shape
     T = T1 - 1
     tokens = np.ascontiguousarray(batch[:, :T])
@@ -465,9 +466,15 @@ def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step
     c = np.empty((L, B, H), np.float32)
     none2 = np.empty((0, 0), np.float32)
     none3 = np.empty((0, 0, VOCAB), np.float32)
+    none = deltas[0:0, 0]
     for i in range(ks.shape[0]):
-        delta = deltas[i] if deltas.shape[0] else deltas[0:0, 0]
-        noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)
+        if onesided:
+            for s in range(2):
+                delta = deltas[2 * i + s] if deltas.shape[0] else none
+                noise_kernels.shifted(bufs[s], theta, scale, kind, k0, k1, 2 * ks[i] + s, step, expert, delta)
+        else:
+            delta = deltas[i] if deltas.shape[0] else none
+            noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)
         for s in range(2):
             h[:] = 0.0
             c[:] = 0.0
@@ -587,12 +594,14 @@ def population_loss(thetas, layout: Layout, batch) -> np.ndarray:
 
 
 def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert: int, step: int,
-                   kind: str, pairs: range, deltas: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   kind: str, pairs: range, deltas: np.ndarray | None = None,
+                   onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Mean nats per predicted byte of the SPSA members theta + scale*delta_k ("plus") and
     theta - scale*delta_k ("minus"), delta_k = noise(seed, expert, step, k, kind), for k in
-    `pairs`; each (len(pairs),) float64. theta (d,) float32; batch (B, T+1) uint8. The members
+    `pairs`; each (len(pairs),) float64. onesided: pair k's members are theta + scale*delta_2k
+    and theta + scale*delta_2k+1 instead. theta (d,) float32; batch (B, T+1) uint8. The members
     are built from the counters inside the forward (two buffers per thread), never all at once;
-    deltas (len(pairs), d) float32, if given, receives the directions."""
+    deltas (len(pairs), d) float32 (onesided: (2 len(pairs), d)), if given, receives the directions."""
     theta = _check_theta(theta, layout, 1)
     batch = _check_batch(batch, None)[0]
     cfg = layout.config
@@ -614,11 +623,13 @@ def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert
     # small model's pair; at least 4 items per thread keep the threads evenly loaded
     per_item = max(1, min(_PAIRS_PER_ITEM, ks.size // (4 * threads.n_threads())))
 
+    rows = 2 if onesided else 1  # rows of deltas per pair
+
     def work(item, state):
         i, j = item * per_item, min(ks.size, (item + 1) * per_item)
         _pair_sums(theta, offsets, cfg.embed, cfg.hidden, cfg.layers, batch, np.float32(scale), code, k0, k1,
-                   expert, step, ks[i:j], plus[i:j], minus[i:j], state[0],
-                   kept[i:j] if kept.shape[0] else kept, state[1])
+                   expert, step, ks[i:j], onesided, plus[i:j], minus[i:j], state[0],
+                   kept[rows * i:rows * j] if kept.shape[0] else kept, state[1])
 
     threads.run_items(work, -(-ks.size // per_item), buffers)
     return plus / (B * T), minus / (B * T)

@@ -259,11 +259,12 @@ def population_nll(thetas, layout: Layout, tokens, targets,
 
 
 def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, expert: int, step: int,
-                kind: str, workspace_bytes: int = WORKSPACE_BYTES, pairs: range | None = None):
+                kind: str, workspace_bytes: int = WORKSPACE_BYTES, pairs: range | None = None,
+                onesided: bool = False):
     """L(theta + eps*delta_k) and L(theta - eps*delta_k) for k in `pairs` (default range(P)) on one
-    shared batch (B, T+1), as Ops.perturbed_losses: the perturbed population is built on the
-    device, chunk by chunk, and never leaves it. Returns (plus, minus), each (len(pairs),)
-    float64 NumPy."""
+    shared batch (B, T+1) (onesided: L(theta + eps*delta_2k) and L(theta + eps*delta_2k+1)), as
+    Ops.perturbed_losses: the perturbed population is built on the device, chunk by chunk, and
+    never leaves it. Returns (plus, minus), each (len(pairs),) float64 NumPy."""
     theta = _check_thetas(theta, layout, 1)
     batch = _check_bytes(batch, "batch", 2)
     pairs = range(P) if pairs is None else pairs
@@ -273,8 +274,8 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
     for start in range(pairs.start, pairs.stop, size):
         chunk = range(start, min(pairs.stop, start + size))
-        losses = population_loss(perturbed(theta, eps, chunk, seed, expert, step, kind), layout, batch,
-                                 workspace_bytes)
+        losses = population_loss(perturbed(theta, eps, chunk, seed, expert, step, kind, onesided=onesided), layout,
+                                 batch, workspace_bytes)
         at = slice(chunk.start - pairs.start, chunk.stop - pairs.start)
         plus[at], minus[at] = losses[0::2], losses[1::2]
     return plus, minus

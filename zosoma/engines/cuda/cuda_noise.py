@@ -58,16 +58,19 @@ def _member_range(members) -> tuple[int, int]:
 
 
 def perturbed(theta, eps: float, members: range, seed: int, expert: int, step: int, kind: str,
-              out=None):
-    """The antithetic population for directions `members`, as zosoma.engines.ops.perturbed: rows 2j and
-    2j+1 are theta + eps*delta_k and theta - eps*delta_k for k = members[j]. theta (d,); returns
-    a device (2*len(members), d) float32 array (out, when given)."""
+              out=None, onesided: bool = False):
+    """The population of pairs `members`, as zosoma.engines.ops.perturbed: rows 2j and 2j+1 are
+    theta + eps*delta_k and theta - eps*delta_k for k = members[j] (onesided: theta + eps*delta_2k
+    and theta + eps*delta_2k+1, the perturb kernel's plain rows over directions 2k, 2k+1, ...).
+    theta (d,); returns a device (2*len(members), d) float32 array (out, when given)."""
     theta = to_device(theta)
     d = theta.size
     member0, count = _member_range(members)
     code = kind_code(kind)
     out = runtime().xp.empty((2 * count, d), np.float32) if out is None else check_out(out, (2 * count, d))
-    if count:
+    if count and onesided:
+        perturb(out, theta, eps, 0, seed, expert, step, 2 * member0, 2 * count, False, code)
+    elif count:
         perturb(out, theta, eps, 0, seed, expert, step, member0, count, True, code)
     return out
 

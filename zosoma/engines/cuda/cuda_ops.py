@@ -72,7 +72,7 @@ class CudaOps(Ops):
             result = losses[0::2], losses[1::2]
         else:
             result = spsa_losses(theta, layout, batch, pop.P, pop.scale, pop.seed, pop.expert, pop.step,
-                                 pop.kind, pairs=pairs)
+                                 pop.kind, pairs=pairs, onesided=pop.onesided)
         if timings is not None:  # noise is made inside the device population: all of it is forward
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
         return result

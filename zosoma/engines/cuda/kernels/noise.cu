@@ -102,7 +102,7 @@ extern "C" __global__ void philox_blocks(const unsigned int* counters, unsigned 
 }
 
 // Perturbed copies of base. CPU: zosoma.model.noise.add_noise (members = 1, antithetic = 0) and
-// zosoma.engines.ops.perturbed (antithetic = 1).
+// zosoma.engines.ops.perturbed (antithetic = 1; a one-sided population: antithetic = 0, 2P rows).
 //   out   (rows, n): antithetic: rows 2j, 2j+1 = base +/- scale * delta_{member0 + j}
 //                    else:       row j        = base + scale * delta_{member0 + j}
 //   base  (n,); may alias out when there is a single row (in-place update)
