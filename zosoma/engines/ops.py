@@ -193,8 +193,8 @@ def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray 
     for j, k in enumerate(pairs):
         if pop.onesided:
             for i in (0, 1):
-                noise_kernels.shifted(out[2 * j + i], theta, scale, code, k0, k1, 2 * k + i, pop.step, pop.expert,
-                                      none)
+                noise_kernels.antithetic_pair(out[2 * j + i], none, theta, scale, code, k0, k1, 2 * k + i, pop.step,
+                                              pop.expert, none)
         else:
             noise_kernels.antithetic_pair(out[2 * j], out[2 * j + 1], theta, scale, code, k0, k1, k, pop.step,
                                           pop.expert, none)

@@ -471,7 +471,8 @@ def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step
         if onesided:
             for s in range(2):
                 delta = deltas[2 * i + s] if deltas.shape[0] else none
-                noise_kernels.shifted(bufs[s], theta, scale, kind, k0, k1, 2 * ks[i] + s, step, expert, delta)
+                noise_kernels.antithetic_pair(bufs[s], none, theta, scale, kind, k0, k1, 2 * ks[i] + s, step, expert,
+                                              delta)
         else:
             delta = deltas[i] if deltas.shape[0] else none
             noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)

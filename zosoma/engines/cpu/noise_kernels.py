@@ -2,7 +2,7 @@
 
 The same numbers as zosoma.model.noise.add_noise (the specification and its reference
 generator), float32 op for op: `antithetic_pair` builds both members of a pair from one
-generation (`shifted` one member of a one-sided pair); `weighted_sum` / `apply_weighted_sum` regenerate SPSA's P directions block by block in
+generation (or one member of a one-sided pair); `weighted_sum` / `apply_weighted_sum` regenerate SPSA's P directions block by block in
 one pass over the parameters (the update), split over threads (zosoma.engines.cpu.threads).
 """
 
@@ -68,11 +68,13 @@ def _signed_block(pairs, w2, block, k0, k1, member, step, expert):
 def antithetic_pair(plus, minus, base, scale, kind, k0, k1, member, step, expert, delta):
     """plus = base + scale * delta and minus = base - scale * delta, delta = the noise of
     (member, step, expert) under key (k0, k1) and kind code `kind`, from one generation; all
-    float32 (d,), scale float32. The same numbers as add_noise with +scale and -scale. delta:
-    (d,) to keep the direction in, or empty."""
+    float32 (d,), scale float32. The same numbers as add_noise with +scale and -scale. minus
+    empty: plus alone (a one-sided population's member). delta: (d,) to keep the direction in,
+    or empty."""
     n = base.shape[0]
     s = np.float32(scale)
     ns = -s
+    both = minus.shape[0] > 0
     keep = delta.shape[0] > 0
     values = np.empty(_BLOCK, np.float32)
     for b in range((n + _BLOCK - 1) // _BLOCK):
@@ -80,24 +82,8 @@ def antithetic_pair(plus, minus, base, scale, kind, k0, k1, member, step, expert
         j0 = b * _BLOCK
         for i in range(min(_BLOCK, n - j0)):
             plus[j0 + i] = base[j0 + i] + s * values[i]
-            minus[j0 + i] = base[j0 + i] + ns * values[i]
-            if keep:
-                delta[j0 + i] = values[i]
-
-
-@_jit
-def shifted(out, base, scale, kind, k0, k1, member, step, expert, delta):
-    """out = base + scale * delta, one member of a one-sided population (antithetic_pair's plus
-    alone: the same numbers as add_noise); delta: (d,) to keep the direction in, or empty."""
-    n = base.shape[0]
-    s = np.float32(scale)
-    keep = delta.shape[0] > 0
-    values = np.empty(_BLOCK, np.float32)
-    for b in range((n + _BLOCK - 1) // _BLOCK):
-        _block_values(values, kind, b, k0, k1, member, step, expert)
-        j0 = b * _BLOCK
-        for i in range(min(_BLOCK, n - j0)):
-            out[j0 + i] = base[j0 + i] + s * values[i]
+            if both:
+                minus[j0 + i] = base[j0 + i] + ns * values[i]
             if keep:
                 delta[j0 + i] = values[i]
 
