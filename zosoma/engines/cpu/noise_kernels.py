@@ -2,8 +2,9 @@
 
 The same numbers as zosoma.model.noise.add_noise (the specification and its reference
 generator), float32 op for op: `antithetic_pair` builds both members of a pair from one
-generation (or one member of a one-sided pair); `weighted_sum` / `apply_weighted_sum` regenerate SPSA's P directions block by block in
-one pass over the parameters (the update), split over threads (zosoma.engines.cpu.threads).
+generation (or one member of a one-sided pair); `weighted_sum` / `apply_weighted_sum` regenerate
+SPSA's P directions block by block in one pass over the parameters (the update), split over
+threads (zosoma.engines.cpu.threads).
 """
 
 from __future__ import annotations
