@@ -114,7 +114,7 @@ class Strategy:
 
     def builder(self, theta: np.ndarray, layout: Layout, pop: Population, state: dict, timings: dict | None = None):
         """build(chunk, out): fills out's rows 2j, 2j+1 with the host-built members of pair chunk[j]
-        (here a probe design's theta +/- eps U_k; `timings` gets the directions' "noise" seconds)."""
+        (a probe design's theta +/- eps U_k; `timings` gets the directions' "noise" seconds)."""
         t0 = time.perf_counter()
         U = self.directions(pop, layout, theta.size, state)
         if timings is not None:
