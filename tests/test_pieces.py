@@ -61,7 +61,7 @@ def test_orthogonal_probes_are_orthogonal_of_norm_sqrt_d_and_fixed_by_the_seed()
 
 
 def test_a_probe_designs_members_are_antithetic_pairs_along_its_directions():
-    opt = Optimizer(40, probes="orthogonal", perturbations=4, eps=0.01)
+    opt = Optimizer(40, optimizer="sgd", probes="orthogonal", perturbations=4, eps=0.01)
     theta = np.linspace(-1, 1, 40).astype(np.float32)
     members = opt.ask(theta, step=2)
     U = opt.strategy.probes.directions(opt.strategy.ask(0, 2), None, 40, opt.state)
@@ -83,7 +83,7 @@ def test_guided_probes_mix_the_last_update_in_and_keep_it_as_state():
     assert np.array_equal(U, directions("guided", P, d, state={"guide": guide}))  # fixed by the counters
     assert not np.allclose(c, directions("guided", P, d, step=4, state={"guide": guide}).astype(np.float64) @ u)
     # the state after a step is the direction it stepped along
-    opt = Optimizer(d, probes="guided", perturbations=P, eps=0.01, lr=0.1, warmup=0, schedule="constant",
+    opt = Optimizer(d, optimizer="sgd", probes="guided", perturbations=P, eps=0.01, lr=0.1, warmup=0, schedule="constant",
                     shaping="none")
     theta = np.zeros(d, np.float32)
     losses = np.random.default_rng(1).standard_normal(2 * P)
@@ -124,7 +124,7 @@ def test_block_probes_need_a_pair_per_block_and_a_models_layout():
     with pytest.raises(ConfigError, match="at least one pair per block"):
         make_strategy(TrainConfig(probes="blocks", perturbations=2)).check(Layout(MODEL))
     with pytest.raises(ConfigError, match="needs an LSTM's layout"):
-        Optimizer(10, probes="blocks")
+        Optimizer(10, optimizer="sgd", probes="blocks")
 
 
 def test_the_doubling_schedule_keeps_the_forward_budget():
@@ -238,7 +238,7 @@ def test_one_sided_halves_the_estimates_error_at_the_same_forwards():
 def test_a_chained_transform_is_the_built_in_rule_bit_for_bit(rule):
     theta = np.linspace(-1, 1, 64).astype(np.float32)
     built_in, chained = (Optimizer(64, optimizer=rule, perturbations=4, lr=0.01),
-                         Optimizer(64, transforms=[rule], perturbations=4, lr=0.01))
+                         Optimizer(64, optimizer="sgd", transforms=[rule], perturbations=4, lr=0.01))
     a = b = theta
     for step in range(4):
         losses = np.cos(np.arange(8) + step)
@@ -267,9 +267,9 @@ def test_pieces_are_refused_where_they_cannot_work():
         resolve(None, {"optimizer": "es", "beta2": 0.9})  # ES reads it only through --transforms adam
     assert resolve(None, {"optimizer": "es", "transforms": "adam", "beta2": 0.9})[1].transforms == ("adam",)
     with pytest.raises(ConfigError, match="would share a moment"):
-        resolve(None, {"transforms": ["momentum", "adam"]})
+        resolve(None, {"optimizer": "sgd", "transforms": ["momentum", "adam"]})
     with pytest.raises(ConfigError, match="probes must be one of iid, orthogonal, guided, blocks"):
-        resolve(None, {"probes": "sobol"})
+        resolve(None, {"optimizer": "sgd", "probes": "sobol"})
     with pytest.raises(ConfigError, match="not sharded over --population-workers"):
         check_shardable(TrainConfig(queries="doubling"), 2)
     with pytest.raises(ConfigError, match="--probes is not used by --optimizer onesided"):
@@ -278,10 +278,23 @@ def test_pieces_are_refused_where_they_cannot_work():
     assert "--probes is not used by --optimizer eggroll" in error
 
 
-def test_the_papers_estimator_is_the_default_and_available_by_name():
+def test_the_papers_estimator_is_trainconfigs_default_and_available_by_name():
     cfg = TrainConfig()
-    assert (cfg.probes, cfg.queries, cfg.transforms) == ("iid", "constant", ())
-    named = resolve(None, {"probes": "iid", "queries": "constant"})[1]
-    assert named == resolve(None, {})[1]
+    assert (cfg.optimizer, cfg.lr, cfg.steps, cfg.probes, cfg.queries, cfg.transforms) == (
+        "sgd", 0.15, 4000, "iid", "constant", ())
+    named = resolve(None, {"optimizer": "sgd", "probes": "iid", "queries": "constant"})[1]
+    assert named == resolve(None, {"optimizer": "sgd"})[1] == cfg
     strategy = make_strategy(named)
     assert strategy.probes is None and not strategy.transforms  # the engine's fused step
+
+
+def test_a_run_that_names_no_optimizer_trains_with_one_sided_spsa_at_sqrt2_the_presets_rate():
+    for preset, rate in (("tiny", 0.15), ("small", 0.008), ("paper", 0.003)):
+        model, cfg = resolve(preset)
+        assert (cfg.optimizer, cfg.lr, cfg.steps) == ("onesided", rate * 1.4142, 3540)
+        assert resolve(preset, {"optimizer": "onesided"}) == (model, cfg)
+        assert resolve(preset, {"optimizer": "sgd"})[1].lr == rate  # the paper's, at the preset's own
+    assert resolve("tiny")[1].lr == 0.3 * 0.7071  # the rate results/default-run tuned, bit for bit
+    assert resolve("tiny", {"lr": 0.1, "steps": 7})[1].lr == 0.1  # given values win
+    assert resolve("tiny", {"optimizer": "es"})[1].lr == 0.005  # a strategy's own rate stays its own
+    assert resolve("tiny", loss="summed")[1].optimizer == "sgd"  # the ablation's scalars must add up

@@ -140,9 +140,10 @@ class Run:
 
 class Optimizer:
     """A zosoma strategy's ask/tell on your own loss over a flat float32 vector of d parameters:
-    the same estimator, shaping and update rule as training (optimizer sgd, momentum, adam or es;
-    EGGROLL's perturbations need an LSTM's matrices). Options: TrainConfig fields (perturbations,
-    eps, lr, schedule, warmup, steps (the schedule's length), shaping, seed, ...)."""
+    the same estimator, shaping and update rule as training (by default one-sided SPSA, as
+    `zosoma train`; optimizer sgd, the paper's, momentum, adam or es; EGGROLL's perturbations need
+    an LSTM's matrices). Options: TrainConfig fields (perturbations, eps, lr, schedule, warmup,
+    steps (the schedule's length), shaping, seed, ...), resolved as a run's."""
 
     def __init__(self, d: int, **options):
         from zosoma.engines.ops import Ops

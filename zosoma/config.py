@@ -71,9 +71,10 @@ class TrainConfig:
     noise: str = "rademacher"  # "rademacher" or "gaussian"
     # The strategy (zosoma.strategies): "sgd", "momentum", "adam" (SPSA with ZO-SGD, ZO-momentum,
     # ZO-Adam), "eggroll" (low-rank ES), "es" (OpenAI-ES) or "onesided" (SPSA's forward differences,
-    # 2P directions a step). ZO-SGD is the default, as in MeZO:
-    # ZO-Adam's per-coordinate normalisation amplifies the estimate's noise in the many coordinates
-    # whose true gradient is small, and learned far slower here.
+    # 2P directions a step). These fields' defaults are the paper's estimator, ZO-SGD as in MeZO
+    # (ZO-Adam's per-coordinate normalisation amplifies the estimate's noise in the many coordinates
+    # whose true gradient is small, and learned far slower here); a run that names no optimizer
+    # trains one-sided SPSA (zosoma.strategies.settings.DEFAULT_OPTIMIZER).
     optimizer: str = "sgd"
     rank: int = 1  # EGGROLL's r
     # The estimate's norm grows like sqrt(d / P), so the largest stable rate falls roughly like 1/d:

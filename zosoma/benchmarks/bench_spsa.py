@@ -91,7 +91,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     T = seq_len or defaults["seq_len"]
     shape = {k: v for k, v in (("embed", embed), ("hidden", hidden), ("layers", layers)) if v is not None}
     model, cfg = resolve(preset, {"perturbations": P, "batch": B, "seq_len": T, "steps": 2 * steps + 1, "noise": noise,
-                                  "seed": seed, "checkpoint_every": 10**9, **shape})
+                                  "seed": seed, "checkpoint_every": 10**9, "optimizer": "sgd", **shape})  # as the peers
     sampler = BatchSampler(load_corpus(None, "train"), T + 1)
     n_threads = threads.n_threads()
     per_step, in_forward = [], []

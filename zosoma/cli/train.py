@@ -8,16 +8,17 @@ from zosoma.cli import render
 from zosoma.cli.options import (Checked, check_executor_options, device_ops, device_option, executor_options, given,
                                 nonneg, nonneg_float, positive, positive_float, usage_errors)
 from zosoma.cli.stop import StopRequest
-from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS, TrainConfig
+from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS
 from zosoma.errors import ClusterLost
 from zosoma.model.protocol import PROTOCOL
 from zosoma.strategies import STRATEGIES
 from zosoma.strategies.probes import PROBES
 from zosoma.strategies.queries import QUERIES
+from zosoma.strategies.settings import resolve
 from zosoma.strategies.shaping import SHAPINGS as SHAPING_NAMES
 from zosoma.strategies.transforms import TRANSFORMS
 
-_TC = TrainConfig()  # defaults shown in --help
+_TC = resolve("tiny")[1]  # defaults shown in --help: the default run's
 
 
 @click.command()
@@ -35,15 +36,15 @@ _TC = TrainConfig()  # defaults shown in --help
 @click.option("--embed", type=int, callback=positive, help="E: embedding width.")
 @click.option("--hidden", type=int, callback=positive, help="H: LSTM hidden width.")
 @click.option("--layers", type=int, callback=positive, help="L: LSTM layers.")
-@click.option("--steps", type=Checked(), help=f"Optimizer steps.  [default: {_TC.steps}]")
+@click.option("--steps", type=Checked(), help=f"Optimizer steps (4000; onesided's default 3540, at equal wall).  [default: {_TC.steps}]")
 @click.option("--batch", type=int, callback=positive, help=f"B: sequences per minibatch.  [default: {_TC.batch}]")
 @click.option("--seq-len", type=int, callback=positive, help=f"T: predicted bytes per sequence.  [default: {_TC.seq_len}]")
 @click.option("--perturbations", "-P", type=int, callback=positive, help=f"P: SPSA directions per step.  [default: {_TC.perturbations}]")
 @click.option("--eps", type=float, callback=positive_float, help=f"Perturbation scale (SPSA eps, EGGROLL sigma).  [default: {_TC.eps}]")
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), help=f"Perturbation distribution.  [default: {_TC.noise}]")
-@click.option("--optimizer", type=click.Choice(list(STRATEGIES)), help=f"Strategy: SPSA with update rule sgd, momentum or adam; eggroll (low-rank ES); es (OpenAI-ES); onesided (SPSA with forward differences: 2P directions per step).  [default: {_TC.optimizer}]")
+@click.option("--optimizer", type=click.Choice(list(STRATEGIES)), help=f"Strategy: onesided (SPSA with forward differences: 2P directions per step; by default at 1.4142 times the preset's rate and 3,540 steps); SPSA with update rule sgd (the paper's estimator), momentum or adam; eggroll (low-rank ES); es (OpenAI-ES).  [default: {_TC.optimizer}]")
 @click.option("--rank", type=int, callback=positive, help=f"EGGROLL's perturbation rank r.  [default: {_TC.rank}]")
-@click.option("--lr", type=float, callback=positive_float, help=f"Peak learning rate.  [default: {_TC.lr}]")
+@click.option("--lr", type=float, callback=positive_float, help=f"Peak learning rate (the preset's; 1.4142 times it for onesided, es its own).  [default: {_TC.lr}]")
 @click.option("--schedule", type=click.Choice(["constant", "cosine"]), help=f"Learning-rate schedule after warm-up.  [default: {_TC.schedule}]")
 @click.option("--warmup", type=int, callback=nonneg, help=f"Linear warm-up steps.  [default: {_TC.warmup}]")
 @click.option("--momentum", type=float, help=f"Momentum / Adam beta1.  [default: {_TC.momentum}]")

@@ -19,7 +19,8 @@ A comparison is a TOML file (the shipped ones are in zosoma/experiments/configs/
     name = "SOMA N=2, P=64"
     experts = 2                                # default 1: one monolithic model
     model = {embed = 32, hidden = 64, layers = 1}
-    train = {perturbations = 64, lr = 0.15}    # the method's own TrainConfig fields
+    train = {perturbations = 64, lr = 0.15}    # the method's own TrainConfig fields (no optimizer:
+                                               # the paper's SPSA, ESTIMATOR)
     steps = 4000                               # optional: its own steps, not the budget's
     seeds = [0]                                # optional: some of the seeds only
 
@@ -202,6 +203,10 @@ def _known(table, keys: set, where: str) -> dict:
     return table
 
 
+# A zero-order method that names no optimizer trains with the paper's estimator (SPSA, ZO-SGD, at
+# TrainConfig's defaults), which every shipped comparison measures; `zosoma train`'s default,
+# one-sided SPSA, is a method of its own here (optimizer = "onesided").
+ESTIMATOR = "sgd"
 _SET_BY_COMPARISON = ("steps", "seed", "checkpoint_every")  # the budget, the run and resumability set these
 _TRAIN_KEYS = TRAIN_KEYS - set(_SET_BY_COMPARISON)
 
@@ -257,7 +262,8 @@ def _method(raw: dict, shared: dict, where: str, budget: float | None = None, st
             model = resolve(None, {k: v for k, v in given.items() if k in MODEL_KEYS})[0]
             train_cfg = resolve_backprop(model, {k: v for k, v in given.items() if k not in MODEL_KEYS}, shared)
         else:
-            model, train_cfg = resolve(None, given, shared, loss=str(raw.get("loss", "independent")))
+            model, train_cfg = resolve(None, given, {"optimizer": ESTIMATOR, **shared},
+                                       loss=str(raw.get("loss", "independent")))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     method = Method(str(raw["name"]), model, train_cfg, _int(raw.get("experts", 1), f"{where}: experts"),

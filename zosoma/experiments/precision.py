@@ -96,8 +96,9 @@ class Job:
         model, cfg = resolve(PRESET, {"steps": self.steps, "eps": self.eps, "seed": self.seed,
                                       "forward_precision": self.fmt, "checkpoint_every": min(500, self.steps),
                                       # a run the format makes diverge is a result: train it to the end
-                                      # and record the guard's verdict; plain SPSA, as the study ran
-                                      "on_divergence": "continue", "shaping": ()})
+                                      # and record the guard's verdict; the paper's plain SPSA, as
+                                      # the study ran
+                                      "on_divergence": "continue", "optimizer": "sgd", "shaping": ()})
         return Spec(model, cfg, self.experts, top_k=TOP_K)
 
     def expected(self) -> dict:

@@ -1,5 +1,6 @@
-"""The porting kit's whole-run stages: zosoma's default run, shortened, trained on the shipped corpus
-and scored by the evaluation protocol (`run`), and one SOMA evaluation from given experts (`routed`).
+"""The porting kit's whole-run stages: the paper estimator's run (`zosoma train --optimizer sgd`),
+shortened, trained on the shipped corpus and scored by the evaluation protocol (`run`), and one
+SOMA evaluation from given experts (`routed`).
 PORTING.md ("A whole run") is the specification they serve.
 
 The `run` stage's reference figures come from training the run with zosoma (a minute on two
@@ -29,14 +30,15 @@ from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Evaluated
 from zosoma.training.single import start_run
 
-RUN_STEPS = 300  # the default run, shortened: the cosine laid out over these steps
+RUN_STEPS = 300  # the paper estimator's run, shortened: the cosine laid out over these steps
 REFERENCE = Path(__file__).with_name("run_reference.json")
 # The tolerances, from zosoma's own two engines (Numba, ONNX Runtime): see the stage's "why"
 LOSS_ATOL, HELDOUT_ATOL = 2e-3, 0.006
 
 
 def run_config() -> tuple[ModelConfig, TrainConfig]:
-    """The run stage's run: zosoma train's defaults (the tiny preset) with RUN_STEPS steps."""
+    """The run stage's run: the paper's estimator at the tiny preset (`zosoma train --optimizer
+    sgd`, TrainConfig's defaults) with RUN_STEPS steps."""
     return PRESETS["tiny"][0], TrainConfig(steps=RUN_STEPS)
 
 
@@ -76,7 +78,7 @@ def run_stage() -> Stage:
               "sha256": (_sha256s(), "the corpus files' sha256 (uncompressed): train, then held-out, manifest order")}
     why_loss = (f"zosoma's Numba and ONNX Runtime engines on this run differ by at most {stored['spread']['losses']:.1e} "
                 "(seeds 0-4, results/porting-run.txt): float32 summation orders")
-    why_heldout = (f"the two engines' largest held-out gap over the full default run, seeds 0-4 (0.006, "
+    why_heldout = (f"the two engines' largest held-out gap over the full run, seeds 0-4 (0.006, "
                    f"results/engine-agreement-robust.txt); on this run {stored['spread']['heldout']:.1e}")
     outputs = {
         "losses": Out(np.array(stored["losses"]), "run_losses", tuple(inputs) + ("the shipped corpus",),
@@ -91,7 +93,7 @@ def run_stage() -> Stage:
     misreadings = {"losses": [("trained without shaping (zosoma's default is normalize)", np.array(unshaped["losses"]))],
                    "heldout": [("trained without shaping (zosoma's default is normalize)",
                                 np.float64(unshaped["heldout"]))]}
-    return Stage("run", f"zosoma train's default run shortened to {cfg.steps} steps on the shipped corpus: every "
+    return Stage("run", f"the paper estimator's run (zosoma train --optimizer sgd) shortened to {cfg.steps} steps on the shipped corpus: every "
                         "step's loss and the held-out nats/byte by the evaluation protocol", inputs, outputs,
                  settings=settings, misreadings=misreadings, tol=tol)
 

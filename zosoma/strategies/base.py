@@ -63,6 +63,7 @@ class Strategy:
     name = ""
     options: frozenset = frozenset()  # TrainConfig fields read beyond COMMON
     defaults: dict = {}  # TrainConfig values this strategy suggests when the user gives none
+    rate_factor: float = 1.0  # its default rate over the preset's (which is tuned for SPSA)
     builtin: tuple = ()  # update transforms (zosoma.strategies.transforms) the strategy always applies
     # why its scalars do not add up across experts (the summed-loss ablation refuses it); None: they do
     not_summable: str | None = "shapes fitness instead"

@@ -36,6 +36,13 @@ class OneSided(SPSA):
     name = "onesided"
     options = SPSA.options - {"probes"}  # its directions are its own
     not_summable = "measures one-sided differences"  # against each expert's own mean
+    # sqrt(2) times SPSA's rate (four places, the grid it was tuned on): under normalize shaping
+    # the same step length as SPSA's at its rate, and the validation optimum of the default run
+    # and of `--experts 4` (results/default-run, results/default-run-soma4; twice was best on one
+    # smaller expert trained 4x longer, results/cut-price-step). 3,540 steps: 4,000 at equal
+    # wall, a step costing up to 1.13x SPSA's (results/piece-cost.txt, the tiny preset's shape).
+    rate_factor = 1.4142
+    defaults = {"steps": 3540}
 
     def ask(self, expert: int, step: int) -> Population:
         return dataclasses.replace(super().ask(expert, step), onesided=True)
