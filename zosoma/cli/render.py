@@ -127,7 +127,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
             stop.resume = f"zosoma train --resume {run_dir}"
             who = f"{n} experts x " if n > 1 else ""
             click.echo(f"run {r.run_dir}: {who}{r.n_params:,} parameters (E={m.embed} H={m.hidden} L={m.layers}), "
-                       f"--optimizer {t.optimizer} P={t.perturbations} eps={t.eps} lr={t.lr}, "
+                       f"--optimizer {t.optimizer} P={t.perturbations} eps={t.eps} lr={t.lr:.6g}, "
                        f"B={t.batch} T={t.seq_len}, {t.steps} steps, seed {t.seed}"
                        + (f", shaping {'+'.join(t.shaping)}" if t.shaping else "")
                        + "".join(f", {name} {value}" for name, value in (
