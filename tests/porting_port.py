@@ -132,6 +132,19 @@ def port_spsa(kit, layout):
     return {"plus": plus, "minus": minus, "scalars": scalars, "theta_new": theta_new}
 
 
+
+def port_onesided(kit, layout):
+    """The default strategy's own pieces: the engine's one-sided members, OneSided.coefficients and
+    the fused update over the 2P directions."""
+    f = load(kit, "onesided_step")
+    pop = dataclasses.replace(_pop(f, scale=f["eps"]), onesided=True)
+    plus, minus = Ops().perturbed_losses(f["theta"], layout, f["batch"], pop)
+    strategy = make_strategy(TrainConfig(optimizer="onesided", eps=float(f["eps"])))
+    scalars, loss = strategy.coefficients(plus, minus)
+    theta_new = Ops().sgd_update(f["theta"], f["scalars"], pop, float(f["lr"]))  # from the kit's scalars
+    return {"losses": np.stack([plus, minus], axis=1).ravel(), "loss": np.float64(loss), "scalars": scalars,
+            "theta_new": theta_new}
+
 def port_momentum(kit, layout):
     f = load(kit, "momentum")
     cfg = TrainConfig(optimizer="momentum", momentum=float(f["momentum"]), weight_decay=float(f["weight_decay"]))
@@ -456,7 +469,8 @@ def zosoma_port(kit: Path, port: Path) -> dict:
     layout = Layout(cfg)
     stages = {"forward": port_forward(kit, layout, cfg), "losses": port_losses(kit, layout), "noise": port_noise(kit),
               "init": port_init(kit), "batches": port_batches(kit), "schedule": port_schedule(kit),
-              "spsa_step": port_spsa(kit, layout), "momentum": port_momentum(kit, layout),
+              "spsa_step": port_spsa(kit, layout), "onesided_step": port_onesided(kit, layout),
+              "momentum": port_momentum(kit, layout),
               "adam": port_adam(kit, layout), "es": port_es(kit, layout), "eggroll": port_eggroll(kit, layout),
               "train": port_train(kit, layout), "train_normalize": port_train(kit, layout, stage="train_normalize"),
               "shaping": port_shaping(kit), "restart": port_restart(kit),

@@ -155,6 +155,25 @@ def wrong_scheduled_lr(kit, good, layout):
     return dict(good["spsa_step"], theta_new=Ops().sgd_update(f["theta"], f["scalars"], pop, lr))
 
 
+
+def wrong_onesided_pairs(kit, good, layout):
+    f = load(kit, "onesided_step")
+    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]))  # antithetic
+    plus, minus = Ops().perturbed_losses(f["theta"], layout, f["batch"], pop)
+    return dict(good["onesided_step"], losses=np.stack([plus, minus], axis=1).ravel())
+
+
+def wrong_onesided_two_eps(kit, good, layout):
+    f = load(kit, "onesided_step")
+    return dict(good["onesided_step"], scalars=(f["losses"] - f["losses"].mean()) / (2 * float(f["eps"])))
+
+
+def wrong_onesided_over_p(kit, good, layout):
+    f = load(kit, "onesided_step")
+    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]), onesided=True)
+    # noise_sum divides by len(coeffs) = 2P: twice the coefficients give the 1/P reading
+    return dict(good["onesided_step"], theta_new=Ops().sgd_update(f["theta"], 2 * f["scalars"], pop, float(f["lr"])))
+
 def wrong_own_scalars(kit, good, layout):
     f = load(kit, "spsa_step")
     pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]))
@@ -432,6 +451,9 @@ WRONG = [  # (stage, output, the wrong port, what the checker should say it look
     ("noise", "philox", wrong_counter_layout, "counter (block, step, member, expert)"),
     ("spsa_step", "theta_new", wrong_scheduled_lr, "lr scheduled again"),
     ("spsa_step", "theta_new", wrong_own_scalars, "the port's own scalars"),
+    ("onesided_step", "losses", wrong_onesided_pairs, "antithetic pairs"),
+    ("onesided_step", "scalars", wrong_onesided_two_eps, "divided by 2 eps"),
+    ("onesided_step", "theta_new", wrong_onesided_over_p, "1/P instead of 1/(2P)"),
     ("train", "theta_final", wrong_unscheduled_train, "lr not scheduled"),
     ("train", "theta_final", wrong_skip_counter, "does not advance the step counter"),
     ("schedule", "rates", wrong_cosine_end, "cosine reaching 0 at the last step"),

@@ -44,9 +44,9 @@ MISREADINGS = "misreadings.npz"
 SAMPLE = 4096  # a misreading of a larger output is stored (and compared) at every stride-th value
 
 # The stages in the order a port is best written in; each one's file is <name>.npz.
-STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "momentum", "adam", "es",
-          "eggroll", "train", "train_normalize", "shaping", "restart", "router", "routed", "bf16", "fp16", "int8",
-          "run")
+STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "onesided_step", "momentum",
+          "adam", "es", "eggroll", "train", "train_normalize", "shaping", "restart", "router", "routed", "bf16",
+          "fp16", "int8", "run")
 
 
 def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
@@ -77,6 +77,8 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
         "routed": kit_run.routed_stage(seed),  # the whole-run stages (kit_run)
         "run": kit_run.run_stage(),
     })
+    # its own generator, so that adding it left every other stage's vectors as they were
+    built["onesided_step"] = kit_training.onesided_stage(theta, layout, np.random.default_rng([seed, 0x9019]))
     return [built[name] for name in STAGES]
 
 

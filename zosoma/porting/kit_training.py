@@ -221,6 +221,52 @@ def spsa_stage(theta, layout: Layout, rng) -> Stage:
                  misreadings=misreadings)
 
 
+
+ONESIDED_SCALARS = (4e-2, 1e-5, "(L_j - Lbar) / eps: the losses' atol 2e-5 on L_j and on their mean, over eps = 1e-3")
+
+
+def onesided_stage(theta, layout: Layout, rng) -> Stage:
+    """One step of one-sided SPSA (zosoma's default estimator): losses of theta + eps delta_j for
+    the 2P directions j (float64 reference), their mean, the scalars g_j = (L_j - mean) / eps and
+    theta_new = theta - lr (1/(2P)) sum_j g_j delta_j."""
+    P, eps, lr, seed, expert, step = 4, 1e-3, 0.21213, 2**33 + 11, 2, 5
+    batch = rng.integers(0, VOCAB, (2, 17), dtype=np.uint8)
+    deltas = _directions(layout.size, 2 * P, seed, expert, step, "rademacher")
+    base = theta.astype(np.float32)
+
+    def member(d, sign=1):
+        return (base + sign * np.float32(eps) * d.astype(np.float32)).astype(np.float64)
+
+    losses = _losses(layout, batch, [member(d) for d in deltas])
+    scalars = (losses - losses.mean()) / eps
+    theta_new = theta.astype(np.float64) - lr * (scalars @ deltas) / (2 * P)
+    inputs = {"theta": (theta, "(d,) float32"), "batch": (batch, "(B, T+1) uint8"),
+              "P": (np.int64(P), "pairs: 2P members, each along a direction of its own"),
+              "eps": (np.float64(eps), "the perturbation scale"), "lr": (np.float64(lr), SCHEDULED),
+              **_counters(seed, expert, step)}
+    counters = ("theta", "batch", "eps", "seed", "expert", "step")
+    outputs = {
+        "losses": Out(losses, "loss", counters,
+                      "(2P,) in direction order: member j is theta + eps delta_j, delta_j the Rademacher noise "
+                      "of member j = 0..2P-1 at (seed, expert, step), a fresh float32 copy; no minus sign"),
+        "loss": Out(np.float64(losses.mean()), "loss", counters, "the step's loss: the mean of the 2P losses"),
+        "scalars": Out(scalars, "onesided_scalars", ("losses (kit's)", "eps"), "g_j = (L_j - mean_i L_i) / eps"),
+        "theta_new": Out(theta_new, "update", ("theta", "scalars (kit's)", "lr", "P", "seed", "expert", "step"),
+                         "theta - lr (1/(2P)) sum_j g_j delta_j over the 2P directions, from the KIT's scalars, "
+                         "lr as given (already scheduled), no weight decay"),
+    }
+    pairs = _losses(layout, batch, [member(d, s) for d in deltas[:P] for s in (1, -1)])
+    misreadings = {"losses": [("antithetic pairs theta +/- eps delta_k (stage 5's members), not 2P directions", pairs)],
+                   "scalars": [("divided by 2 eps (stage 5's scalars)", scalars / 2)],
+                   "theta_new": [("updated from the port's own scalars: theta_new uses the KIT's",
+                                  deltas.astype(np.int8), "scalars", -lr / (2 * P)),
+                                 ("1/P instead of 1/(2P)", theta.astype(np.float64) - lr * (scalars @ deltas) / P)]}
+    return Stage("onesided_step", "one step of one-sided SPSA (the default estimator): the 2P members' losses, their "
+                                  "mean, the 2P scalars, the updated theta", inputs, outputs,
+                 settings={"noise": ("rademacher", "the directions' kind"),
+                           "weight_decay": (0.0, "none in this stage"), "lr_scheduled": (True, SCHEDULED)},
+                 misreadings=misreadings, tol={"onesided_scalars": ONESIDED_SCALARS})
+
 MOMENT_D = 5003  # the update rules are elementwise: any vector will do (not a multiple of a noise block)
 
 
