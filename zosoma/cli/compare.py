@@ -39,11 +39,12 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
         device = device_ops(device).name
     budget = f"budget {cmp.flops:.3g} forward FLOPs per run" if cmp.flops else "each method's own steps"
     click.echo(f"{cmp.title}\n{budget}; seeds {list(cmp.seeds)}; output {out}")
-    click.echo(f"  {'method':<24}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
+    w = max([24] + [len(m.name) for m in cmp.methods + cmp.ablation])
+    click.echo(f"  {'method':<{w}}{'params':>10}{'P':>6}{'steps':>7}{'FLOPs/run':>11}")
     for m in cmp.methods + cmp.ablation:
         params = m.experts * m.model.n_params()
         P = "-" if m.kind == "backprop" else m.train.perturbations  # backprop: one forward and backward
-        click.echo(f"  {m.name:<24}{params:>10,}{P:>6}{m.train.steps:>7}"
+        click.echo(f"  {m.name:<{w}}{params:>10,}{P:>6}{m.train.steps:>7}"
                    f"{m.flops_per_step() * m.train.steps:>11.3g}")
     sweep, todo = tuning_jobs(cmp), all_jobs(cmp)
     if sweep:
