@@ -132,7 +132,6 @@ def port_spsa(kit, layout):
     return {"plus": plus, "minus": minus, "scalars": scalars, "theta_new": theta_new}
 
 
-
 def port_onesided(kit, layout):
     """The default strategy's own pieces: the engine's one-sided members, OneSided.coefficients and
     the fused update over the 2P directions."""
@@ -144,6 +143,7 @@ def port_onesided(kit, layout):
     theta_new = Ops().sgd_update(f["theta"], f["scalars"], pop, float(f["lr"]))  # from the kit's scalars
     return {"losses": np.stack([plus, minus], axis=1).ravel(), "loss": np.float64(loss), "scalars": scalars,
             "theta_new": theta_new}
+
 
 def port_momentum(kit, layout):
     f = load(kit, "momentum")

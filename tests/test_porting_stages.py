@@ -155,7 +155,6 @@ def wrong_scheduled_lr(kit, good, layout):
     return dict(good["spsa_step"], theta_new=Ops().sgd_update(f["theta"], f["scalars"], pop, lr))
 
 
-
 def wrong_onesided_pairs(kit, good, layout):
     f = load(kit, "onesided_step")
     pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]))  # antithetic
@@ -173,6 +172,7 @@ def wrong_onesided_over_p(kit, good, layout):
     pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]), onesided=True)
     # noise_sum divides by len(coeffs) = 2P: twice the coefficients give the 1/P reading
     return dict(good["onesided_step"], theta_new=Ops().sgd_update(f["theta"], 2 * f["scalars"], pop, float(f["lr"])))
+
 
 def wrong_own_scalars(kit, good, layout):
     f = load(kit, "spsa_step")

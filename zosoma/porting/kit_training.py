@@ -221,7 +221,6 @@ def spsa_stage(theta, layout: Layout, rng) -> Stage:
                  misreadings=misreadings)
 
 
-
 ONESIDED_SCALARS = (4e-2, 1e-5, "(L_j - Lbar) / eps: the losses' atol 2e-5 on L_j and on their mean, over eps = 1e-3")
 
 
