@@ -45,6 +45,11 @@ def _directions(d: int, P: int, seed: int, expert: int, step: int, kind: str) ->
     return np.stack([noise(d, seed, expert, step, k, kind=kind) for k in range(P)]).astype(np.float64)
 
 
+def _member(theta, eps: float, delta, sign: int = 1) -> np.ndarray:
+    """theta + sign eps delta built as a port builds it, a fresh float32 copy, as float64."""
+    return (theta.astype(np.float32) + sign * np.float32(eps) * delta.astype(np.float32)).astype(np.float64)
+
+
 def _losses(layout: Layout, batch, members) -> np.ndarray:
     """Float64 reference losses of the members (each a (d,) float64 theta) on one batch."""
     return np.array([reference.loss(m, layout, batch) for m in members])
@@ -189,9 +194,7 @@ def spsa_stage(theta, layout: Layout, rng) -> Stage:
     P, eps, lr, seed, expert, step = 4, 1e-3, 0.15, 2**33 + 5, 1, 7
     batch = rng.integers(0, VOCAB, (2, 17), dtype=np.uint8)
     deltas = _directions(layout.size, P, seed, expert, step, "rademacher")
-    base = theta.astype(np.float32)
-    members = [(base + s * np.float32(eps) * d.astype(np.float32)).astype(np.float64) for d in deltas for s in (1, -1)]
-    losses = _losses(layout, batch, members)
+    losses = _losses(layout, batch, [_member(theta, eps, d, s) for d in deltas for s in (1, -1)])
     plus, minus = losses[0::2], losses[1::2]
     scalars = (plus - minus) / (2 * eps)
     theta_new = theta.astype(np.float64) - lr * (scalars @ deltas) / P
@@ -231,12 +234,7 @@ def onesided_stage(theta, layout: Layout, rng) -> Stage:
     P, eps, lr, seed, expert, step = 4, 1e-3, 0.21213, 2**33 + 11, 2, 5
     batch = rng.integers(0, VOCAB, (2, 17), dtype=np.uint8)
     deltas = _directions(layout.size, 2 * P, seed, expert, step, "rademacher")
-    base = theta.astype(np.float32)
-
-    def member(d, sign=1):
-        return (base + sign * np.float32(eps) * d.astype(np.float32)).astype(np.float64)
-
-    losses = _losses(layout, batch, [member(d) for d in deltas])
+    losses = _losses(layout, batch, [_member(theta, eps, d) for d in deltas])
     scalars = (losses - losses.mean()) / eps
     theta_new = theta.astype(np.float64) - lr * (scalars @ deltas) / (2 * P)
     inputs = {"theta": (theta, "(d,) float32"), "batch": (batch, "(B, T+1) uint8"),
@@ -254,7 +252,7 @@ def onesided_stage(theta, layout: Layout, rng) -> Stage:
                          "theta - lr (1/(2P)) sum_j g_j delta_j over the 2P directions, from the KIT's scalars, "
                          "lr as given (already scheduled), no weight decay"),
     }
-    pairs = _losses(layout, batch, [member(d, s) for d in deltas[:P] for s in (1, -1)])
+    pairs = _losses(layout, batch, [_member(theta, eps, d, s) for d in deltas[:P] for s in (1, -1)])
     misreadings = {"losses": [("antithetic pairs theta +/- eps delta_k (stage 5's members), not 2P directions", pairs)],
                    "scalars": [("divided by 2 eps (stage 5's scalars)", scalars / 2)],
                    "theta_new": [("updated from the port's own scalars: theta_new uses the KIT's",
@@ -265,6 +263,7 @@ def onesided_stage(theta, layout: Layout, rng) -> Stage:
                  settings={"noise": ("rademacher", "the directions' kind"),
                            "weight_decay": (0.0, "none in this stage"), "lr_scheduled": (True, SCHEDULED)},
                  misreadings=misreadings, tol={"onesided_scalars": ONESIDED_SCALARS})
+
 
 MOMENT_D = 5003  # the update rules are elementwise: any vector will do (not a multiple of a noise block)
 
