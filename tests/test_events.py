@@ -80,3 +80,22 @@ def test_a_restarted_run_shows_the_course_it_kept(text, tmp_path):
     assert result.exit_code == 1 and "restarted at step" in result.output
     shown = scalars(tmp_path / "runs")["one"]["train/loss"]
     assert shown == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in metrics(run)]
+
+
+def test_a_run_without_tensorboardx_trains_and_says_so_once(text, tmp_path, monkeypatch):
+    """The events are a view: a checkout run where tensorboardX is missing (the first device run's
+    gpu_check stopped there) trains, writes metrics.jsonl and says once that it writes no events."""
+    from zosoma.runs import events
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'tensorboardX'", name="tensorboardX")
+
+    monkeypatch.setattr(events, "_proto", missing)
+    monkeypatch.setattr(events, "_told_missing", [])
+    run = tmp_path / "run"
+    result = run_cli(["train", "--data", text, "--heldout", text, *TINY, "--checkpoint-every", "2",
+                      "--run-dir", run, "--steps", "4"])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "TensorBoard events" in line]
+    assert len(said) == 1 and "not written (No module named 'tensorboardX')" in said[0], result.output
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4] and not list(run.glob("events.out.*"))

@@ -380,7 +380,10 @@ def test_population_loss_in_member_chunks(rt):
     batch = _bytes(2, (2, 6))
     whole = cuda_forward.population_loss(thetas, layout, batch)
     one_by_one = cuda_forward.population_loss(thetas, layout, batch, workspace_bytes=1)  # chunks of 1 member
-    np.testing.assert_array_equal(whole, one_by_one)
+    if rt.xp is np:  # the same products member by member: the same bits
+        np.testing.assert_array_equal(whole, one_by_one)
+    else:  # cuBLAS picks its batched kernel by the batch count (1 ulp apart on the H200, 2026-12-04)
+        assert_close(one_by_one, whole, rtol=cuda_forward.CHUNK_RTOL, name="member chunks")
     with pytest.raises(ValueError, match="theta must have shape"):
         cuda_forward.population_loss(theta, layout, batch)
     with pytest.raises(ValueError, match="batch must be"):

@@ -15,8 +15,8 @@ experts (RUN/expert{i}) plus the routed ensemble (RUN). Tags:
 Records are buffered and appended whole at every checkpoint (and every 64 KiB or 10 s): no
 thread, nothing at exit. A resumed run, or one rolled back by a restart, marks the step it continues from so
 TensorBoard drops the events after it that the checkpoint does not cover (a SessionLog START,
-as tensorboardX's purge_step). The events are a view: a write that fails (a full disk) is said in
-one warning and the run goes on without them.
+as tensorboardX's purge_step). The events are a view: a write that fails (a full disk), or a
+checkout run without tensorboardX, is said in one warning and the run goes on without them.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/toke
              "data_s": "time/data_s", "noise_s": "time/noise_s", "forward_s": "time/forward_s",
              "update_s": "time/update_s", "exchange_s": "time/exchange_s"}
 FLUSH_BYTES, FLUSH_S = 1 << 16, 10.0  # buffered events are appended past either
+_told_missing: list = []  # the ImportError of a missing tensorboardX, once said
 
 
 class EventsUnavailable(UserWarning):
@@ -68,10 +69,13 @@ class EventLog:
 
     def rolled_back(self, step: int) -> None:
         """A restart took the run back to `step`: events after it belong to the abandoned course."""
-        self._event(step=step + 1, session_log=_proto().SessionLog(status=_proto().SessionLog.START))
+        if self._writable():
+            self._event(step=step + 1, session_log=_proto().SessionLog(status=_proto().SessionLog.START))
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """The run's settings and final figures, for TensorBoard's HParams view (a comparison)."""
+        if not self._writable():
+            return
         from tensorboardX.summary import hparams as hparams_summaries
         metrics = {k: float(v) for k, v in metrics.items() if v is not None}
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
@@ -101,13 +105,26 @@ class EventLog:
     close = flush
 
     def _scalars(self, step: int, values: dict) -> None:
-        if values:
+        if values and self._writable():
             p = _proto()
             self._event(step=step, summary=p.Summary(value=[p.Summary.Value(tag=t, simple_value=float(v))
                                                             for t, v in values.items()]))
 
+    def _writable(self) -> bool:
+        """False once writing failed, or when tensorboardX is missing (said once)."""
+        if not self._failed:
+            try:
+                _proto()
+            except ImportError as err:
+                self._failed = True
+                if not _told_missing:  # once per process, not once per run folder
+                    _told_missing.append(err)
+                    warnings.warn(f"TensorBoard events are not written ({err}); metrics.jsonl still is",
+                                  EventsUnavailable, stacklevel=3)
+        return not self._failed
+
     def _event(self, **fields) -> None:
-        if self._failed:
+        if not self._writable():
             return
         if self.since:  # the first event of a resumed run: drop what the checkpoint does not cover
             since, self.since = self.since, 0
