@@ -15,14 +15,17 @@ shipped corpus's held-out split, the same windows for both N):
               the N centroids, softmax, top-k                            Router.select
     experts   group the S*k (segment, expert) pairs by expert and run each selected expert once
               on its rows: warm-up on the context from zero state, then score the segment
-              (on the GPU: all experts' batches in one population forward)
-                                                                         routing.run_selected
+              (on the GPU: every expert's rows in tiles, all experts of one size in one
+              population forward, zosoma.engines.cuda.grouped)          routing.run_selected
     mixing    the mixture's nats, -log sum_k w_k exp(-nll_k)            routing.mix_nll
 
 tokens = S * segment scored bytes (the context warm-up is work, not output). Timed runs alternate
 between the two N and the devices (one warm-up run each first), pausing between runs so that one
 run's BLAS threads stop spinning before the next starts; each part is the median over `repeats`
-runs. Routing and mixing run on the CPU for every device.
+runs. Routing and mixing run on the CPU for every device. On a device the warm-up run also
+counts the experts' rows computed (padding included) against the rows needed (segments x top-k)
+and their kernel launches per time step (zosoma.engines.cuda.launch_counter); the CPU runs each
+expert on its own rows.
 
 The clusterings are fitted on the shipped training corpus cut into 2048-byte chunks with the full
 c-BTM pipeline (balanced k-means), but with one k-means++ restart and at most 10 Lloyd iterations
@@ -31,6 +34,7 @@ instead of 3 and 30, to keep the benchmark short; fitting time is reported, not 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -86,17 +90,23 @@ def _ensemble(clustering, model: ModelConfig, top_k: int, seed: int) -> Ensemble
     return Ensemble(experts, Router(clustering, top_k))
 
 
-def _run(ensemble: Ensemble, segs: Segments, batch: int, ops) -> dict:
-    """One routed pass over segs: seconds per part and the mixture's total nats."""
+def _run(ensemble: Ensemble, segs: Segments, batch: int, ops, count: bool = False) -> dict:
+    """One routed pass over segs: seconds per part and the mixture's total nats; with count (on a
+    device engine), the experts' launches and the rows they computed (zosoma.engines.cuda.launch_counter)."""
+    counter = contextlib.nullcontext(None)
+    if count:
+        from zosoma.engines.cuda.launch_counter import LaunchCounter
+        counter = LaunchCounter()
     t0 = time.perf_counter()
     experts, weights = ensemble.router.select(segs.contexts)  # (S, K)
     t1 = time.perf_counter()
-    nll = run_selected(ensemble, segs, experts, batch, ops)  # (S, K, T), back on the host
+    with counter as launches:
+        nll = run_selected(ensemble, segs, experts, batch, ops)  # (S, K, T), back on the host
     t2 = time.perf_counter()
     nats = float(segment_sums(mix_nll(nll, weights), segs.mask()).sum())
     t3 = time.perf_counter()
     return {"routing_s": t1 - t0, "experts_s": t2 - t1, "mixing_s": t3 - t2, "seconds": t3 - t0,
-            "nats": nats, "experts": experts}
+            "nats": nats, "experts": experts, "launches": launches}
 
 
 def _blas_threads() -> int | None:
@@ -149,11 +159,15 @@ def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, 
             setups.append((N, device, model, fit_s, ensemble.on(get_ops(device))))
 
     runs: dict[tuple, list[dict]] = {(N, device): [] for N, device, *_ in setups}
+    counted = {}  # (N, device) -> the warm-up's LaunchCounter, on a device
     for rep in range(repeats + 1):  # round 0 is the warm-up (JIT, caches, kernel compiles), not kept
         for N, device, _, _, ensemble in setups:
-            result = _run(ensemble, segs, batch, get_ops(device))
+            ops = get_ops(device)
+            result = _run(ensemble, segs, batch, ops, count=ops.on_device and not rep)
             if rep:
                 runs[N, device].append(result)
+            else:
+                counted[N, device] = result["launches"]
             time.sleep(_PAUSE_S)
 
     records = []
@@ -164,6 +178,7 @@ def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, 
             rs = runs[N, device]
             med = {k: float(np.median([r[k] for r in rs])) for k in ("seconds", "routing_s", "experts_s", "mixing_s")}
             rows = np.bincount(rs[0]["experts"].ravel(), minlength=N)  # segments routed to each expert
+            launches = counted[N, device]  # None on the CPU, which runs each expert on its rows alone
             per_n.append({
                 "name": f"N={N}", "device": device, "n_experts": N, "top_k": top_k, "model": model,
                 "params_per_expert": model.n_params(), "total_params": N * model.n_params(),
@@ -171,6 +186,9 @@ def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, 
                 "n_segments": len(segs), "segment": segment, "context": context, "tokens": tokens,
                 "tokens_per_s": tokens / med["seconds"], **med, "repeats": repeats,
                 "experts_used": int((rows > 0).sum()), "max_segments_per_expert": int(rows.max()),
+                "rows_needed": int(rows.sum()),
+                "rows_computed": int(rows.sum()) if launches is None else launches.rows,
+                "launches_per_step": None if launches is None else launches.launches / segs.tokens.shape[1],
                 "nats_per_byte": rs[0]["nats"] / tokens, "cluster_fit_s": fit_s,
                 "cluster_config": "balanced k-means, 1 restart, <= 10 iterations (fast settings)",
                 "threads": _blas_threads(),
@@ -198,13 +216,15 @@ def format_route(records: list[dict]) -> str:
              f"(median of {first['repeats']} runs; routing included; BLAS threads: "
              f"{first['threads'] or 'default'})",
              f"  {'N':>5}  {'device':<6} {'expert':<16} {'params/expert':>13} {'total':>11} {'FLOP/token':>11} "
-             f"{'tokens/s':>10} {'routing':>8} {'experts':>8} {'mixing':>8} {'used':>5} {'max seg':>8}"]
+             f"{'tokens/s':>10} {'routing':>8} {'experts':>8} {'mixing':>8} {'used':>5} {'max seg':>8} "
+             f"{'rows':>14} {'launch/t':>8}"]
     for r in per_n:
         m = r["model"]
         lines.append(f"  {r['n_experts']:>5}  {device(r):<6} {f'E={m.embed} H={m.hidden} L={m.layers}':<16} "
                      f"{r['params_per_expert']:>13,} {r['total_params']:>11,} {r['flops_per_token']:>11,} "
                      f"{r['tokens_per_s']:>10,.0f} {r['routing_s']:>7.3f}s {r['experts_s']:>7.3f}s "
-                     f"{r['mixing_s']:>7.3f}s {r['experts_used']:>5} {r['max_segments_per_expert']:>8}")
+                     f"{r['mixing_s']:>7.3f}s {r['experts_used']:>5} {r['max_segments_per_expert']:>8} "
+                     f"{_rows(r):>14} {_per_step(r):>8}")
     for ratio in (r for r in records if r["name"] == "ratio"):
         p = ratio["paper"]
         lines.append(f"  {device(ratio)}: N={ratio['n_small']} / N={ratio['n_large']}: {ratio['ratio']:.2f}x "
@@ -218,5 +238,17 @@ def format_route(records: list[dict]) -> str:
                          f"{r['tokens_per_s'] / base[r['n_experts']]['tokens_per_s']:.2f}x tokens/s")
     fits = ", ".join(f"N={r['n_experts']} {r['cluster_fit_s']:.1f} s" for r in base.values())
     lines.append(f"  clusters: {first['cluster_config']}; fitted in {fits} (not timed); "
-                 f"'used' = experts with at least one segment, 'max seg' = most segments on one")
+                 f"'used' = experts with at least one segment, 'max seg' = most segments on one; "
+                 f"'rows' = expert rows computed (padding included) / needed (segments x top-k); "
+                 f"'launch/t' = the experts' kernels and GEMMs per time step (on a device)")
     return "\n".join(lines)
+
+
+def _rows(r: dict) -> str:
+    if "rows_needed" not in r:
+        return "-"
+    return f"{r['rows_computed'] / r['rows_needed']:.2f}x of {r['rows_needed']:,}"
+
+
+def _per_step(r: dict) -> str:
+    return "-" if r.get("launches_per_step") is None else f"{r['launches_per_step']:.2f}"

@@ -34,6 +34,7 @@ from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs
                                              population_nll, spsa_losses)
 from zosoma.engines.cuda.cuda_noise import perturb, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
+from zosoma.engines.cuda.grouped import grouped_nll
 from zosoma.engines.ops import Ops
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
@@ -84,25 +85,17 @@ class CudaOps(Ops):
         return log_probs(theta, layout, tokens, state)
 
     def models_nll(self, models, rows, scored_from=()) -> list[np.ndarray]:  # scored_from unused: every column
-        """Models of one size run as ONE population forward, a member per model, its rows padded
-        with zeros to the largest (a forward per model would be bound by kernel launches: a small
-        expert does little work per step). Padding after a row's end changes nothing before it."""
+        """Models of one size run as ONE population forward of row tiles (zosoma.engines.cuda.grouped):
+        each model's rows sorted into tiles, padded to the tile, not to the largest model, so a
+        time step is one batched GEMM and one cell kernel however many models there are."""
         out = [None] * len(models)
         groups: dict = {}
         for i, (_, layout) in enumerate(models):
             groups.setdefault(layout.config, (layout, []))[1].append(i)
         for layout, ids in groups.values():
-            B = max(rows[i][0].shape[0] for i in ids)
-            T = max(rows[i][0].shape[1] for i in ids)
-            tokens = np.zeros((len(ids), B, T), np.uint8)
-            targets = np.zeros_like(tokens)
-            for j, i in enumerate(ids):
-                tok, tgt = rows[i]
-                tokens[j, :tok.shape[0], :tok.shape[1]] = tok
-                targets[j, :tgt.shape[0], :tgt.shape[1]] = tgt
-            nll = population_nll([models[i][0] for i in ids], layout, tokens, targets)
-            for j, i in enumerate(ids):
-                out[i] = nll[j, :rows[i][0].shape[0], :rows[i][0].shape[1]]
+            nlls = grouped_nll([models[i][0] for i in ids], layout, [rows[i] for i in ids])
+            for i, nll in zip(ids, nlls):
+                out[i] = nll
         return out
 
     def noise_sum(self, coeffs, d: int, pop: Population):
