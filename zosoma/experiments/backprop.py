@@ -71,6 +71,17 @@ def import_torch():
     return torch
 
 
+def torch_device(ops):
+    """Where torch trains beside the engine `ops`: its GPU (cuDNN) when the engine is on one."""
+    torch = import_torch()
+    if not ops.on_device:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {ops.device}: this PyTorch ({torch.__version__}) finds no CUDA device for the "
+                          "backprop baseline")
+    return torch.device("cuda")
+
+
 def torch_model(theta: np.ndarray, layout: Layout, dtype=None):
     """torch's nn.Embedding + nn.LSTM(batch_first) + nn.Linear holding theta (d,): modules named
     embedding, lstm, linear (zosoma.formats.torch_state), in `dtype` (default float32)."""
@@ -100,7 +111,7 @@ def theta_of(model, layout: Layout, dtype=np.float32) -> np.ndarray:
     """zosoma's theta (d,) of a torch_model's weights."""
     from zosoma.formats.torch_state import theta_from_torch_state
 
-    return theta_from_torch_state({k: v.detach().double().numpy() for k, v in model.state_dict().items()}, layout,
+    return theta_from_torch_state({k: v.detach().double().cpu().numpy() for k, v in model.state_dict().items()}, layout,
                                   dtype)
 
 
@@ -108,7 +119,7 @@ def mean_loss(model, batch: np.ndarray):
     """The mean cross-entropy (nats/byte, a torch scalar) of a (B, T+1) byte batch: inputs
     [:, :-1], targets [:, 1:], as zosoma.model.reference.loss."""
     torch = import_torch()
-    tokens = torch.from_numpy(batch.astype(np.int64))
+    tokens = torch.from_numpy(batch.astype(np.int64)).to(next(model.parameters()).device)
     logits, _ = model(tokens[:, :-1])
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
@@ -142,7 +153,7 @@ class BackpropRun(Scored):
         self.ops, self.layout = get_ops(device), Layout(spec.model)
         train_corpus, self.heldout = load_data(None, None)
         self.sampler, self.stream = BatchSampler(train_corpus, self.cfg.seq_len + 1), stream(0, 0)
-        self.model = torch_model(init_params(spec.model, self.cfg.seed), self.layout)
+        self.model = torch_model(init_params(spec.model, self.cfg.seed), self.layout).to(torch_device(self.ops))
         c = self.cfg
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(c.momentum, c.beta2),
                                            weight_decay=c.weight_decay)

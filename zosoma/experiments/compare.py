@@ -105,7 +105,7 @@ class Job:
         protocol = dict(segment=cmp.segment, context=cmp.context)
         curve = folder.read_curve()
         events = EventLog(folder.path)  # the run's curve and final figures for TensorBoard
-        cpu = _CpuClock(curve)
+        cpu = _CpuClock(curve) if self.device == "cpu" else _DeviceClock(curve)
         if self.curve:
             subset = curve_texts(run.heldout, cmp)
             for target in curve_steps(run.cfg.steps, cmp.curve_points, cmp.curve_spacing):
@@ -127,6 +127,8 @@ class Job:
                   "series": list(m.series), "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps,
                   **run.totals(), "cpu_s": cpu.seconds, **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
                   "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(run.cfg)}
+        if self.device != "cpu":
+            result["clock"] = "gpu"  # its cpu_s are the device's seconds (_DeviceClock)
         if self.tuning:  # tuning reads the validation split only
             result["validation"] = run.score(load_corpus(None, "validation"), **protocol)["overall"]
         else:
@@ -163,6 +165,19 @@ class _CpuClock:
             return run.advance(target, stopping)
         finally:
             self.seconds += time.process_time() - t0
+
+
+class _DeviceClock(_CpuClock):
+    """On a GPU (--device cuda): the run's training wall seconds, the device's time when it runs one
+    job at a time (--jobs 1). Every step waits for its losses on the host (the ZO members', backprop's
+    loss.item()), so no queued device work is left out."""
+
+    def advance(self, run, target: int, stopping: Callable[[], bool]) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return run.advance(target, stopping)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def jobs(cmp: Comparison, device: str = "cpu", wikitext: str | None = None) -> list[Job]:

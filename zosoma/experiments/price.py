@@ -8,7 +8,9 @@ curve's texts: the first curve_bytes of each held-out file), each read off every
 held-out curve against its training CPU-seconds (zosoma.experiments.compare records them: process CPU time while training, evaluation left out), linearly interpolated
 between the two curve points around the first crossing. A method's figure is the mean over its
 seeds when every seed reached the level, else "not reached"; its ratio is to the fastest backprop
-method that reached it.
+method that reached it. On a GPU (`zosoma compare price --device cuda`) the same table is in
+GPU-seconds: every run's training wall time on the device, backprop's on the same GPU through
+PyTorch's cuDNN LSTM (zosoma.experiments.backprop).
 """
 
 from __future__ import annotations
@@ -101,15 +103,25 @@ def price_markdown(rows: list[dict], results: list[dict]) -> str:
 
 
 def price_section(results: list[dict], levels, yardsticks=None) -> str:
-    """The report's section: what is measured, where, and the table (`yardsticks`: on the curve's texts)."""
+    """The report's section: what is measured, where, and the table (`yardsticks`: on the curve's texts).
+    Runs of `zosoma compare --device cuda` (clock "gpu") are priced in GPU-seconds, the rest in CPU-seconds."""
     rows = price(results, ladder(levels, yardsticks))
     torch = any(r["kind"] == "backprop" for r in results)
-    return ("## The price of zero-order: training CPU-seconds to reach each held-out level (x: the ratio to the "
+    gpu = any(r.get("clock") == "gpu" for r in results)
+    unit = "GPU" if gpu else "CPU"
+    if gpu:
+        clock = ("GPU-seconds: the run's wall time while training on the GPU, one run at a time (--jobs 1), "
+                 "evaluation left out")
+        where = "; backprop runs PyTorch on the same GPU (cuDNN)" if torch else ""
+    else:
+        clock = "CPU-seconds: the run's process CPU time while training (every thread's; evaluation left out)"
+        where = "; backprop runs PyTorch on one thread (torch.set_num_threads(1))" if torch else ""
+    return (f"## The price of zero-order: training {unit}-seconds to reach each held-out level (x: the ratio to the "
             "fastest backprop method)\n\n"
             f"{price_markdown(rows, results)}\n\n"
             "Held-out nats/byte here are the curve's: the first curve_bytes of each held-out file, where the n-gram "
             "levels are measured too (zosoma.yardsticks); the method table above scores the whole held-out split. "
-            "CPU-seconds: the run's process CPU time while training (every thread's; evaluation left out), read off its "
+            f"{clock}, read off its "
             "held-out curve (the first crossing, linearly interpolated between curve points), mean over the seeds when "
             "every seed reached the level. Backprop's FLOPs count its backward pass at 2x the forward"
-            + ("; backprop runs PyTorch on one thread (torch.set_num_threads(1))" if torch else "") + ".\n")
+            + where + ".\n")
