@@ -24,6 +24,8 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    Then the same step at the expert sizes SOMA trains best (SOMA_SHAPES: E x H, L = 1; P = 64,
    B = 8, T = 32), where it is bound by kernel launches (docs/gpu.md): each row also counts its
    launches per step, zosoma's raw kernels and its batched GEMMs.
+   Then the same population forward with tensor-core GEMMs (TF32, bf16), its tokens/s and its
+   error on SPSA's loss differences against fp32 (printed with the validation, as information).
 3. Routed top-4 inference (zosoma.benchmarks.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
    same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
@@ -464,6 +466,38 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
             f"launches/step {n.kernels} kernels + {n.gemms} GEMMs", tokens / total, total, None)
 
 
+def tensor_cores(cp, checks: Checks, rows: list, sync, M=64, B=8, T=128, P=8):
+    """The paper expert's population forward with tensor-core GEMMs (TF32, bf16: cuBLAS's compute
+    type, zosoma.engines.cuda.tensor_cores) against fp32: tokens/s, and its error on SPSA's loss
+    differences L+ - L- at eps = 16 steps of the format (P directions, theta = 3 x init), printed
+    beside the fp32 forward's; and its losses against the CPU's emulation of the same GEMMs
+    (zosoma.experiments.gemm_precision, which predicts that error without a device)."""
+    from zosoma.engines.cuda.tensor_cores import gemm_format
+    from zosoma.experiments.gemm_precision import gemm_loss, gemm_step
+
+    layout = Layout(PRESETS["paper"][0])
+    batch = np.random.default_rng(5).integers(0, VOCAB, (B, T + 1), dtype=np.uint8)
+    theta = init_params(layout.config, 0)
+    thetas = cuda_noise.perturbed(cp.asarray(theta), 1e-3, range(M // 2), 0, 0, 0, "rademacher")
+    base = _timed(lambda: cuda_forward.population_loss(thetas, layout, batch), sync)
+    theta3 = (theta * 3).astype(np.float32)
+    for fmt in ("tf32", "bf16"):
+        print(f"timing: population forward M={M} with {fmt} tensor-core GEMMs", flush=True)
+        with gemm_format(fmt):
+            s = _timed(lambda: cuda_forward.population_loss(thetas, layout, batch), sync)
+        rows.append((f"zosoma population_loss, M={M}, {fmt} tensor-core GEMMs", M * B * T / s, s, base / s))
+        eps = 16 * gemm_step(theta3, fmt)
+        args = (cp.asarray(theta3), layout, batch, P, eps, 5, 0, 1, "rademacher")
+        fp32 = cuda_forward.spsa_losses(*args)
+        with gemm_format(fmt):
+            plus, minus = cuda_forward.spsa_losses(*args)
+        checks.compare(f"paper P={P} L+ - L- with {fmt} GEMMs vs fp32, eps 16 {fmt} steps", plus - minus,
+                       fp32[0] - fp32[1], info=True)
+        members = perturbed(theta3, Population(P, eps, 5, 0, 1), range(1))  # direction 0: +, -
+        checks.compare(f"population_loss paper with {fmt} GEMMs vs its CPU emulation (2 members)",
+                       [plus[0], minus[0]], [gemm_loss(m, layout, batch, fmt) for m in members], info=True)
+
+
 def routed_timing(checks: Checks) -> str:
     """bench_route on the CPU and the GPU (same ensembles and windows): its table, and a check that
     the GPU's nats/byte match the CPU's."""
@@ -526,6 +560,7 @@ def main(argv=None) -> int:
     routed = ""
     if not args.skip_timing:
         timing(cp, rows)
+        tensor_cores(cp, checks, rows, cp.cuda.runtime.deviceSynchronize)
         routed = routed_timing(checks)
     text = table(device_line, checks, rows, routed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

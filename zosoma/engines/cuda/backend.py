@@ -10,11 +10,15 @@ first use only: it is slow to import and most runs are on the CPU.
     cupy_or_none()          CuPy if it imports, else None (says nothing about devices)
     cuda_device_count()     devices CuPy can use (0 without CuPy)
     cuda_unavailable_reason()   why CUDA cannot run (one line), or None
+    cublas_compute_type(fmt)    a context: float32 GEMMs on tensor cores (tf32, bf16)
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+
+import numpy as np
 
 from zosoma.errors import ConfigError
 
@@ -76,3 +80,20 @@ def require_cupy():
     if why is not None:
         raise ConfigError(f"--device cuda: no CUDA device ({why})")
     return cupy_or_none()
+
+
+@contextlib.contextmanager
+def cublas_compute_type(fmt: str):
+    """While active, CuPy's float32 GEMMs (cupy.matmul, cuBLAS) run on tensor cores in `fmt`:
+    "tf32" (CUBLAS_COMPUTE_32F_FAST_TF32) or "bf16" (..._FAST_16BF): fp32 in memory, the operands
+    converted inside the GEMM, fp32 accumulation. CuPy's own switch (as CUPY_TF32=1 sets for tf32);
+    compute capability 8.0 or more, else CuPy warns and keeps fp32."""
+    from cupy._core import _routines_linalg as linalg
+
+    code = {"tf32": linalg.COMPUTE_TYPE_TF32, "bf16": linalg.COMPUTE_TYPE_BF16}[fmt]
+    before = linalg.get_compute_type(np.float32)
+    linalg.set_compute_type(np.float32, code)
+    try:
+        yield
+    finally:
+        linalg.set_compute_type(np.float32, before)

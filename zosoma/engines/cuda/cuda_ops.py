@@ -35,6 +35,7 @@ from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs
 from zosoma.engines.cuda.cuda_noise import perturb, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.engines.cuda.grouped import grouped_nll
+from zosoma.engines.cuda.tensor_cores import check_gemm_format, gemm_format
 from zosoma.engines.ops import Ops
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
@@ -51,8 +52,10 @@ class CudaOps(Ops):
     device = "cuda"
     on_device = True
 
-    def __init__(self):
+    def __init__(self, gemm: str = "fp32"):
         self.xp = runtime().xp
+        # population_loss's GEMMs: fp32, or tensor cores (tf32, bf16; zosoma.engines.cuda.tensor_cores)
+        self.gemm = check_gemm_format(gemm)
 
     def asarray(self, x):
         return to_device(x)
@@ -61,7 +64,8 @@ class CudaOps(Ops):
         return to_numpy(x)
 
     def population_loss(self, thetas, layout: Layout, batch) -> np.ndarray:
-        return population_loss(thetas, layout, batch)
+        with gemm_format(self.gemm):
+            return population_loss(thetas, layout, batch)
 
     def perturbed_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
                          timings: dict | None = None):
