@@ -80,3 +80,16 @@ def test_compare_price_on_cuda_without_a_gpu_is_one_line():
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.strip().splitlines() == [result.output.strip()]
     assert result.output.startswith("Error: --device cuda: no CUDA device (")
+
+
+def test_the_price_plot_says_which_seconds(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from zosoma.experiments.report import plot_price
+
+    said = []
+    set_xlabel = Axes.set_xlabel
+    monkeypatch.setattr(Axes, "set_xlabel", lambda ax, text, *a, **k: (said.append(text), set_xlabel(ax, text, *a, **k)))
+    for clock in (None, "gpu"):
+        plot_price(_results(clock), tmp_path / f"{clock}.png")
+    assert said[0].startswith("training CPU-seconds") and said[1].startswith("training GPU-seconds")

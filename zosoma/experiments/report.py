@@ -219,10 +219,10 @@ def _matplotlib():
 
 
 def plot_price(results: list[dict], path, yardsticks=None, title: str | None = None) -> dict:
-    """price.png: held-out nats/byte (the curve's texts) against training CPU-seconds (log x), one
-    line per method (the mean over seeds at each curve step) with a band from the best to the worst
-    seed, and the n-gram levels of `yardsticks` (on the same texts) as horizontal lines. Returns
-    {label: (x, y)} of what was drawn."""
+    """price.png: held-out nats/byte (the curve's texts) against training CPU-seconds (GPU-seconds for a
+    device comparison; log x), one line per method (the mean over seeds at each curve step) with a
+    band from the best to the worst seed, and the n-gram levels of `yardsticks` (on the same texts)
+    as horizontal lines. Returns {label: (x, y)} of what was drawn."""
     from zosoma.yardsticks import label
 
     Figure, FigureCanvasAgg = _matplotlib()
@@ -242,7 +242,9 @@ def plot_price(results: list[dict], path, yardsticks=None, title: str | None = N
             ax.axhline(yardsticks.overall(k), color="gray", linestyle=style, linewidth=1.2,
                        label=f"{label(k)}, {yardsticks.overall(k):.3f} (yardstick)")
     ax.set_xscale("log")
-    ax.set_xlabel("training CPU-seconds (process CPU time, summed over a run's experts)")
+    gpu = any(r.get("clock") == "gpu" for r in results)  # zosoma compare --device cuda: the device's seconds
+    ax.set_xlabel("training GPU-seconds (wall time on the device, one run at a time)" if gpu else
+                  "training CPU-seconds (process CPU time, summed over a run's experts)")
     ax.set_ylabel("held-out nats/byte (the curve's texts)")
     if title:
         ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
