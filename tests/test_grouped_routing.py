@@ -67,3 +67,27 @@ def test_routed_rows_in_tiles_match_the_cpu_in_launches_independent_of_n(rt, N, 
     assert S * K <= count.rows <= 1.3 * S * K, count.rows
     T = segs.tokens.shape[1]
     assert (count.kernels, count.gemms) == (T + 1, T + 2)  # the same for N = 8 and N = 48
+
+
+@pytest.mark.slow
+def test_bench_route_on_the_device_prints_rows_computed_and_launches_per_step(rt, monkeypatch):
+    """`zosoma bench route --device cuda` on the runtime at hand: per N, the rows its forward
+    computed against the rows needed (segments x top-k) and the experts' launches per time step;
+    the CPU computes exactly the rows needed; both devices give the same nats/byte."""
+    from zosoma.benchmarks import bench_route as bench
+    from zosoma.engines import get_ops
+
+    engines = {"cpu": get_ops("cpu"), "cuda": cuda_ops.CudaOps()}
+    monkeypatch.setattr(bench, "get_ops", engines.__getitem__)
+    monkeypatch.setattr(bench, "_PAUSE_S", 0.0)
+    records = bench.bench_route(n_small=16, n_large=4, total_params=300_000, n_segments=32, repeats=1,
+                                threads=None, devices=("cpu", "cuda"))
+    per_n = {(r["n_experts"], r["device"]): r for r in records if r["name"] != "ratio"}
+    for N in (4, 16):
+        cpu, dev = per_n[N, "cpu"], per_n[N, "cuda"]
+        assert cpu["rows_needed"] == dev["rows_needed"] == 32 * 4 and cpu["rows_computed"] == 128
+        assert 128 <= dev["rows_computed"] <= PAD_LIMIT * 128 + MIN_TILE * N
+        assert cpu["launches_per_step"] is None and 2 <= dev["launches_per_step"] < 3
+        assert_close(dev["nats_per_byte"], cpu["nats_per_byte"], rtol=LOSS_RTOL, name=f"N={N} nats/byte")
+    text = bench.format_route(records)
+    assert "rows" in text and "launch/t" in text and f"x of {128:,}" in text
