@@ -14,7 +14,7 @@ from zosoma.config import ModelConfig
 from zosoma.engines.cuda import cuda_ops
 from zosoma.engines.cuda.grouped import MIN_TILE, PAD_LIMIT, choose_tile, tile_plan, tiles_needed
 from zosoma.engines.cuda.launch_counter import LaunchCounter
-from zosoma.mixture.routing import Ensemble, Segments, mix_nll, run_selected, segment_sums
+from zosoma.mixture.routing import Ensemble, Segments, mix_nll, run_selected, segment_sums, top_k
 from zosoma.model.params import Layout, init_params
 
 
@@ -39,6 +39,21 @@ def test_a_tile_pads_each_expert_a_little_not_to_the_largest():
     for counts in ([256, 256, 100], [3, 17, 40, 9], [64] * 5):
         tile = choose_tile(counts)
         assert tiles_needed(counts, tile) * tile <= PAD_LIMIT * sum(counts) or tile == MIN_TILE
+
+
+def test_top_k_is_the_stable_sort_without_sorting_everything():
+    """Router.select's top-k: the K largest of each row, largest first, ties by lower index, the
+    same indices as a stable argsort (dropped experts score -inf; integer scores tie often)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        S, N = int(rng.integers(1, 40)), int(rng.integers(1, 300))
+        K = int(rng.integers(1, N + 1))
+        scores = rng.integers(-5, 5, (S, N)).astype(np.float64) if trial % 2 else rng.standard_normal((S, N))
+        if trial % 3 == 0:
+            scores[:, rng.integers(0, N, max(1, N // 4))] = -np.inf
+        got = top_k(scores, K)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, np.argsort(-scores, axis=1, kind="stable")[:, :K])
 
 
 @pytest.mark.parametrize("N, balanced", [(8, True), (48, False)])
