@@ -44,16 +44,17 @@ def gemm_loss(theta, layout: Layout, batch, fmt: str) -> float:
     """Mean nats/byte of a (B, T+1) byte batch with every GEMM of the forward in `fmt` (operands
     rounded, fp32 products and sums) and the rest in fp32, as the CUDA engine computes it: layer
     0's input through the table embed @ w_ih, then per step h @ w_hh, the logits hs @ out.w."""
-    def mm(a, b):
-        return np.matmul(round_operand(a, fmt), round_operand(b, fmt))
+    def mm(a, w):  # w: already rounded (rounding is idempotent: rounded once, not at every step)
+        return np.matmul(round_operand(a, fmt), w)
 
-    p = layout.views(np.asarray(theta, np.float32))
+    p = layout.views(round_operand(np.asarray(theta, np.float32), fmt))  # the GEMMs' weights, as read
+    bias_of = layout.views(np.asarray(theta, np.float32))  # biases are added in fp32, not multiplied
     tokens, targets = batch[:, :-1], batch[:, 1:]
     B, T = tokens.shape
     H = layout.config.hidden
     x = None
     for layer in range(layout.config.layers):
-        w_ih, w_hh, bias = (p[f"lstm{layer}.{n}"] for n in ("w_ih", "w_hh", "bias"))
+        w_ih, w_hh, bias = p[f"lstm{layer}.w_ih"], p[f"lstm{layer}.w_hh"], bias_of[f"lstm{layer}.bias"]
         xproj = mm(p["embed"], w_ih)[tokens] if layer == 0 else mm(x, w_ih)  # (B, T, 4H)
         h, c = (np.zeros((B, H), np.float32) for _ in range(2))
         hs = np.empty((B, T, H), np.float32)
@@ -61,7 +62,7 @@ def gemm_loss(theta, layout: Layout, batch, fmt: str) -> float:
             h, c = reference.lstm_cell(mm(h, w_hh) + xproj[:, t] + bias, c)
             hs[:, t] = h
         x = hs
-    logits = mm(x, p["out.w"]) + p["out.b"]
+    logits = mm(x, p["out.w"]) + bias_of["out.b"]
     return float(reference.nll(logits, targets).mean(dtype=np.float64))
 
 
