@@ -52,7 +52,8 @@ from zosoma.config import PRESETS, VOCAB, ModelConfig, TrainConfig  # noqa: E402
 from zosoma.engines.cpu import forward  # noqa: E402
 from zosoma.engines.cpu import lowrank as eggroll  # noqa: E402
 from zosoma.engines.cuda import backend  # noqa: E402
-from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels  # noqa: E402
+from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels, fused_forward  # noqa: E402
+from zosoma.engines.cuda.launches import Launches  # noqa: E402
 from zosoma.engines.ops import Ops, perturbed  # noqa: E402
 from zosoma.model import reference  # noqa: E402
 from zosoma.model.noise import noise  # noqa: E402
@@ -354,34 +355,10 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
     rows.append(device_step(cp, config, 64, B, T, sync, optimizer="eggroll"))
     rows.append((f"SOMA's expert sizes, L=1, P={SOMA_STEP['P']} B={SOMA_STEP['B']} T={SOMA_STEP['T']}:", None, None, None))
     for E, H in SOMA_SHAPES:
-        rows.append(device_step(cp, ModelConfig(embed=E, hidden=H, layers=1), **SOMA_STEP, sync=sync, steps=10,
-                                name=f"E={E} H={H}"))
-
-
-class Launches:
-    """Counts zosoma's kernel launches while active: its raw kernels (custom_kernels.launch) and its
-    GEMMs (xp.matmul: one cuBLAS batched GEMM each). CuPy's own small kernels (contiguous copies
-    of the members' weights, fills, the loss sum) are not counted."""
-
-    def __init__(self, xp):
-        self.xp, self.kernels, self.gemms = xp, 0, 0
-
-    def __enter__(self):
-        self._launch, self._matmul = custom_kernels.launch, self.xp.matmul
-
-        def launch(*args, **kwargs):
-            self.kernels += 1
-            return self._launch(*args, **kwargs)
-
-        def matmul(*args, **kwargs):
-            self.gemms += 1
-            return self._matmul(*args, **kwargs)
-
-        custom_kernels.launch, self.xp.matmul = launch, matmul
-        return self
-
-    def __exit__(self, *exc):
-        custom_kernels.launch, self.xp.matmul = self._launch, self._matmul
+        config = ModelConfig(embed=E, hidden=H, layers=1)
+        for path in cuda_forward.PATHS:
+            if path != "fused" or fused_forward.fits(Layout(config), SOMA_STEP["B"]):
+                rows.append(device_step(cp, config, **SOMA_STEP, sync=sync, steps=10, name=f"E={E} H={H}", path=path))
 
 
 ENGINE_MODULES = (cuda_ops, cuda_forward, cuda_noise)  # each calls zosoma.arrays.to_numpy by its own name
@@ -419,18 +396,19 @@ class Transfers:
             module.to_numpy = self._to_numpy
 
 
-def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
+def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None, path=None):
     """The trainer's own step on the CUDA engine (zosoma.runs.trainer, theta resident on the
     device): seconds split into data, forward (the perturbed population, its noise built by the
     perturb kernel inside), update (the fused regenerate-and-apply kernel, synchronised), and the
     host <-> device copies and kernel launches of one step, counted. The noise alone is timed
-    separately. `name` (default: the optimizer) begins the row's label."""
+    separately. `name` (default: the optimizer) begins the row's label; `path` forces the
+    population forward's path (cuda_forward.PATHS; default: the engine's choice)."""
     import tempfile
 
     from zosoma.corpus import BatchSampler, Corpus
     from zosoma.runs.trainer import Trainer, new_state
 
-    name = name or optimizer
+    name = (name or optimizer) + (f" {path}" if path else "")
     print(f"timing: {name} training step on the device, P={P}", flush=True)
     text = np.random.default_rng(3).integers(0, VOCAB, 1 << 20, dtype=np.uint8)
     extra = {"eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {"lr": 1e-4}
@@ -441,7 +419,8 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
                           new_state(config, cfg), ops=cuda_ops.CudaOps())
         split = []
         for i in range(steps + 1):  # the first step is a warm-up
-            with Transfers(cp) as copies, Launches(cp) as launches:
+            forced = cuda_forward.forced_path(path) if path else contextlib.nullcontext()
+            with forced, Transfers(cp) as copies, Launches(cp) as launches:
                 plus, minus = trainer.losses()
                 t0 = time.perf_counter()
                 trainer.update(*trainer.coefficients(plus, minus))

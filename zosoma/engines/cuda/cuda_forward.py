@@ -16,6 +16,11 @@ through cupy.matmul) and the rest is two raw kernels from kernels/lstm.cu:
 The recurrent GEMM reads every member's w_hh at every step, so the forward is bound by memory
 bandwidth at small B; batching members amortises the kernel launches, not those reads.
 
+An SPSA step's population of a small model (one member's weights and state within a block's
+shared memory: fused_forward.fits) runs instead as ONE launch of kernels/fused.cu, which builds
+each member from its counters and runs the whole forward inside a block (fused_forward);
+`forced_path` picks a path for benchmarks and tests.
+
 EGGROLL's population (eggroll_population_loss) shares one theta: members 2i, 2i+1 use
 W +/- c A_i B_i^T, so each product above becomes ONE GEMM of all members' rows with the shared W
 plus two skinny batched GEMMs for the rank-r corrections (x @ A_i, then @ B_i^T); the same kernels
@@ -25,20 +30,43 @@ the perturb kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 
 from zosoma.arrays import to_numpy
 from zosoma.config import VOCAB
-from zosoma.engines.cuda import custom_kernels
+from zosoma.engines.cuda import custom_kernels, fused_forward
 from zosoma.engines.cuda.cuda_noise import perturb, perturbed
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
+from zosoma.model.population import Population
 
+PATHS = ("fused", "kernels")  # an SPSA step's population forward: fused.cu, or the per-timestep kernels
+_forced_path = None
 ROWS_PER_CHUNK = 1024  # target Tc*B rows of the per-chunk GEMMs (as zosoma.engines.cpu.forward)
 WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers, per call
+
+
+@contextlib.contextmanager
+def forced_path(path: str):
+    """SPSA steps inside the block take `path` (one of PATHS) whatever the model's size (`zosoma
+    bench spsa` and studies/gpu_check.py time both)."""
+    global _forced_path
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    before, _forced_path = _forced_path, path
+    try:
+        yield
+    finally:
+        _forced_path = before
+
+
+def step_path(layout: Layout, B: int) -> str:
+    """The path of an SPSA step's population forward: fused where a member fits shared memory."""
+    return _forced_path or ("fused" if fused_forward.fits(layout, B) else "kernels")
 
 
 def _chunk_steps(B: int, T: int) -> int:
@@ -264,11 +292,15 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     """L(theta + eps*delta_k) and L(theta - eps*delta_k) for k in `pairs` (default range(P)) on one
     shared batch (B, T+1) (onesided: L(theta + eps*delta_2k) and L(theta + eps*delta_2k+1)), as
     Ops.perturbed_losses: the perturbed population is built on the device, chunk by chunk, and
-    never leaves it. Returns (plus, minus), each (len(pairs),) float64 NumPy."""
+    never leaves it (a small model's: in one fused launch, step_path). Returns (plus, minus), each
+    (len(pairs),) float64 NumPy."""
     theta = _check_thetas(theta, layout, 1)
     batch = _check_bytes(batch, "batch", 2)
     pairs = range(P) if pairs is None else pairs
     B, T = batch.shape[0], batch.shape[1] - 1
+    if step_path(layout, B) == "fused":
+        return fused_forward.spsa_losses(theta, layout, batch, Population(P, eps, seed, expert, step, kind,
+                                                                          onesided=onesided), pairs)
     per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
     size = max(1, min(len(pairs), workspace_bytes // per_direction))
     plus, minus = np.empty(len(pairs)), np.empty(len(pairs))

@@ -1,0 +1,147 @@
+"""The small-expert population forward in one launch (kernels/fused.cu): each member's weights
+built from the Philox counters in shared memory, the whole T-step recurrence, logits and NLL
+inside one block, one loss out per member (docs/gpu.md, "Small experts: launches, not FLOPs").
+
+It replaces the ~2T + 5 launches of cuda_forward's population forward (perturb, the weight
+copies, a GEMM and a cell kernel per timestep, the logits, the log-softmax, the loss sum) with
+one, for models whose member fits one block's shared memory: `shared_bytes(layout, B)` against
+the device's opt-in limit (227 KB on an H100/H200). At B = 8 that is E=16 H=20 at 62 KB up to
+E=32 H=64 at 217 KB; cuda_forward falls back to its kernels above it.
+
+The launch takes a member table (direction, sign, expert, batch per member), so one launch can
+hold the members of several populations: `experts_losses` evaluates N experts' steps, each its
+own theta, batch and counters, in ONE launch. Shapes: M members, N experts, P pairs, B batch,
+T time, d parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from zosoma.arrays import to_numpy
+from zosoma.config import VOCAB
+from zosoma.engines.cuda import custom_kernels
+from zosoma.engines.cuda.custom_kernels import runtime, to_device
+from zosoma.model.noise import kind_code, stream_key
+from zosoma.model.params import Layout
+from zosoma.model.population import Population
+
+LANES = 32  # fused.cu's partial maxima and sums per row of logits
+THREADS = 512  # threads per block: B x 4H = 640 gate pre-activations at E=16 H=20, B=8
+_U32 = 0xFFFFFFFF
+
+
+def shared_bytes(layout: Layout, B: int) -> int:
+    """Dynamic shared memory of one block of fused.cu for B rows (its layout, in the same order):
+    the weights, h and c of every layer, the gates, the logits, the row reductions, B doubles."""
+    cfg = layout.config
+    H, L = cfg.hidden, cfg.layers
+    floats = layout.size + 2 * L * B * H + B * 4 * H + B * VOCAB + 2 * B * LANES + B
+    return 4 * (floats + (layout.size + B) % 2) + 8 * B
+
+
+def fits(layout: Layout, B: int) -> bool:
+    """Whether a member of this model on B rows fits one block's shared memory on the device."""
+    return shared_bytes(layout, B) <= runtime().max_shared
+
+
+@dataclass(frozen=True)
+class Members:
+    """The member table of one launch, (M,) each: member m is theta[expert[m]] + sign[m] * eps *
+    delta_{direction[m]} (sign 0: theta itself), on batch batch[m]."""
+    direction: np.ndarray  # int32
+    sign: np.ndarray  # float32: +1, -1 or 0
+    expert: np.ndarray  # int32: row of the per-expert thetas, counters and eps
+    batch: np.ndarray  # int32: which (B, T+1) batch
+
+
+def population_members(pop: Population, pairs: range, expert: int = 0, batch: int = 0) -> Members:
+    """The 2 len(pairs) members of `pairs` of a dense Population in the order of
+    zosoma.engines.ops.perturbed: member 2j is theta + eps delta_k, 2j+1 theta - eps delta_k
+    (k = pairs[j]); one-sided, theta + eps delta_2k and theta + eps delta_2k+1."""
+    k = np.repeat(np.arange(pairs.start, pairs.stop, dtype=np.int64), 2)
+    if pop.onesided:
+        direction, sign = 2 * k + np.tile([0, 1], len(pairs)), np.ones(k.size)
+    else:
+        direction, sign = k, np.tile([1.0, -1.0], len(pairs))
+    return Members(direction.astype(np.int32), sign.astype(np.float32), np.full(k.size, expert, np.int32),
+                   np.full(k.size, batch, np.int32))
+
+
+def member_losses(thetas, layout: Layout, batches, members: Members, counters, eps, kind: str) -> np.ndarray:
+    """Mean nats/byte of every member of the table, in one launch. thetas (N, d) float32; batches
+    (nb, B, T+1) uint8; counters (N, 4) uint32: (k0, k1, expert id, step) of each expert's noise
+    (`expert_counters`); eps (N,) float32. Returns (M,) float64 NumPy."""
+    thetas, batches = to_device(thetas), to_device(batches, np.uint8)
+    N, d = thetas.shape
+    nb, B, T1 = batches.shape
+    M = members.direction.shape[0]
+    cfg = layout.config
+    if d != layout.size or T1 < 2:
+        raise ValueError(f"thetas must be (N, {layout.size}) and batches (nb, B, T+1 >= 2), got {thetas.shape}, "
+                         f"{batches.shape}")
+    if M and (members.expert.min() < 0 or members.expert.max() >= N or members.batch.min() < 0
+              or members.batch.max() >= nb):
+        raise ValueError(f"the member table names experts outside 0..{N - 1} or batches outside 0..{nb - 1}")
+    loss = runtime().xp.empty(M, np.float64)
+    if M:
+        # two copies up: the member table, then each expert's counters and eps (as their bits)
+        sign_bits = members.sign.astype(np.float32).view(np.int32)
+        table = to_device(np.concatenate([members.direction.astype(np.int32), sign_bits,
+                                          members.expert.astype(np.int32), members.batch.astype(np.int32)]), np.int32)
+        per_expert = to_device(np.concatenate([np.asarray(counters, np.uint32).ravel(),
+                                               np.asarray(eps, np.float32).view(np.uint32)]), np.uint32)
+        direction, sign, expert, batch = (table[i * M:(i + 1) * M] for i in range(4))
+        custom_kernels.launch_blocks("fused_population_loss", M, THREADS, shared_bytes(layout, B), loss, thetas, d,
+                                     batches, B, T1 - 1, direction, sign.view(np.float32), expert, batch,
+                                     per_expert[:4 * N], per_expert[4 * N:].view(np.float32), M, cfg.embed,
+                                     cfg.hidden, cfg.layers, kind_code(kind))
+    return to_numpy(loss)
+
+
+def expert_counters(pops: list[Population]) -> np.ndarray:
+    """(N, 4) uint32: each Population's Philox key and counters (k0, k1, expert, step)."""
+    return np.array([(*stream_key(p.seed), p.expert & _U32, p.step & _U32) for p in pops], np.uint32)
+
+
+def spsa_losses(theta, layout: Layout, batch, pop: Population, pairs: range | None = None):
+    """L(member 2j) and L(member 2j+1) of `pairs` (default all) of a dense Population on one
+    shared (B, T+1) batch, as cuda_forward.spsa_losses, in one launch. Returns (plus, minus),
+    each (len(pairs),) float64 NumPy."""
+    (plus, minus), = experts_losses(to_device(theta)[None], layout, to_device(batch, np.uint8)[None], [pop],
+                                    None if pairs is None else [pairs])
+    return plus, minus
+
+
+def experts_losses(thetas, layout: Layout, batches, pops: list[Population], pairs: list[range] | None = None):
+    """The steps of N experts in ONE launch: expert n's pairs of pops[n] (default all) around
+    thetas[n] on batches[n]. thetas (N, d); batches (N, B, T+1) uint8; one dense Population per
+    expert, all of one noise kind. Returns one (plus, minus) per expert, as N calls of
+    spsa_losses would."""
+    if len({p.kind for p in pops}) > 1 or any(p.rank for p in pops):
+        raise ValueError("experts_losses takes dense populations of one noise kind")
+    pairs = [range(p.P) for p in pops] if pairs is None else pairs
+    tables = [population_members(p, r, expert=n, batch=n) for n, (p, r) in enumerate(zip(pops, pairs))]
+    members = Members(*(np.concatenate([getattr(t, f) for t in tables]) for f in Members.__dataclass_fields__))
+    eps = np.array([p.scale for p in pops], np.float32)
+    losses = member_losses(thetas, layout, batches, members, expert_counters(pops), eps, pops[0].kind)
+    out, at = [], 0
+    for r in pairs:
+        out.append((losses[at:at + 2 * len(r):2], losses[at + 1:at + 2 * len(r):2]))
+        at += 2 * len(r)
+    return out
+
+
+def population_loss(thetas, layout: Layout, batch) -> np.ndarray:
+    """Mean nats/byte of M given models (no noise) in one launch, as cuda_forward.population_loss.
+    thetas (M, d); batch (B, T+1) shared or (M, B, T+1) one per member. Returns (M,) float64."""
+    thetas = to_device(thetas)
+    batch = to_device(batch, np.uint8)
+    batches = batch[None] if batch.ndim == 2 else batch
+    M = thetas.shape[0]
+    members = Members(np.zeros(M, np.int32), np.zeros(M, np.float32), np.arange(M, dtype=np.int32),
+                      np.arange(M, dtype=np.int32) if batches.shape[0] > 1 else np.zeros(M, np.int32))
+    return member_losses(thetas, layout, batches, members, np.zeros((M, 4), np.uint32), np.zeros(M, np.float32),
+                         "rademacher")
