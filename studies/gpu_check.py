@@ -276,6 +276,43 @@ def validate(cp, checks: Checks, rng):
                        eggroll.eggroll_population_loss(theta_s, paper, batch, *args), rtol=2e-5)
 
 
+def validate_fused(cp, checks: Checks, rng):
+    """The fused small-expert kernels (kernels/fused.cu) at SOMA's expert size: against Numba, and
+    bitwise against the materialised population, N separate launches and N separate updates."""
+    print("fused small-expert kernels (E=16 H=20)", flush=True)
+    soma = Layout(ModelConfig(embed=16, hidden=20, layers=1))
+    thetas = np.stack([init_params(soma.config, 0, n) for n in range(3)])
+    batches = rng.integers(0, VOCAB, (3, 8, 33), dtype=np.uint8)
+    pops = [Population(8, 1e-2, 2**33 + n, n, 7 + n, "rademacher", onesided=n == 1) for n in range(3)]
+    plus, minus = fused_forward.spsa_losses(thetas[0], soma, batches[0], pops[0])
+    want = Ops().perturbed_losses(thetas[0], soma, batches[0], pops[0])
+    checks.compare("fused spsa_losses E=16 H=20 P=8 B=8 T=32 vs numba", np.concatenate([plus, minus]),
+                   np.concatenate(want), rtol=1e-5)
+    members = cuda_noise.perturbed(thetas[0], 1e-2, range(8), pops[0].seed, 0, pops[0].step, "rademacher")
+    checks.compare("fused members vs the perturb kernel's, through the same kernel",
+                   np.stack([plus, minus], 1).ravel(), fused_forward.population_loss(members, soma, batches[0]),
+                   exact=True)
+    together = fused_forward.experts_losses(thetas, soma, batches, pops)
+    alone = [fused_forward.spsa_losses(thetas[n], soma, batches[n], pops[n]) for n in range(3)]
+    checks.compare("fused 3 experts in one launch vs 3 launches", np.concatenate([np.concatenate(x) for x in together]),
+                   np.concatenate([np.concatenate(x) for x in alone]), exact=True)
+    coeffs = rng.standard_normal((3, 8))
+    pops = [Population(8, 1e-2, 2**33 + n, n, 7 + n, "rademacher") for n in range(3)]
+    updated = fused_forward.experts_update(thetas, coeffs, pops, 0.1, 0.01)
+    alone = [cuda_noise.spsa_update(thetas[n], coeffs[n], 0.1, p.seed, p.expert, p.step, p.kind, 0.01)
+             for n, p in enumerate(pops)]
+    checks.compare("experts_update 3 experts vs 3 spsa_update", updated, cp.stack(alone), exact=True)
+
+
+def experts_timing() -> str:
+    """zosoma.benchmarks.bench_launches on the device: launches and seconds per SOMA step of N =
+    1, 16, 64 experts of E=16 H=20, today's path against the fused kernels."""
+    from zosoma.benchmarks.bench_launches import count_launches, format_launches
+
+    print("timing: SOMA steps of N experts, kernels vs fused", flush=True)
+    return format_launches(count_launches(rt=custom_kernels.runtime(), timed_steps=5), "counted and timed here")
+
+
 def _timed(fn, sync, repeats=3):
     """Median seconds of fn() after one warm-up, synchronising the device around each call."""
     fn()
@@ -358,7 +395,8 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
         config = ModelConfig(embed=E, hidden=H, layers=1)
         for path in cuda_forward.PATHS:
             if path != "fused" or fused_forward.fits(Layout(config), SOMA_STEP["B"]):
-                rows.append(device_step(cp, config, **SOMA_STEP, sync=sync, steps=10, name=f"E={E} H={H}", path=path))
+                rows.append(device_step(cp, config, **SOMA_STEP, sync=sync, steps=10, name=f"E={E} H={H}",
+                                        path=path))
 
 
 ENGINE_MODULES = (cuda_ops, cuda_forward, cuda_noise)  # each calls zosoma.arrays.to_numpy by its own name
@@ -501,12 +539,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     with poisoned_allocations(cp):
         validate(cp, checks, np.random.default_rng(2024))
+        validate_fused(cp, checks, np.random.default_rng(2025))
     print(f"validation took {time.perf_counter() - start:.0f} s", flush=True)
-    routed = ""
+    routed = steps = ""
     if not args.skip_timing:
         timing(cp, rows)
+        steps = "\n" + experts_timing() + "\n"
         routed = routed_timing(checks)
-    text = table(device_line, checks, rows, routed)
+    text = table(device_line, checks, rows, routed) + steps
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print("\n" + text + f"(written to {args.out})")

@@ -13,6 +13,7 @@ import pytest
 
 from test_kernels import LOSS_RTOL, _bytes, _model, _population, emulated_libs, rt  # noqa: F401 (fixtures)
 from helpers import assert_close
+from zosoma.arrays import to_numpy
 from zosoma.config import ModelConfig
 from zosoma.engines.cpu import forward
 from zosoma.engines.cuda import cuda_forward, cuda_noise, custom_kernels, fused_forward
@@ -119,3 +120,68 @@ def test_the_engine_step_takes_the_fused_path_where_it_fits(rt, monkeypatch):
     with pytest.raises(ValueError, match="path must be one of"):
         with cuda_forward.forced_path("graph?"):
             pass
+
+
+def test_experts_update_in_one_launch_equals_separate_updates(rt):
+    """N experts' fused ZO-SGD updates (each its own counters, coefficients, rate and weight decay)
+    in one launch give the bits of N spsa_update launches, in place too."""
+    theta, layout = _model(8, 12, 1, scale=1.0)
+    N = 3
+    thetas = _population(theta, N, seed=7)
+    pops = [Population(4, 1e-2, 11 * n, n, 5 - n, "gaussian") for n in range(N)]
+    coeffs = np.random.default_rng(8).standard_normal((N, 4))
+    lr, wd = [0.1, 0.2, 0.3], [0.0, 0.01, 0.02]
+    together = fused_forward.experts_update(custom_kernels.to_device(thetas), coeffs, pops, lr, wd)
+    for n, pop in enumerate(pops):
+        alone = cuda_noise.spsa_update(thetas[n], coeffs[n], lr[n], pop.seed, pop.expert, pop.step, pop.kind, wd[n])
+        np.testing.assert_array_equal(to_numpy(together[n]), to_numpy(alone))
+    x = custom_kernels.to_device(thetas.copy())
+    assert fused_forward.experts_update(x, coeffs, pops, lr, wd, out=x) is x
+    np.testing.assert_array_equal(to_numpy(x), to_numpy(together))
+    with pytest.raises(ValueError, match="coeffs"):
+        fused_forward.experts_update(x, coeffs[:2], pops, lr)
+
+
+def test_launches_per_step_are_counted_without_running_them(rt):
+    """The recording runtime (launches recorded, none run) counts what the emulated runtime runs;
+    the fused path takes 2 launches a step whatever N, the kernels path 2T + 5 per expert."""
+    from zosoma.benchmarks.bench_launches import count_launches, format_launches
+
+    shape = dict(model=ModelConfig(embed=8, hidden=12, layers=1), P=2, B=2, T=5, experts=(1, 3))
+    recorded = count_launches(**shape)
+    ran = count_launches(**shape, rt=rt, timed_steps=1)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "step_s"} for r in rows]  # noqa: E731
+    assert strip(recorded) == strip(ran)
+    launches = {(r["path"], r["experts"]): (r["kernels"], r["gemms"]) for r in recorded}
+    assert launches == {("kernels", 1): (5 + 3, 5 + 2), ("kernels", 3): (3 * 8, 3 * 7),
+                        ("fused", 1): (2, 0), ("fused", 3): (2, 0)}
+    text = format_launches(ran, "emulated")
+    assert "fused       3        2      0         2        0.67" in text, text
+
+
+def test_bench_spsa_launches_cli():
+    """`zosoma bench spsa --launches` counts without a device (the recording runtime)."""
+    from click.testing import CliRunner
+
+    from zosoma.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["bench", "spsa", "--launches", "-P", "2", "--seq-len", "4", "--batch", "2"])
+    assert result.exit_code == 0, result.output
+    assert "recorded on the CPU" in result.output
+    assert [line.split()[:6] for line in result.output.splitlines() if line.startswith("  fused")] == [
+        ["fused", str(N), "2", "0", "2", f"{2 / N:.2f}"] for N in (1, 16, 64)]
+
+
+@pytest.mark.slow
+def test_gpu_check_validates_the_fused_kernels(rt):
+    """studies/gpu_check.py's checks of the fused kernels pass on the runtime at hand."""
+    import importlib.util
+
+    from test_kernels import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "studies" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    checks = check.Checks()
+    check.validate_fused(rt.xp, checks, np.random.default_rng(0))
+    assert len(checks.rows) == 4 and not checks.failed, checks.failed

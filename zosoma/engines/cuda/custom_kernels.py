@@ -10,6 +10,7 @@ checked against them, so a Python scalar is always passed at the width the kerne
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -104,6 +105,18 @@ class CupyRuntime:
 
 
 _runtime = None
+
+
+@contextlib.contextmanager
+def using(rt):
+    """`rt` as the active runtime inside the block (a recording runtime counts a step's launches:
+    zosoma.engines.cuda.launches)."""
+    global _runtime
+    before, _runtime = _runtime, rt
+    try:
+        yield rt
+    finally:
+        _runtime = before
 
 
 def runtime():

@@ -134,6 +134,29 @@ def experts_losses(thetas, layout: Layout, batches, pops: list[Population], pair
     return out
 
 
+def experts_update(thetas, coeffs, pops: list[Population], lr, weight_decay=0.0, out=None):
+    """One fused ZO-SGD step of N experts in ONE launch: row n is what cuda_noise.spsa_update
+    makes of thetas[n] with coeffs[n] under pops[n]'s counters, bit for bit. thetas (N, d) device
+    float32; coeffs (N, K): K estimate scalars per expert (K = each Population's directions); lr,
+    weight_decay: one each or one per expert. Returns the (N, d) device array (out, when given:
+    it may be thetas, in place)."""
+    thetas = to_device(thetas)
+    N, d = thetas.shape
+    c = np.asarray(to_numpy(coeffs), np.float64)
+    if c.ndim != 2 or c.shape[0] != N or len(pops) != N or len({p.kind for p in pops}) > 1:
+        raise ValueError(f"experts_update takes thetas (N, d), coeffs (N, K) and N populations of one noise kind, "
+                         f"got {thetas.shape}, {c.shape} and {len(pops)}")
+    coef = to_device((c / c.shape[1]).astype(np.float32))  # coeffs[k] / K as spsa_update's coefficients
+    lr = np.broadcast_to(np.asarray(lr, np.float64), N)
+    wd = np.broadcast_to(np.asarray(weight_decay, np.float64), N)
+    rates = np.stack([lr.astype(np.float32), np.where(wd != 0, (lr * wd).astype(np.float32), 0)], axis=1)
+    out = runtime().xp.empty_like(thetas) if out is None else custom_kernels.check_out(out, (N, d))
+    counters = to_device(expert_counters(pops), np.uint32)
+    custom_kernels.launch("experts_update", -(-d // 4), out, thetas, coef, c.shape[1], d, counters,
+                          to_device(rates, np.float32), N, kind_code(pops[0].kind), rows=N)
+    return out
+
+
 def population_loss(thetas, layout: Layout, batch) -> np.ndarray:
     """Mean nats/byte of M given models (no noise) in one launch, as cuda_forward.population_loss.
     thetas (M, d); batch (B, T+1) shared or (M, B, T+1) one per member. Returns (M,) float64."""

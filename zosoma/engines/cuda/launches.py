@@ -9,6 +9,8 @@ weights, fills, the loss sum) are not counted.
 
 from __future__ import annotations
 
+import numpy as np
+
 from zosoma.engines.cuda import custom_kernels
 
 
@@ -38,3 +40,33 @@ class Launches:
 
     def __exit__(self, *exc):
         custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul = self._saved
+
+
+class _ShapesOnly:
+    """NumPy, except that matmul only makes its result's shape (out, or an uninitialised array)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def matmul(a, b, out=None):
+        shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+        return out if out is not None else np.empty(shape, np.result_type(a, b))
+
+
+class RecordingRuntime:
+    """custom_kernels' runtime without a device: NumPy arrays, every launch recorded (name, grid,
+    block, shared bytes) and none run, GEMMs shaped and not computed. The launches of a step do not
+    depend on the values computed, so this counts them at any size in no time (use it with
+    custom_kernels.using). The limits are an H200's."""
+
+    max_grid = (1 << 16, 65535)
+    max_threads = 1024
+    max_shared = 227 << 10
+
+    def __init__(self):
+        self.xp = _ShapesOnly()
+        self.launched = []
+
+    def launch(self, file, name, grid, block, args, shared_mem=0):
+        self.launched.append((name, grid, block, shared_mem))

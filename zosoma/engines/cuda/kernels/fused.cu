@@ -162,3 +162,36 @@ extern "C" __global__ void fused_population_loss(double* loss, const float* thet
         __syncthreads();  // the next member overwrites the weights and the row sums
     }
 }
+
+// The fused ZO-SGD update of N experts in one launch: row n of out = (theta_n - lr_n * ghat_n)
+// - lr_wd_n * theta_n, ghat_n = sum_k coef[n, k] * delta_k under expert n's counters, every term
+// rounded as noise.cu's spsa_update rounds it, so each row is bit-identical to that kernel's update
+// of the expert alone. No barrier: one thread per group of 4 parameters of one expert.
+//   out, thetas (N, d) (out may be thetas); coef (N, P): coeffs / P as float32;
+//   counters (N, 4) uint32 as fused_population_loss's; rates (N, 2): lr, lr * weight_decay
+// grid.x over the groups, grid.y over the experts (both grid-stride).
+extern "C" __global__ void experts_update(float* out, const float* thetas, const float* coef, int P, long long d,
+                                          const unsigned int* counters, const float* rates, int N, int kind) {
+    const long long groups = (d + 3) / 4;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (int n = blockIdx.y; n < N; n += gridDim.y) {
+        const unsigned int* key = counters + 4 * n;
+        const float lr = rates[2 * n], lr_wd = rates[2 * n + 1];
+        for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int k = 0; k < P; ++k) {
+                float delta[4];
+                noise4((unsigned long long)g, kind, key[0], key[1], (unsigned int)k, key[3], key[2], delta);
+                const float c = coef[(long long)n * P + k];
+                for (int q = 0; q < 4; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(c, delta[q]));
+            }
+            for (int q = 0; q < 4 && 4 * g + q < d; ++q) {
+                const long long i = (long long)n * d + 4 * g + q;
+                const float t = thetas[i];
+                float v = __fsub_rn(t, __fmul_rn(lr, acc[q]));
+                if (lr_wd != 0.0f) v = __fsub_rn(v, __fmul_rn(lr_wd, t));
+                out[i] = v;
+            }
+        }
+    }
+}
