@@ -11,8 +11,10 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    zosoma.engines.ops at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
    log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream,
    log_probs and population_nll against the Numba forward and the NumPy reference;
-   eggroll_population_loss against zosoma.engines.cpu.lowrank's CPU forward. Each line prints its max abs and
-   relative error.
+   eggroll_population_loss against zosoma.engines.cpu.lowrank's CPU forward; the fused small-expert
+   kernels (kernels/fused.cu) against Numba and bitwise against the materialised population, N
+   separate launches and N separate updates; a captured and a replayed graph step against the
+   kernels path. Each line prints its max abs and relative error.
 2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
    forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
    member, as a PyTorch user would evaluate SPSA perturbations, and (b) one cuDNN model on all M*B
@@ -23,7 +25,9 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    fp32 GEMMs unless CUPY_TF32 is set.
    Then the same step at the expert sizes SOMA trains best (SOMA_SHAPES: E x H, L = 1; P = 64,
    B = 8, T = 32), where it is bound by kernel launches (docs/gpu.md): each row also counts its
-   launches per step, zosoma's raw kernels and its batched GEMMs.
+   launches per step, zosoma's raw kernels and its batched GEMMs, on each path of the population
+   forward (the per-timestep kernels, those captured as a graph, the fused kernel where it fits);
+   then the step of N = 1, 16, 64 such experts on each path (zosoma.benchmarks.bench_launches).
 3. Routed top-4 inference (zosoma.benchmarks.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
    same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
@@ -302,6 +306,15 @@ def validate_fused(cp, checks: Checks, rng):
     alone = [cuda_noise.spsa_update(thetas[n], coeffs[n], 0.1, p.seed, p.expert, p.step, p.kind, 0.01)
              for n, p in enumerate(pops)]
     checks.compare("experts_update 3 experts vs 3 spsa_update", updated, cp.stack(alone), exact=True)
+    for step in (0, 1):  # step 0 captures the graph, step 1 replays it with new counters and a new batch
+        args = (thetas[0], soma, batches[step], 8, 1e-2, 5, 0, step, "rademacher")
+        with cuda_forward.forced_path("kernels"):
+            want = np.concatenate(cuda_forward.spsa_losses(*args))
+        with cuda_forward.forced_path("graph"):
+            got = np.concatenate(cuda_forward.spsa_losses(*args))
+        # the same kernels and GEMMs; the graph's nll is summed on the host, the kernels path's on the device
+        checks.compare(f"graph step {step} ({'captured' if step == 0 else 'replayed'}) vs the kernels path", got, want,
+                       rtol=1e-12)
 
 
 def experts_timing() -> str:

@@ -144,7 +144,8 @@ def test_experts_update_in_one_launch_equals_separate_updates(rt):
 
 def test_launches_per_step_are_counted_without_running_them(rt):
     """The recording runtime (launches recorded, none run) counts what the emulated runtime runs;
-    the fused path takes 2 launches a step whatever N, the kernels path 2T + 5 per expert."""
+    the fused path takes 2 launches a step whatever N, the graph path 3 per expert (perturb, the
+    graph, the update), the kernels path 2T + 5 per expert."""
     from zosoma.benchmarks.bench_launches import count_launches, format_launches
 
     shape = dict(model=ModelConfig(embed=8, hidden=12, layers=1), P=2, B=2, T=5, experts=(1, 3))
@@ -154,9 +155,11 @@ def test_launches_per_step_are_counted_without_running_them(rt):
     assert strip(recorded) == strip(ran)
     launches = {(r["path"], r["experts"]): (r["kernels"], r["gemms"]) for r in recorded}
     assert launches == {("kernels", 1): (5 + 3, 5 + 2), ("kernels", 3): (3 * 8, 3 * 7),
+                        ("graph", 1): (2, 0), ("graph", 3): (3 * 2, 0),  # + one graph per expert
                         ("fused", 1): (2, 0), ("fused", 3): (2, 0)}
+    assert [r["launches"] for r in recorded if r["path"] == "graph"] == [3, 9]
     text = format_launches(ran, "emulated")
-    assert "fused       3        2      0         2        0.67" in text, text
+    assert "fused       3        2      0      0         2        0.67" in text, text
 
 
 def test_bench_spsa_launches_cli():
@@ -168,8 +171,8 @@ def test_bench_spsa_launches_cli():
     result = CliRunner().invoke(cli, ["bench", "spsa", "--launches", "-P", "2", "--seq-len", "4", "--batch", "2"])
     assert result.exit_code == 0, result.output
     assert "recorded on the CPU" in result.output
-    assert [line.split()[:6] for line in result.output.splitlines() if line.startswith("  fused")] == [
-        ["fused", str(N), "2", "0", "2", f"{2 / N:.2f}"] for N in (1, 16, 64)]
+    assert [line.split()[:7] for line in result.output.splitlines() if line.startswith("  fused ")] == [
+        ["fused", str(N), "2", "0", "0", "2", f"{2 / N:.2f}"] for N in (1, 16, 64)]
 
 
 @pytest.mark.slow
@@ -184,4 +187,4 @@ def test_gpu_check_validates_the_fused_kernels(rt):
     spec.loader.exec_module(check)
     checks = check.Checks()
     check.validate_fused(rt.xp, checks, np.random.default_rng(0))
-    assert len(checks.rows) == 4 and not checks.failed, checks.failed
+    assert len(checks.rows) == 6 and not checks.failed, checks.failed

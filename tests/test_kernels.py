@@ -92,6 +92,9 @@ _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_
            np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.uint64): ctypes.c_ulonglong}
 
 
+_MATMUL = np.matmul
+
+
 class EmulatedRuntime:
     """custom_kernels.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
     as the driver API does (grid, block, an array of pointers to the arguments)."""
@@ -103,8 +106,12 @@ class EmulatedRuntime:
 
     def __init__(self, libs):
         self.libs = libs
+        self._recording = None  # the launch list while a graph is captured
 
     def launch(self, file, name, grid, block, args, shared_mem=0):
+        if self._recording is not None:  # a graph bakes in the arguments: array addresses and scalars
+            self._recording.append(lambda: self.launch(file, name, grid, block, args, shared_mem))
+            return
         values = []
         for a in args:
             if isinstance(a, np.ndarray):
@@ -119,6 +126,51 @@ class EmulatedRuntime:
         else:
             assert shared_mem == 0, f"{name} takes no shared memory"
             kernel(*dims, pointers)
+
+
+    def _run(self, op):
+        """op() now, or recorded for the graph being captured (then only replays run it)."""
+        if self._recording is None:
+            op()
+        else:
+            self._recording.append(op)
+
+    def gemm(self, a, b, out=None):
+        if self._recording is None:
+            return np.matmul(a, b, out=out)  # looked up now: launches.Launches counts it
+        if out is None:
+            out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
+        self._recording.append(lambda: _MATMUL(a, b, out=out))  # inside a replay, not a launch of its own
+        return out
+
+    def contiguous(self, x):
+        out = np.empty(x.shape, x.dtype)
+        self._run(lambda: np.copyto(out, x))
+        return out
+
+    def zeros(self, shape, dtype=np.float32):
+        out = np.empty(shape, dtype)
+        self._run(lambda: out.fill(0))
+        return out
+
+    def capture(self, fn):
+        """fn's launches, GEMMs, copies and fills recorded, not run (as a CUDA stream capture):
+        a graph whose replay() runs the list."""
+        self._recording = []
+        try:
+            outputs = fn()
+        finally:
+            ops, self._recording = self._recording, None
+        return EmulatedGraph(ops, outputs)
+
+
+class EmulatedGraph:
+    def __init__(self, ops, outputs):
+        self.ops, self.outputs = ops, outputs
+
+    def replay(self):
+        for op in self.ops:
+            op()
 
 
 class EmulatedLibs(dict):

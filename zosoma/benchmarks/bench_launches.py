@@ -3,6 +3,8 @@
     kernels   today's path: each expert's population through cuda_forward's perturb kernel,
               weight copies, a GEMM and a cell kernel per timestep, the logits and the
               log-softmax, then the expert's fused update: ~2T + 5 launches per expert
+    graph     the same forward captured once per shape as a CUDA graph (graph_forward): per
+              expert the perturb kernel, the graph, the update: 3 launches per expert
     fused     every expert's members in ONE fused.cu launch (fused_forward.experts_losses), then
               every expert's update in ONE launch (fused_forward.experts_update): 2 launches a
               step, whatever N
@@ -28,7 +30,7 @@ from zosoma.model.population import Population
 SOMA_EXPERT = ModelConfig(embed=16, hidden=20, layers=1)
 SOMA_STEP = dict(P=64, B=8, T=32)
 EXPERTS = (1, 16, 64)
-PATHS = ("kernels", "fused")
+PATHS = ("kernels", "graph", "fused")
 
 
 def experts_step(path: str, thetas, layout: Layout, batches, pops: list[Population], lr: float):
@@ -40,9 +42,9 @@ def experts_step(path: str, thetas, layout: Layout, batches, pops: list[Populati
         coeffs = np.stack([(plus - minus) / (2 * p.scale) for (plus, minus), p in zip(losses, pops)])
         fused_forward.experts_update(thetas, coeffs, pops, lr, out=thetas)
         return
-    if path != "kernels":
+    if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
-    with cuda_forward.forced_path("kernels"):
+    with cuda_forward.forced_path(path):
         for n, p in enumerate(pops):
             plus, minus = cuda_forward.spsa_losses(thetas[n], layout, batches[n], p.P, p.scale, p.seed, p.expert,
                                                    p.step, p.kind)
@@ -79,7 +81,7 @@ def count_launches(model: ModelConfig = SOMA_EXPERT, P: int = SOMA_STEP["P"], B:
                     experts_step(path, thetas, layout, batches, pops(2 + s), 1e-4)
                     sync()
                     seconds.append(time.perf_counter() - t0)
-                rows.append({"path": path, "experts": N, "kernels": n.kernels, "gemms": n.gemms,
+                rows.append({"path": path, "experts": N, "kernels": n.kernels, "gemms": n.gemms, "graphs": n.graphs,
                              "launches": n.total, "per_expert": n.total / N,
                              "step_s": float(np.median(seconds)) if seconds else None,
                              "tokens": 2 * P * B * T * N})
@@ -88,14 +90,15 @@ def count_launches(model: ModelConfig = SOMA_EXPERT, P: int = SOMA_STEP["P"], B:
 
 def format_launches(rows: list[dict], where: str) -> str:
     """The table of count_launches; `where` says which runtime counted."""
-    lines = [f"launches per SPSA step of N experts ({where}): raw kernels + GEMMs",
-             f"  {'path':<8} {'N':>4} {'kernels':>8} {'GEMMs':>6} {'launches':>9} {'per expert':>11} {'s/step':>9}"
-             f" {'tokens/s':>12}"]
+    lines = [f"launches per SPSA step of N experts ({where}): raw kernels + GEMMs + graph replays",
+             f"  {'path':<8} {'N':>4} {'kernels':>8} {'GEMMs':>6} {'graphs':>6} {'launches':>9} {'per expert':>11}"
+             f" {'s/step':>9} {'tokens/s':>12}"]
     for r in rows:
         timed = (f" {r['step_s']:>9.5f} {r['tokens'] / r['step_s']:>12,.0f}" if r["step_s"] else
                  f" {'-':>9} {'-':>12}")
-        lines.append(f"  {r['path']:<8} {r['experts']:>4} {r['kernels']:>8} {r['gemms']:>6} {r['launches']:>9} "
-                     f"{r['per_expert']:>11.2f}" + timed)
-    lines.append("  kernels: each expert through the per-timestep kernels (today's path); fused: every expert's "
-                 "members in one fused.cu launch, every update in one")
+        lines.append(f"  {r['path']:<8} {r['experts']:>4} {r['kernels']:>8} {r['gemms']:>6} {r['graphs']:>6} "
+                     f"{r['launches']:>9} {r['per_expert']:>11.2f}" + timed)
+    lines.append("  kernels: each expert through the per-timestep kernels (today's path); graph: those captured once "
+                 "as a CUDA graph (per expert: perturb, the graph, the update); fused: every expert's members in one "
+                 "fused.cu launch, every update in one")
     return "\n".join(lines)

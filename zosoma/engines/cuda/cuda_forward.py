@@ -18,8 +18,9 @@ bandwidth at small B; batching members amortises the kernel launches, not those 
 
 An SPSA step's population of a small model (one member's weights and state within a block's
 shared memory: fused_forward.fits) runs instead as ONE launch of kernels/fused.cu, which builds
-each member from its counters and runs the whole forward inside a block (fused_forward);
-`forced_path` picks a path for benchmarks and tests.
+each member from its counters and runs the whole forward inside a block (fused_forward). The
+forward above can also be captured once as a CUDA graph and replayed (graph_forward; the "graph"
+path, opt-in until a device has timed it). `forced_path` picks a path for benchmarks and tests.
 
 EGGROLL's population (eggroll_population_loss) shares one theta: members 2i, 2i+1 use
 W +/- c A_i B_i^T, so each product above becomes ONE GEMM of all members' rows with the shared W
@@ -37,14 +38,15 @@ import numpy as np
 
 from zosoma.arrays import to_numpy
 from zosoma.config import VOCAB
-from zosoma.engines.cuda import custom_kernels, fused_forward
+from zosoma.engines.cuda import custom_kernels, fused_forward, graph_forward
 from zosoma.engines.cuda.cuda_noise import perturb, perturbed
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 
-PATHS = ("fused", "kernels")  # an SPSA step's population forward: fused.cu, or the per-timestep kernels
+# an SPSA step's population forward: fused.cu; the per-timestep kernels captured as a graph; the kernels
+PATHS = ("fused", "graph", "kernels")
 _forced_path = None
 ROWS_PER_CHUNK = 1024  # target Tc*B rows of the per-chunk GEMMs (as zosoma.engines.cpu.forward)
 WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers, per call
@@ -53,7 +55,7 @@ WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers,
 @contextlib.contextmanager
 def forced_path(path: str):
     """SPSA steps inside the block take `path` (one of PATHS) whatever the model's size (`zosoma
-    bench spsa` and studies/gpu_check.py time both)."""
+    bench spsa --launches` and studies/gpu_check.py time each)."""
     global _forced_path
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
@@ -65,7 +67,8 @@ def forced_path(path: str):
 
 
 def step_path(layout: Layout, B: int) -> str:
-    """The path of an SPSA step's population forward: fused where a member fits shared memory."""
+    """The path of an SPSA step's population forward: fused where a member fits shared memory, else
+    the kernels (the graph only when forced, until a device has timed it)."""
     return _forced_path or ("fused" if fused_forward.fits(layout, B) else "kernels")
 
 
@@ -96,10 +99,10 @@ class _Dense:
     members (cuBLAS strided-batched through cupy.matmul)."""
 
     def __init__(self, thetas, layout: Layout):
-        xp = runtime().xp
+        rt = runtime()
         self.M = thetas.shape[0]
         # contiguous per-member copies: cupy.matmul would copy a strided operand at every call
-        self.w = {e.name: xp.ascontiguousarray(layout.view(thetas, e.name)) for e in layout.entries}
+        self.w = {e.name: rt.contiguous(layout.view(thetas, e.name)) for e in layout.entries}
 
     def embed(self):
         """(M, V, E) every member's embedding."""
@@ -111,7 +114,7 @@ class _Dense:
 
     def matmul(self, x, name: str, out=None):
         """x (M, R, K) @ each member's matrix `name` (K, N) -> (M, R, N), into out when given."""
-        return runtime().xp.matmul(x, self.w[name], out=out)
+        return runtime().gemm(x, self.w[name], out)
 
 
 class _LowRank:
@@ -206,10 +209,10 @@ def _forward(weights, layout: Layout, tokens, targets, h, c, want_logp: bool = F
 
 def _nll(weights, layout: Layout, tokens, targets):
     """nll (M, B, T) on the device of the members of `weights`, from zero state."""
-    xp = runtime().xp
+    rt = runtime()
     cfg = layout.config
-    h = xp.zeros((cfg.layers, weights.M, tokens.shape[1], cfg.hidden), np.float32)
-    nll, _ = _forward(weights, layout, tokens, targets, h, xp.zeros_like(h))
+    shape = (cfg.layers, weights.M, tokens.shape[1], cfg.hidden)
+    nll, _ = _forward(weights, layout, tokens, targets, rt.zeros(shape), rt.zeros(shape))
     return nll
 
 
@@ -298,14 +301,17 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     batch = _check_bytes(batch, "batch", 2)
     pairs = range(P) if pairs is None else pairs
     B, T = batch.shape[0], batch.shape[1] - 1
-    if step_path(layout, B) == "fused":
-        return fused_forward.spsa_losses(theta, layout, batch, Population(P, eps, seed, expert, step, kind,
-                                                                          onesided=onesided), pairs)
+    path = step_path(layout, B)
+    pop = Population(P, eps, seed, expert, step, kind, onesided=onesided)
+    if path == "fused":
+        return fused_forward.spsa_losses(theta, layout, batch, pop, pairs)
     per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
     size = max(1, min(len(pairs), workspace_bytes // per_direction))
+    chunks = [range(start, min(pairs.stop, start + size)) for start in range(pairs.start, pairs.stop, size)]
+    if path == "graph":
+        return graph_forward.spsa_losses(theta, layout, batch, pop, chunks)
     plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
-    for start in range(pairs.start, pairs.stop, size):
-        chunk = range(start, min(pairs.stop, start + size))
+    for chunk in chunks:
         losses = population_loss(perturbed(theta, eps, chunk, seed, expert, step, kind, onesided=onesided), layout,
                                  batch, workspace_bytes)
         at = slice(chunk.start - pairs.start, chunk.stop - pairs.start)

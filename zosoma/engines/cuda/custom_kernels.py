@@ -103,6 +103,47 @@ class CupyRuntime:
             kernel.max_dynamic_shared_size_bytes = shared_mem
         kernel(grid, block, args, shared_mem=shared_mem)
 
+    # the forward's other device work, here so that a graph capture (and the emulated runtime) sees it
+    def gemm(self, a, b, out=None):
+        """a @ b (batched: one cuBLAS strided-batched GEMM), into out when given."""
+        return self.xp.matmul(a, b, out=out)
+
+    def contiguous(self, x):
+        """A C-contiguous copy of the view x."""
+        return self.xp.ascontiguousarray(x)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.xp.zeros(shape, dtype)
+
+    def capture(self, fn):
+        """fn's device work captured once as a CUDA graph: a Graph whose replay() runs it again on
+        the current stream and whose `outputs` are what fn returned. fn first runs once eagerly on
+        the capture stream, which loads its kernels, sizes cuBLAS's workspace and fills the
+        graph's own memory pool, so the capture allocates nothing new; the pool lives as long as
+        the graph, so nothing else reuses the memory its nodes write."""
+        cp = self.xp
+        pool, stream = cp.cuda.MemoryPool(), cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device().synchronize()  # the inputs fn reads were written on another stream
+        with cp.cuda.using_allocator(pool.malloc), stream:
+            fn()
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                outputs = fn()
+            finally:
+                graph = stream.end_capture()
+        return _CudaGraph(graph, pool, outputs)
+
+
+class _CudaGraph:
+    """A captured cupy.cuda.Graph, the memory pool its nodes write into, and fn's outputs."""
+
+    def __init__(self, graph, pool, outputs):
+        self.graph, self.pool, self.outputs = graph, pool, outputs
+
+    def replay(self):
+        self.graph.launch()  # on the current stream: ordered with the work before and after it
+
 
 _runtime = None
 

@@ -2,8 +2,9 @@
 studies/gpu_check.py report them per step (on a GPU, or on the emulated runtime of
 zosoma.engines.cuda.emulated, which issues the same launches).
 
-Counted: zosoma's raw kernels (custom_kernels.launch and launch_blocks) and its GEMMs (xp.matmul:
-one cuBLAS batched GEMM each). CuPy's own small kernels (contiguous copies of the members'
+Counted: zosoma's raw kernels (custom_kernels.launch and launch_blocks), its GEMMs (xp.matmul:
+one cuBLAS batched GEMM each) and replays of captured graphs (graph_forward.replay: one launch
+each, whatever the graph holds). CuPy's own small kernels (contiguous copies of the members'
 weights, fills, the loss sum) are not counted.
 """
 
@@ -11,21 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from zosoma.engines.cuda import custom_kernels
+from zosoma.engines.cuda import custom_kernels, graph_forward
 
 
 class Launches:
-    """Counts launches while active (a context manager): .kernels, .gemms, .total."""
+    """Counts launches while active (a context manager): .kernels, .gemms, .graphs (replays of a
+    captured graph, one launch each), .total."""
 
     def __init__(self, xp):
-        self.xp, self.kernels, self.gemms = xp, 0, 0
+        self.xp, self.kernels, self.gemms, self.graphs = xp, 0, 0, 0
 
     @property
     def total(self) -> int:
-        return self.kernels + self.gemms
+        return self.kernels + self.gemms + self.graphs
 
     def __enter__(self):
-        self._saved = custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul
+        self._saved = custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul, graph_forward.replay
 
         def counted(fn, field):
             def wrapper(*args, **kwargs):
@@ -36,10 +38,11 @@ class Launches:
         custom_kernels.launch = counted(self._saved[0], "kernels")
         custom_kernels.launch_blocks = counted(self._saved[1], "kernels")
         self.xp.matmul = counted(self._saved[2], "gemms")
+        graph_forward.replay = counted(self._saved[3], "graphs")
         return self
 
     def __exit__(self, *exc):
-        custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul = self._saved
+        custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul, graph_forward.replay = self._saved
 
 
 class _ShapesOnly:
@@ -52,6 +55,16 @@ class _ShapesOnly:
     def matmul(a, b, out=None):
         shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
         return out if out is not None else np.empty(shape, np.result_type(a, b))
+
+
+class _Replayed:
+    """A graph on the recording runtime: its launches were recorded at capture; a replay is one."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def replay(self):
+        pass
 
 
 class RecordingRuntime:
@@ -70,3 +83,15 @@ class RecordingRuntime:
 
     def launch(self, file, name, grid, block, args, shared_mem=0):
         self.launched.append((name, grid, block, shared_mem))
+
+    def gemm(self, a, b, out=None):
+        return self.xp.matmul(a, b, out=out)
+
+    def contiguous(self, x):
+        return np.ascontiguousarray(x)
+
+    def zeros(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+
+    def capture(self, fn):
+        return _Replayed(fn())
