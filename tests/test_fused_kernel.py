@@ -173,6 +173,8 @@ def test_bench_spsa_launches_cli():
     assert "recorded on the CPU" in result.output
     assert [line.split()[:7] for line in result.output.splitlines() if line.startswith("  fused ")] == [
         ["fused", str(N), "2", "0", "0", "2", f"{2 / N:.2f}"] for N in (1, 16, 64)]
+    result = CliRunner().invoke(cli, ["bench", "spsa", "--launches", "--shapes", "16x20"])
+    assert result.exit_code == 2 and "give it without --shapes" in result.output
 
 
 @pytest.mark.slow

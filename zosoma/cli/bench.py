@@ -92,6 +92,8 @@ def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, 
     from zosoma.benchmarks.roofline import format_shapes
     if shapes and (embed or hidden):
         raise click.UsageError("--shapes sets E and H: give it without --embed and --hidden")
+    if launches and (shapes or precision != "fp32"):
+        raise click.UsageError("--launches counts one model's fp32 step: give it without --shapes and --forward-precision")
     ops = device_ops(device)
     if launches:
         _bench_launches(embed, hidden, layers, perturbations, batch, seq_len, steps, ops)
