@@ -190,3 +190,45 @@ def test_gpu_check_validates_the_fused_kernels(rt):
     checks = check.Checks()
     check.validate_fused(rt.xp, checks, np.random.default_rng(0))
     assert len(checks.rows) == 6 and not checks.failed, checks.failed
+
+
+@pytest.mark.subprocess
+def test_emulated_barriers_wait_for_every_thread_and_report_a_divergent_one(tmp_path):
+    """emulate.h's block kernels: a value written before __syncthreads is seen by every thread
+    after it, and a barrier that some threads skip aborts with a message (as it would hang or
+    misbehave on a GPU)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from test_kernels import EMULATE_H
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    (tmp_path / "k.cpp").write_text('''
+extern "C" __global__ void rotate(float* x, int skip) {
+    __shared__ float s[64];
+    s[threadIdx.x] = x[threadIdx.x];
+    if (threadIdx.x >= (unsigned)skip) __syncthreads();
+    x[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
+}
+ZOSOMA_EMU_EXPORT_BLOCK(rotate)
+''')
+    lib = tmp_path / "k.so"
+    subprocess.run(["g++", "-std=c++17", "-shared", "-fPIC", "-include", str(EMULATE_H), "-x", "c++",
+                    str(tmp_path / "k.cpp"), "-o", str(lib)], check=True)
+    script = f'''
+import ctypes, sys
+import numpy as np
+lib = ctypes.CDLL({str(lib)!r})
+x = np.arange(8, dtype=np.float32)
+skip = ctypes.c_int(int(sys.argv[1]))
+ptr = ctypes.c_void_p(x.ctypes.data)
+args = (ctypes.c_void_p * 2)(ctypes.addressof(ptr), ctypes.addressof(skip))
+lib.emu_rotate((ctypes.c_uint * 3)(1, 1, 1), (ctypes.c_uint * 3)(8, 1, 1), ctypes.c_uint(0), args)
+print(x.astype(int).tolist())
+'''
+    ok = subprocess.run([sys.executable, "-c", script, "0"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "[1, 2, 3, 4, 5, 6, 7, 0]", ok.stdout + ok.stderr
+    bad = subprocess.run([sys.executable, "-c", script, "3"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "5 of 8 threads wait at __syncthreads, the others returned" in bad.stderr
