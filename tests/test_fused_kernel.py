@@ -232,3 +232,26 @@ print(x.astype(int).tolist())
     assert ok.returncode == 0 and ok.stdout.strip() == "[1, 2, 3, 4, 5, 6, 7, 0]", ok.stdout + ok.stderr
     bad = subprocess.run([sys.executable, "-c", script, "3"], capture_output=True, text=True)
     assert bad.returncode != 0 and "5 of 8 threads wait at __syncthreads, the others returned" in bad.stderr
+
+
+def test_the_engine_evaluates_n_experts_in_one_launch(rt, monkeypatch):
+    """CudaOps.experts_perturbed_losses: N experts' steps in one fused launch, the bits of N
+    calls of CudaOps.perturbed_losses, and the CPU engine's losses within float32 rounding."""
+    from zosoma.engines.cuda.cuda_ops import CudaOps
+
+    theta, layout = _model(8, 12, 1, scale=1.0)
+    N = 3
+    thetas = _population(theta, N, seed=9)
+    batches = _bytes(7, (N, 2, 7))
+    pops = [Population(3, 1e-2, 5, n, 4 + n, "gaussian", onesided=n == 2) for n in range(N)]
+    names = []
+    real = custom_kernels.launch_blocks
+    monkeypatch.setattr(custom_kernels, "launch_blocks", lambda *a: names.append(a[0]) or real(*a))
+    together = CudaOps().experts_perturbed_losses(thetas, layout, batches, pops)
+    assert names == ["fused_population_loss"]
+    cpu = Ops().experts_perturbed_losses(thetas, layout, batches, pops)
+    for n, pop in enumerate(pops):
+        alone = CudaOps().perturbed_losses(thetas[n], layout, batches[n], pop)
+        for a, b, c in zip(together[n], alone, cpu[n]):
+            np.testing.assert_array_equal(a, b)
+            assert_close(a, c, rtol=LOSS_RTOL, name="vs the cpu engine")
