@@ -89,6 +89,8 @@ def test_fused_member_table_is_checked(rt):
                                     np.zeros((1, 4), np.uint32), np.ones(1, np.float32), "rademacher")
     with pytest.raises(ValueError, match="batches"):
         fused_forward.population_loss(theta[None], layout, _bytes(0, (2, 1)))
+    with pytest.raises(ValueError, match="thetas must be"):
+        fused_forward.population_loss(theta, layout, _bytes(0, (2, 5)))
 
 
 def test_which_models_fit_shared_memory(rt):

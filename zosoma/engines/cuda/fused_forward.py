@@ -75,13 +75,13 @@ def member_losses(thetas, layout: Layout, batches, members: Members, counters, e
     (nb, B, T+1) uint8; counters (N, 4) uint32: (k0, k1, expert id, step) of each expert's noise
     (`expert_counters`); eps (N,) float32. Returns (M,) float64 NumPy."""
     thetas, batches = to_device(thetas), to_device(batches, np.uint8)
+    if thetas.ndim != 2 or thetas.shape[1] != layout.size or batches.ndim != 3 or batches.shape[2] < 2:
+        raise ValueError(f"thetas must be (N, {layout.size}) and batches (nb, B, T+1 >= 2), got {thetas.shape}, "
+                         f"{batches.shape}")
     N, d = thetas.shape
     nb, B, T1 = batches.shape
     M = members.direction.shape[0]
     cfg = layout.config
-    if d != layout.size or T1 < 2:
-        raise ValueError(f"thetas must be (N, {layout.size}) and batches (nb, B, T+1 >= 2), got {thetas.shape}, "
-                         f"{batches.shape}")
     if M and (members.expert.min() < 0 or members.expert.max() >= N or members.batch.min() < 0
               or members.batch.max() >= nb):
         raise ValueError(f"the member table names experts outside 0..{N - 1} or batches outside 0..{nb - 1}")
