@@ -43,7 +43,6 @@ from zosoma.engines.cuda.cuda_noise import perturb, perturbed
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
-from zosoma.model.population import Population
 
 # an SPSA step's population forward: fused.cu; the per-timestep kernels captured as a graph; the kernels
 PATHS = ("fused", "graph", "kernels")
@@ -302,18 +301,21 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     pairs = range(P) if pairs is None else pairs
     B, T = batch.shape[0], batch.shape[1] - 1
     path = step_path(layout, B)
-    pop = Population(P, eps, seed, expert, step, kind, onesided=onesided)
     if path == "fused":
-        return fused_forward.spsa_losses(theta, layout, batch, pop, pairs)
+        return fused_forward.table_losses(theta, layout, batch, eps, seed, expert, step, kind,
+                                          *fused_forward.pair_table(pairs, onesided))
+
+    def build(chunk: range, out=None):  # the members of a chunk of pairs, on the device
+        return perturbed(theta, eps, chunk, seed, expert, step, kind, out=out, onesided=onesided)
+
     per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
     size = max(1, min(len(pairs), workspace_bytes // per_direction))
     chunks = [range(start, min(pairs.stop, start + size)) for start in range(pairs.start, pairs.stop, size)]
     if path == "graph":
-        return graph_forward.spsa_losses(theta, layout, batch, pop, chunks)
+        return graph_forward.chunk_losses(layout, batch, chunks, build)
     plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
     for chunk in chunks:
-        losses = population_loss(perturbed(theta, eps, chunk, seed, expert, step, kind, onesided=onesided), layout,
-                                 batch, workspace_bytes)
+        losses = population_loss(build(chunk), layout, batch, workspace_bytes)
         at = slice(chunk.start - pairs.start, chunk.stop - pairs.start)
         plus[at], minus[at] = losses[0::2], losses[1::2]
     return plus, minus

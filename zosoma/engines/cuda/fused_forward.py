@@ -57,17 +57,20 @@ class Members:
     batch: np.ndarray  # int32: which (B, T+1) batch
 
 
-def population_members(pop: Population, pairs: range, expert: int = 0, batch: int = 0) -> Members:
-    """The 2 len(pairs) members of `pairs` of a dense Population in the order of
+def pair_table(pairs: range, onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(direction int32, sign float32) of the 2 len(pairs) members of `pairs` in the order of
     zosoma.engines.ops.perturbed: member 2j is theta + eps delta_k, 2j+1 theta - eps delta_k
     (k = pairs[j]); one-sided, theta + eps delta_2k and theta + eps delta_2k+1."""
     k = np.repeat(np.arange(pairs.start, pairs.stop, dtype=np.int64), 2)
-    if pop.onesided:
-        direction, sign = 2 * k + np.tile([0, 1], len(pairs)), np.ones(k.size)
-    else:
-        direction, sign = k, np.tile([1.0, -1.0], len(pairs))
-    return Members(direction.astype(np.int32), sign.astype(np.float32), np.full(k.size, expert, np.int32),
-                   np.full(k.size, batch, np.int32))
+    if onesided:
+        return (2 * k + np.tile([0, 1], len(pairs))).astype(np.int32), np.ones(k.size, np.float32)
+    return k.astype(np.int32), np.tile(np.float32([1.0, -1.0]), len(pairs))
+
+
+def population_members(pop: Population, pairs: range, expert: int = 0, batch: int = 0) -> Members:
+    """The members of `pairs` of a dense Population (pair_table), all of one expert and batch."""
+    direction, sign = pair_table(pairs, pop.onesided)
+    return Members(direction, sign, np.full(sign.size, expert, np.int32), np.full(sign.size, batch, np.int32))
 
 
 def member_losses(thetas, layout: Layout, batches, members: Members, counters, eps, kind: str) -> np.ndarray:
@@ -101,18 +104,35 @@ def member_losses(thetas, layout: Layout, batches, members: Members, counters, e
     return to_numpy(loss)
 
 
+def counters(seed: int, expert: int, step: int) -> tuple:
+    """One expert's row of the per-expert counters: its Philox key and (expert, step) counters."""
+    return (*stream_key(seed), expert & _U32, step & _U32)
+
+
 def expert_counters(pops: list[Population]) -> np.ndarray:
-    """(N, 4) uint32: each Population's Philox key and counters (k0, k1, expert, step)."""
-    return np.array([(*stream_key(p.seed), p.expert & _U32, p.step & _U32) for p in pops], np.uint32)
+    """(N, 4) uint32: each Population's counters (k0, k1, expert, step)."""
+    return np.array([counters(p.seed, p.expert, p.step) for p in pops], np.uint32)
+
+
+def table_losses(theta, layout: Layout, batch, eps: float, seed: int, expert: int, step: int, kind: str,
+                 direction, sign):
+    """L of members 2j ("plus") and 2j+1 ("minus") of a member table (direction, sign), member m =
+    theta + sign[m] * eps * delta_{direction[m]}, on one shared (B, T+1) batch, in one launch (the
+    CUDA engine's SPSA step, cuda_forward.spsa_losses). Returns (plus, minus) float64 NumPy."""
+    M = len(direction)
+    members = Members(np.asarray(direction, np.int32), np.asarray(sign, np.float32), np.zeros(M, np.int32),
+                      np.zeros(M, np.int32))
+    losses = member_losses(to_device(theta)[None], layout, to_device(batch, np.uint8)[None], members,
+                           np.array([counters(seed, expert, step)], np.uint32), np.float32([eps]), kind)
+    return losses[0::2], losses[1::2]
 
 
 def spsa_losses(theta, layout: Layout, batch, pop: Population, pairs: range | None = None):
     """L(member 2j) and L(member 2j+1) of `pairs` (default all) of a dense Population on one
-    shared (B, T+1) batch, as cuda_forward.spsa_losses, in one launch. Returns (plus, minus),
-    each (len(pairs),) float64 NumPy."""
-    (plus, minus), = experts_losses(to_device(theta)[None], layout, to_device(batch, np.uint8)[None], [pop],
-                                    None if pairs is None else [pairs])
-    return plus, minus
+    shared (B, T+1) batch, in one launch. Returns (plus, minus), each (len(pairs),) float64."""
+    pairs = range(pop.P) if pairs is None else pairs
+    return table_losses(theta, layout, batch, pop.scale, pop.seed, pop.expert, pop.step, pop.kind,
+                        *pair_table(pairs, pop.onesided))
 
 
 def experts_losses(thetas, layout: Layout, batches, pops: list[Population], pairs: list[range] | None = None):

@@ -21,10 +21,8 @@ import weakref
 import numpy as np
 
 from zosoma.arrays import to_numpy
-from zosoma.engines.cuda.cuda_noise import perturbed
 from zosoma.engines.cuda.custom_kernels import runtime
 from zosoma.model.params import Layout
-from zosoma.model.population import Population
 
 _graphs = weakref.WeakKeyDictionary()  # runtime -> {(ModelConfig, M, B, T): _Captured}
 
@@ -56,17 +54,16 @@ def captured(layout: Layout, M: int, B: int, T: int) -> _Captured:
     return per_runtime[key]
 
 
-def spsa_losses(theta, layout: Layout, batch, pop: Population, chunks: list[range]):
-    """plus, minus losses of each chunk of pairs (cuda_forward.spsa_losses' chunks) of a dense
-    Population on one (B, T+1) device batch: per chunk the perturb kernel fills the graph's
-    population, the batch is copied in, the graph replays. Returns (plus, minus) over all chunks,
-    float64 NumPy."""
+def chunk_losses(layout: Layout, batch, chunks: list[range], build):
+    """plus, minus losses of each chunk of pairs (cuda_forward.spsa_losses' chunks) on one (B, T+1)
+    device batch: per chunk build(chunk, out) fills the graph's population with the chunk's
+    members (the perturb kernel), the batch is copied in, the graph replays. Returns (plus,
+    minus) over all chunks, float64 NumPy."""
     B, T = batch.shape[0], batch.shape[1] - 1
     out = []
     for chunk in chunks:
         step = captured(layout, 2 * len(chunk), B, T)
-        perturbed(theta, pop.scale, chunk, pop.seed, pop.expert, pop.step, pop.kind, out=step.thetas,
-                  onesided=pop.onesided)
+        build(chunk, step.thetas)
         step.batch[...] = batch
         replay(step.graph)
         out.append(to_numpy(step.graph.outputs).sum(axis=(1, 2), dtype=np.float64) / (B * T))
