@@ -491,7 +491,8 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None, 
     what = "fused SGD" if optimizer == "sgd" else "low-rank"
     return (f"{name} step P={P}: data {data * 1e3:.1f} ms, forward {fwd * 1e3:.1f} ms (noise ~{noise * 1e3:.1f}), "
             f"{what} update {upd * 1e3:.1f} ms; copies/step {c.up} up {c.up_bytes:,} B, {c.down} down {c.down_bytes:,} B; "
-            f"launches/step {n.kernels} kernels + {n.gemms} GEMMs", tokens / total, total, None)
+            f"launches/step {n.kernels} kernels + {n.gemms} GEMMs" + (f" + {n.graphs} graph" if n.graphs else ""),
+            tokens / total, total, None)
 
 
 def routed_timing(checks: Checks) -> str:

@@ -742,7 +742,8 @@ def test_gpu_check_times_the_step_at_soma_sizes_and_counts_its_launches(rt):
     trainer's step on the device runtime and counts its launches as docs/gpu.md does. The kernels
     path: per step one perturb, one cell kernel per timestep, one log-softmax, one fused update
     (T + 3 kernels); one recurrent GEMM per timestep, the layer-0 table and the logits (T + 2
-    GEMMs). The fused path (the engine's choice at this size): the fused forward and the update."""
+    GEMMs). The fused path (the engine's choice at this size): the fused forward and the update.
+    The graph path: the perturb kernel, the graph, the update."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "studies" / "gpu_check.py")
@@ -757,7 +758,9 @@ def test_gpu_check_times_the_step_at_soma_sizes_and_counts_its_launches(rt):
     assert name.startswith("E=16 H=20 kernels step P=2") and tokens_per_s > 0 and seconds > 0
     assert f"launches/step {T + 3} kernels + {T + 2} GEMMs" in name, name
     name, *_ = check.device_step(rt.xp, model, P=2, B=2, T=T, sync=sync, steps=1, name="E=16 H=20")
-    assert "launches/step 2 kernels + 0 GEMMs" in name, name
+    assert name.endswith("launches/step 2 kernels + 0 GEMMs"), name
+    name, *_ = check.device_step(rt.xp, model, P=2, B=2, T=T, sync=sync, steps=1, name="E=16 H=20", path="graph")
+    assert name.endswith("launches/step 2 kernels + 0 GEMMs + 1 graph"), name  # perturb, the graph, the update
 
 
 def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
