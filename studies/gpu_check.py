@@ -11,8 +11,10 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    zosoma.engines.ops at the paper expert's size; Gaussian ones within float32 rounding; the LSTM cell and
    log-softmax/NLL kernels against float64 NumPy; population_loss, spsa_losses, nll_stream,
    log_probs and population_nll against the Numba forward and the NumPy reference;
-   eggroll_population_loss against zosoma.engines.cpu.lowrank's CPU forward. Each line prints its max abs and
-   relative error.
+   eggroll_population_loss against zosoma.engines.cpu.lowrank's CPU forward; the fused small-expert
+   kernels (kernels/fused.cu) against Numba and bitwise against the materialised population, N
+   separate launches and N separate updates; a captured and a replayed graph step against the
+   kernels path. Each line prints its max abs and relative error.
 2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
    forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
    member, as a PyTorch user would evaluate SPSA perturbations, and (b) one cuDNN model on all M*B
@@ -23,7 +25,9 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    fp32 GEMMs unless CUPY_TF32 is set.
    Then the same step at the expert sizes SOMA trains best (SOMA_SHAPES: E x H, L = 1; P = 64,
    B = 8, T = 32), where it is bound by kernel launches (docs/gpu.md): each row also counts its
-   launches per step, zosoma's raw kernels and its batched GEMMs.
+   launches per step, zosoma's raw kernels and its batched GEMMs, on each path of the population
+   forward (the per-timestep kernels, those captured as a graph, the fused kernel where it fits);
+   then the step of N = 1, 16, 64 such experts on each path (zosoma.benchmarks.bench_launches).
    Then the same population forward with tensor-core GEMMs (TF32, bf16), its tokens/s and its
    error on SPSA's loss differences against fp32 (printed with the validation, as information).
 3. Routed top-4 inference (zosoma.benchmarks.bench_route, as `zosoma bench route --device cuda`): tokens/s of
@@ -54,7 +58,8 @@ from zosoma.config import PRESETS, VOCAB, ModelConfig, TrainConfig  # noqa: E402
 from zosoma.engines.cpu import forward  # noqa: E402
 from zosoma.engines.cpu import lowrank as eggroll  # noqa: E402
 from zosoma.engines.cuda import backend  # noqa: E402
-from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels  # noqa: E402
+from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels, fused_forward  # noqa: E402
+from zosoma.engines.cuda.launches import Launches  # noqa: E402
 from zosoma.engines.ops import Ops, perturbed  # noqa: E402
 from zosoma.model import reference  # noqa: E402
 from zosoma.model.noise import noise  # noqa: E402
@@ -277,6 +282,52 @@ def validate(cp, checks: Checks, rng):
                        eggroll.eggroll_population_loss(theta_s, paper, batch, *args), rtol=2e-5)
 
 
+def validate_fused(cp, checks: Checks, rng):
+    """The fused small-expert kernels (kernels/fused.cu) at SOMA's expert size: against Numba, and
+    bitwise against the materialised population, N separate launches and N separate updates."""
+    print("fused small-expert kernels (E=16 H=20)", flush=True)
+    soma = Layout(ModelConfig(embed=16, hidden=20, layers=1))
+    thetas = np.stack([init_params(soma.config, 0, n) for n in range(3)])
+    batches = rng.integers(0, VOCAB, (3, 8, 33), dtype=np.uint8)
+    pops = [Population(8, 1e-2, 2**33 + n, n, 7 + n, "rademacher", onesided=n == 1) for n in range(3)]
+    plus, minus = fused_forward.spsa_losses(thetas[0], soma, batches[0], pops[0])
+    want = Ops().perturbed_losses(thetas[0], soma, batches[0], pops[0])
+    checks.compare("fused spsa_losses E=16 H=20 P=8 B=8 T=32 vs numba", np.concatenate([plus, minus]),
+                   np.concatenate(want), rtol=1e-5)
+    members = cuda_noise.perturbed(thetas[0], 1e-2, range(8), pops[0].seed, 0, pops[0].step, "rademacher")
+    checks.compare("fused members vs the perturb kernel's, through the same kernel",
+                   np.stack([plus, minus], 1).ravel(), fused_forward.population_loss(members, soma, batches[0]),
+                   exact=True)
+    together = fused_forward.experts_losses(thetas, soma, batches, pops)
+    alone = [fused_forward.spsa_losses(thetas[n], soma, batches[n], pops[n]) for n in range(3)]
+    checks.compare("fused 3 experts in one launch vs 3 launches", np.concatenate([np.concatenate(x) for x in together]),
+                   np.concatenate([np.concatenate(x) for x in alone]), exact=True)
+    coeffs = rng.standard_normal((3, 8))
+    pops = [Population(8, 1e-2, 2**33 + n, n, 7 + n, "rademacher") for n in range(3)]
+    updated = fused_forward.experts_update(thetas, coeffs, pops, 0.1, 0.01)
+    alone = [cuda_noise.spsa_update(thetas[n], coeffs[n], 0.1, p.seed, p.expert, p.step, p.kind, 0.01)
+             for n, p in enumerate(pops)]
+    checks.compare("experts_update 3 experts vs 3 spsa_update", updated, cp.stack(alone), exact=True)
+    for step in (0, 1):  # step 0 captures the graph, step 1 replays it with new counters and a new batch
+        args = (thetas[0], soma, batches[step], 8, 1e-2, 5, 0, step, "rademacher")
+        with cuda_forward.forced_path("kernels"):
+            want = np.concatenate(cuda_forward.spsa_losses(*args))
+        with cuda_forward.forced_path("graph"):
+            got = np.concatenate(cuda_forward.spsa_losses(*args))
+        # the same kernels and GEMMs; the graph's nll is summed on the host, the kernels path's on the device
+        checks.compare(f"graph step {step} ({'captured' if step == 0 else 'replayed'}) vs the kernels path", got, want,
+                       rtol=1e-12)
+
+
+def experts_timing() -> str:
+    """zosoma.benchmarks.bench_launches on the device: launches and seconds per SOMA step of N =
+    1, 16, 64 experts of E=16 H=20, today's path against the fused kernels."""
+    from zosoma.benchmarks.bench_launches import count_launches, format_launches
+
+    print("timing: SOMA steps of N experts, kernels vs fused", flush=True)
+    return format_launches(count_launches(rt=custom_kernels.runtime(), timed_steps=5), "counted and timed here")
+
+
 def _timed(fn, sync, repeats=3):
     """Median seconds of fn() after one warm-up, synchronising the device around each call."""
     fn()
@@ -356,34 +407,11 @@ def timing(cp, rows: list, M=64, B=8, T=128, perturbations=(64, 256, 1024), eggr
     rows.append(device_step(cp, config, 64, B, T, sync, optimizer="eggroll"))
     rows.append((f"SOMA's expert sizes, L=1, P={SOMA_STEP['P']} B={SOMA_STEP['B']} T={SOMA_STEP['T']}:", None, None, None))
     for E, H in SOMA_SHAPES:
-        rows.append(device_step(cp, ModelConfig(embed=E, hidden=H, layers=1), **SOMA_STEP, sync=sync, steps=10,
-                                name=f"E={E} H={H}"))
-
-
-class Launches:
-    """Counts zosoma's kernel launches while active: its raw kernels (custom_kernels.launch) and its
-    GEMMs (xp.matmul: one cuBLAS batched GEMM each). CuPy's own small kernels (contiguous copies
-    of the members' weights, fills, the loss sum) are not counted."""
-
-    def __init__(self, xp):
-        self.xp, self.kernels, self.gemms = xp, 0, 0
-
-    def __enter__(self):
-        self._launch, self._matmul = custom_kernels.launch, self.xp.matmul
-
-        def launch(*args, **kwargs):
-            self.kernels += 1
-            return self._launch(*args, **kwargs)
-
-        def matmul(*args, **kwargs):
-            self.gemms += 1
-            return self._matmul(*args, **kwargs)
-
-        custom_kernels.launch, self.xp.matmul = launch, matmul
-        return self
-
-    def __exit__(self, *exc):
-        custom_kernels.launch, self.xp.matmul = self._launch, self._matmul
+        config = ModelConfig(embed=E, hidden=H, layers=1)
+        for path in cuda_forward.PATHS:
+            if path != "fused" or fused_forward.fits(Layout(config), SOMA_STEP["B"]):
+                rows.append(device_step(cp, config, **SOMA_STEP, sync=sync, steps=10, name=f"E={E} H={H}",
+                                        path=path))
 
 
 ENGINE_MODULES = (cuda_ops, cuda_forward, cuda_noise)  # each calls zosoma.arrays.to_numpy by its own name
@@ -421,18 +449,19 @@ class Transfers:
             module.to_numpy = self._to_numpy
 
 
-def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
+def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None, path=None):
     """The trainer's own step on the CUDA engine (zosoma.runs.trainer, theta resident on the
     device): seconds split into data, forward (the perturbed population, its noise built by the
     perturb kernel inside), update (the fused regenerate-and-apply kernel, synchronised), and the
     host <-> device copies and kernel launches of one step, counted. The noise alone is timed
-    separately. `name` (default: the optimizer) begins the row's label."""
+    separately. `name` (default: the optimizer) begins the row's label; `path` forces the
+    population forward's path (cuda_forward.PATHS; default: the engine's choice)."""
     import tempfile
 
     from zosoma.corpus import BatchSampler, Corpus
     from zosoma.runs.trainer import Trainer, new_state
 
-    name = name or optimizer
+    name = (name or optimizer) + (f" {path}" if path else "")
     print(f"timing: {name} training step on the device, P={P}", flush=True)
     text = np.random.default_rng(3).integers(0, VOCAB, 1 << 20, dtype=np.uint8)
     extra = {"eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {"lr": 1e-4}
@@ -443,7 +472,8 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
                           new_state(config, cfg), ops=cuda_ops.CudaOps())
         split = []
         for i in range(steps + 1):  # the first step is a warm-up
-            with Transfers(cp) as copies, Launches(cp) as launches:
+            forced = cuda_forward.forced_path(path) if path else contextlib.nullcontext()
+            with forced, Transfers(cp) as copies, Launches(cp) as launches:
                 plus, minus = trainer.losses()
                 t0 = time.perf_counter()
                 trainer.update(*trainer.coefficients(plus, minus))
@@ -463,7 +493,8 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None):
     what = "fused SGD" if optimizer == "sgd" else "low-rank"
     return (f"{name} step P={P}: data {data * 1e3:.1f} ms, forward {fwd * 1e3:.1f} ms (noise ~{noise * 1e3:.1f}), "
             f"{what} update {upd * 1e3:.1f} ms; copies/step {c.up} up {c.up_bytes:,} B, {c.down} down {c.down_bytes:,} B; "
-            f"launches/step {n.kernels} kernels + {n.gemms} GEMMs", tokens / total, total, None)
+            f"launches/step {n.kernels} kernels + {n.gemms} GEMMs" + (f" + {n.graphs} graph" if n.graphs else ""),
+            tokens / total, total, None)
 
 
 def tensor_cores(cp, checks: Checks, rows: list, sync, M=64, B=8, T=128, P=8):
@@ -556,13 +587,15 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     with poisoned_allocations(cp):
         validate(cp, checks, np.random.default_rng(2024))
+        validate_fused(cp, checks, np.random.default_rng(2025))
     print(f"validation took {time.perf_counter() - start:.0f} s", flush=True)
-    routed = ""
+    routed = steps = ""
     if not args.skip_timing:
         timing(cp, rows)
         tensor_cores(cp, checks, rows, cp.cuda.runtime.deviceSynchronize)
+        steps = "\n" + experts_timing() + "\n"
         routed = routed_timing(checks)
-    text = table(device_line, checks, rows, routed)
+    text = table(device_line, checks, rows, routed) + steps
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print("\n" + text + f"(written to {args.out})")

@@ -4,7 +4,8 @@ with or without a GPU.
 Three layers of checks:
 1. Every .cu file compiles for the GPU with `nvcc --ptx` (skipped where nvcc is absent).
 2. Emulation: each .cu file is compiled as C++ with g++ and kernels/emulate.h, which runs a launch's
-   blocks and threads one after another on the CPU. the CUDA engine (zosoma.engines.cuda) then runs unchanged
+   blocks and threads one after another on the CPU (a file with block barriers: each block's threads
+   together, as fibers). the CUDA engine (zosoma.engines.cuda) then runs unchanged
    on an "emulated" runtime (NumPy arrays, NumPy matmul for the GEMMs, the kernels through ctypes), so the
    kernels' arithmetic *and* the engine's launches (argument order, strides, chunking) are checked
    against the CPU code on any machine with a C++ compiler.
@@ -74,7 +75,7 @@ def test_kernel_compiles_with_nvcc(file, tmp_path):
 def test_kernel_signatures_are_parsed():
     sigs = custom_kernels._signatures()
     assert set(sigs) == {"philox_blocks", "perturb", "spsa_update", "lstm_cell_embed",
-                         "lstm_cell_proj", "log_softmax_nll"}
+                         "lstm_cell_proj", "log_softmax_nll", "fused_population_loss", "experts_update"}
     file, params = sigs["perturb"]
     assert file == "noise.cu"
     assert [(p.name, p.ctype, p.pointer) for p in params[:4]] == [
@@ -91,17 +92,26 @@ _CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_
            np.dtype(np.int64): ctypes.c_longlong, np.dtype(np.uint64): ctypes.c_ulonglong}
 
 
+_MATMUL = np.matmul
+
+
 class EmulatedRuntime:
     """custom_kernels.py's runtime on the CPU: NumPy arrays, kernels compiled by g++ with emulate.h and called
     as the driver API does (grid, block, an array of pointers to the arguments)."""
 
     xp = np
     max_grid = (5, 3)  # few blocks, so the grid-stride loops take several turns
+    max_threads = 48  # few threads per block (each a fiber in a block kernel), so thread loops take turns
+    max_shared = 227 << 10  # an H100/H200's opt-in shared memory per block
 
     def __init__(self, libs):
         self.libs = libs
+        self._recording = None  # the launch list while a graph is captured
 
-    def launch(self, file, name, grid, block, args):
+    def launch(self, file, name, grid, block, args, shared_mem=0):
+        if self._recording is not None:  # a graph bakes in the arguments: array addresses and scalars
+            self._recording.append(lambda: self.launch(file, name, grid, block, args, shared_mem))
+            return
         values = []
         for a in args:
             if isinstance(a, np.ndarray):
@@ -109,8 +119,64 @@ class EmulatedRuntime:
             else:
                 values.append(_CTYPES[a.dtype](a))
         pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        getattr(self.libs[file], "emu_" + name)((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
-                                                pointers)
+        kernel = getattr(self.libs[file], "emu_" + name)
+        dims = (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block)
+        if file in self.libs.cooperative:
+            kernel(*dims, ctypes.c_uint(shared_mem), pointers)
+        else:
+            assert shared_mem == 0, f"{name} takes no shared memory"
+            kernel(*dims, pointers)
+
+
+    def _run(self, op):
+        """op() now, or recorded for the graph being captured (then only replays run it)."""
+        if self._recording is None:
+            op()
+        else:
+            self._recording.append(op)
+
+    def gemm(self, a, b, out=None):
+        if self._recording is None:
+            return np.matmul(a, b, out=out)  # looked up now: launches.Launches counts it
+        if out is None:
+            out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
+        self._recording.append(lambda: _MATMUL(a, b, out=out))  # inside a replay, not a launch of its own
+        return out
+
+    def contiguous(self, x):
+        out = np.empty(x.shape, x.dtype)
+        self._run(lambda: np.copyto(out, x))
+        return out
+
+    def zeros(self, shape, dtype=np.float32):
+        out = np.empty(shape, dtype)
+        self._run(lambda: out.fill(0))
+        return out
+
+    def capture(self, fn):
+        """fn's launches, GEMMs, copies and fills recorded, not run (as a CUDA stream capture):
+        a graph whose replay() runs the list."""
+        self._recording = []
+        try:
+            outputs = fn()
+        finally:
+            ops, self._recording = self._recording, None
+        return EmulatedGraph(ops, outputs)
+
+
+class EmulatedGraph:
+    def __init__(self, ops, outputs):
+        self.ops, self.outputs = ops, outputs
+
+    def replay(self):
+        for op in self.ops:
+            op()
+
+
+class EmulatedLibs(dict):
+    """file -> its ctypes library; `cooperative`: the files whose kernels use block barriers
+    (exported with ZOSOMA_EMU_EXPORT_BLOCK: a block's threads run together as fibers)."""
+    cooperative: set
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +190,15 @@ def emulated_libs(tmp_path_factory):
         source = custom_kernels.KERNEL_DIR / file
         wrapper = out / f"{file}.cpp"
         names = custom_kernels.kernel_signatures(source.read_text())
-        exports = "".join(f"ZOSOMA_EMU_EXPORT({name})\n" for name in names)
+        export = "ZOSOMA_EMU_EXPORT_BLOCK" if "__syncthreads" in source.read_text() else "ZOSOMA_EMU_EXPORT"
+        exports = "".join(f"{export}({name})\n" for name in names)
         wrapper.write_text(f'#include "{source}"\n{exports}')
         lib = out / f"{file}.so"
         cmd = [gxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-Wall", "-Werror",
                "-include", str(EMULATE_H), "-x", "c++", str(wrapper), "-o", str(lib)]
         jobs[file] = (lib, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
-    libs = {}
+    libs = EmulatedLibs()
+    libs.cooperative = {file for file in jobs if "__syncthreads" in (custom_kernels.KERNEL_DIR / file).read_text()}
     for file, (lib, proc) in jobs.items():
         _, err = proc.communicate()
         assert proc.returncode == 0, f"g++ failed on {file}:\n{err}"
@@ -674,9 +742,11 @@ def test_gpu_check_dry_run():
 
 def test_gpu_check_times_the_step_at_soma_sizes_and_counts_its_launches(rt):
     """The device check's step at SOMA's expert sizes (studies/gpu_check.py, SOMA_SHAPES) runs the
-    trainer's step on the device runtime and counts its launches as docs/gpu.md does: per step one
-    perturb, one cell kernel per timestep, one log-softmax, one fused update (T + 3 kernels); one
-    recurrent GEMM per timestep, the layer-0 table and the logits (T + 2 GEMMs)."""
+    trainer's step on the device runtime and counts its launches as docs/gpu.md does. The kernels
+    path: per step one perturb, one cell kernel per timestep, one log-softmax, one fused update
+    (T + 3 kernels); one recurrent GEMM per timestep, the layer-0 table and the logits (T + 2
+    GEMMs). The fused path (the engine's choice at this size): the fused forward and the update.
+    The graph path: the perturb kernel, the graph, the update."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "studies" / "gpu_check.py")
@@ -685,10 +755,15 @@ def test_gpu_check_times_the_step_at_soma_sizes_and_counts_its_launches(rt):
     assert (16, 20) in check.SOMA_SHAPES and check.SOMA_STEP == dict(P=64, B=8, T=32)
     sync = (lambda: None) if rt.xp is np else rt.xp.cuda.runtime.deviceSynchronize
     T = 5
-    name, tokens_per_s, seconds, _ = check.device_step(rt.xp, ModelConfig(embed=16, hidden=20, layers=1), P=2, B=2,
-                                                       T=T, sync=sync, steps=1, name="E=16 H=20")
-    assert name.startswith("E=16 H=20 step P=2") and tokens_per_s > 0 and seconds > 0
+    model = ModelConfig(embed=16, hidden=20, layers=1)
+    name, tokens_per_s, seconds, _ = check.device_step(rt.xp, model, P=2, B=2, T=T, sync=sync, steps=1,
+                                                       name="E=16 H=20", path="kernels")
+    assert name.startswith("E=16 H=20 kernels step P=2") and tokens_per_s > 0 and seconds > 0
     assert f"launches/step {T + 3} kernels + {T + 2} GEMMs" in name, name
+    name, *_ = check.device_step(rt.xp, model, P=2, B=2, T=T, sync=sync, steps=1, name="E=16 H=20")
+    assert name.endswith("launches/step 2 kernels + 0 GEMMs"), name
+    name, *_ = check.device_step(rt.xp, model, P=2, B=2, T=T, sync=sync, steps=1, name="E=16 H=20", path="graph")
+    assert name.endswith("launches/step 2 kernels + 0 GEMMs + 1 graph"), name  # perturb, the graph, the update
 
 
 def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):

@@ -78,10 +78,11 @@ def parse_shapes(ctx, param, value):
 @click.option("--noise", type=click.Choice(["rademacher", "gaussian"]), default="rademacher", show_default=True)
 @click.option("--peers/--no-peers", default=True, show_default=True, help="Time the PyTorch peers (when torch is installed).")
 @click.option("--forward-precision", "precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True, help="Time the step with its forwards emulated in this format (CPU), beside the fp32 step in the same run.")
+@click.option("--launches", is_flag=True, help="Instead of timing the step: kernel launches per SPSA step of N = 1, 16 and 64 experts on each CUDA path (today's per-timestep kernels, the fused kernel), at SOMA's expert E=16 H=20 L=1, P=64, B=8, T=32 unless given; counted (and timed) on the GPU with --device cuda, else recorded without running anything.")
 @device_option
 @json_option
 def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, seq_len, steps, noise, peers, precision,
-                   device, as_json):
+                   launches, device, as_json):
     """SPSA step throughput split into data, forward passes, noise and the update, beside the same
     step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
     matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak; on
@@ -91,7 +92,12 @@ def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, 
     from zosoma.benchmarks.roofline import format_shapes
     if shapes and (embed or hidden):
         raise click.UsageError("--shapes sets E and H: give it without --embed and --hidden")
+    if launches and (shapes or precision != "fp32"):
+        raise click.UsageError("--launches counts one model's fp32 step: give it without --shapes and --forward-precision")
     ops = device_ops(device)
+    if launches:
+        _bench_launches(embed, hidden, layers, perturbations, batch, seq_len, steps, ops)
+        return
     run = dict(preset=preset, perturbations=perturbations, batch=batch, seq_len=seq_len, steps=steps, noise=noise,
                layers=layers, ops=ops, peers=peers, precision=precision, device=device)
     if shapes is None:
@@ -103,6 +109,21 @@ def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, 
         if not as_json:
             click.echo(_format_spsa_shape(results[-1]) + "\n")
     show("spsa", results, format_shapes)
+
+
+def _bench_launches(embed, hidden, layers, P, B, T, steps, ops) -> None:
+    """--launches: bench_launches on the device (timed) or on the recording runtime."""
+    from zosoma.benchmarks.bench_launches import SOMA_EXPERT, SOMA_STEP, count_launches, format_launches
+    from zosoma.config import ModelConfig
+    model = ModelConfig(embed=embed or SOMA_EXPERT.embed, hidden=hidden or SOMA_EXPERT.hidden,
+                        layers=layers or SOMA_EXPERT.layers)
+    on_device = ops.on_device
+    if on_device:
+        from zosoma.engines.cuda import custom_kernels
+    rows = count_launches(model, P or SOMA_STEP["P"], B or SOMA_STEP["B"], T or SOMA_STEP["T"],
+                          rt=custom_kernels.runtime() if on_device else None, timed_steps=steps if on_device else 0)
+    show("spsa-launches", rows, lambda r: format_launches(r, f"E={model.embed} H={model.hidden} L={model.layers}, " + (
+        "counted and timed on the GPU" if on_device else "recorded on the CPU: launches counted, none run")))
 
 
 def _bench_spsa_shape(precision: str, device: str, ops, peers: bool, **shape) -> dict:

@@ -124,6 +124,12 @@ class Ops:
             plus[at], minus[at] = losses[0::2], losses[1::2]
         return plus, minus
 
+    def experts_perturbed_losses(self, thetas, layout: Layout, batches, pops: list[Population]) -> list:
+        """The steps of N experts of one Layout: (plus, minus) of all pairs of pops[n] around
+        thetas[n] (d,) on batches[n] (B, T+1), one per expert, as N calls of perturbed_losses (an
+        engine may run them together: CudaOps, one launch for all N)."""
+        return [self.perturbed_losses(t, layout, b, p) for t, b, p in zip(thetas, batches, pops)]
+
     def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):
         """Nats (B, T) float32 of each target byte under one model, and the state after the last
         step (one (h, c) pair of (B, H) per layer), carried in from `state` (None: zeros).

@@ -16,6 +16,12 @@ through cupy.matmul) and the rest is two raw kernels from kernels/lstm.cu:
 The recurrent GEMM reads every member's w_hh at every step, so the forward is bound by memory
 bandwidth at small B; batching members amortises the kernel launches, not those reads.
 
+An SPSA step's population of a small model (one member's weights and state within a block's
+shared memory: fused_forward.fits) runs instead as ONE launch of kernels/fused.cu, which builds
+each member from its counters and runs the whole forward inside a block (fused_forward). The
+forward above can also be captured once as a CUDA graph and replayed (graph_forward; the "graph"
+path, opt-in until a device has timed it). `forced_path` picks a path for benchmarks and tests.
+
 EGGROLL's population (eggroll_population_loss) shares one theta: members 2i, 2i+1 use
 W +/- c A_i B_i^T, so each product above becomes ONE GEMM of all members' rows with the shared W
 plus two skinny batched GEMMs for the rank-r corrections (x @ A_i, then @ B_i^T); the same kernels
@@ -25,24 +31,48 @@ the perturb kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 
 from zosoma.arrays import to_numpy
 from zosoma.config import VOCAB
-from zosoma.engines.cuda import custom_kernels
+from zosoma.engines.cuda import custom_kernels, fused_forward, graph_forward
 from zosoma.engines.cuda.cuda_noise import perturb, perturbed
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
 
+# an SPSA step's population forward: fused.cu; the per-timestep kernels captured as a graph; the kernels
+PATHS = ("fused", "graph", "kernels")
+_forced_path = None
 ROWS_PER_CHUNK = 1024  # target Tc*B rows of the per-chunk GEMMs (as zosoma.engines.cpu.forward)
 WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers, per call
 # What member chunks promise: the same bits in emulation, where a member's products do not depend on
 # the others; on a device, cuBLAS chooses its batched GEMM by the batch count, so chunks of other
 # sizes agree within this relative tolerance (1.7e-8 measured on an H200: 1 ulp of the float32 nll)
 CHUNK_RTOL = 1e-6
+
+
+@contextlib.contextmanager
+def forced_path(path: str):
+    """SPSA steps inside the block take `path` (one of PATHS) whatever the model's size (`zosoma
+    bench spsa --launches` and studies/gpu_check.py time each)."""
+    global _forced_path
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    before, _forced_path = _forced_path, path
+    try:
+        yield
+    finally:
+        _forced_path = before
+
+
+def step_path(layout: Layout, B: int) -> str:
+    """The path of an SPSA step's population forward: fused where a member fits shared memory, else
+    the kernels (the graph only when forced, until a device has timed it)."""
+    return _forced_path or ("fused" if fused_forward.fits(layout, B) else "kernels")
 
 
 def _chunk_steps(B: int, T: int) -> int:
@@ -72,10 +102,10 @@ class _Dense:
     members (cuBLAS strided-batched through cupy.matmul)."""
 
     def __init__(self, thetas, layout: Layout):
-        xp = runtime().xp
+        rt = runtime()
         self.M = thetas.shape[0]
         # contiguous per-member copies: cupy.matmul would copy a strided operand at every call
-        self.w = {e.name: xp.ascontiguousarray(layout.view(thetas, e.name)) for e in layout.entries}
+        self.w = {e.name: rt.contiguous(layout.view(thetas, e.name)) for e in layout.entries}
 
     def embed(self):
         """(M, V, E) every member's embedding."""
@@ -87,7 +117,7 @@ class _Dense:
 
     def matmul(self, x, name: str, out=None):
         """x (M, R, K) @ each member's matrix `name` (K, N) -> (M, R, N), into out when given."""
-        return runtime().xp.matmul(x, self.w[name], out=out)
+        return runtime().gemm(x, self.w[name], out)
 
 
 class _LowRank:
@@ -182,10 +212,10 @@ def _forward(weights, layout: Layout, tokens, targets, h, c, want_logp: bool = F
 
 def _nll(weights, layout: Layout, tokens, targets):
     """nll (M, B, T) on the device of the members of `weights`, from zero state."""
-    xp = runtime().xp
+    rt = runtime()
     cfg = layout.config
-    h = xp.zeros((cfg.layers, weights.M, tokens.shape[1], cfg.hidden), np.float32)
-    nll, _ = _forward(weights, layout, tokens, targets, h, xp.zeros_like(h))
+    shape = (cfg.layers, weights.M, tokens.shape[1], cfg.hidden)
+    nll, _ = _forward(weights, layout, tokens, targets, rt.zeros(shape), rt.zeros(shape))
     return nll
 
 
@@ -269,18 +299,28 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     """L(theta + eps*delta_k) and L(theta - eps*delta_k) for k in `pairs` (default range(P)) on one
     shared batch (B, T+1) (onesided: L(theta + eps*delta_2k) and L(theta + eps*delta_2k+1)), as
     Ops.perturbed_losses: the perturbed population is built on the device, chunk by chunk, and
-    never leaves it. Returns (plus, minus), each (len(pairs),) float64 NumPy."""
+    never leaves it (a small model's: in one fused launch, step_path). Returns (plus, minus), each
+    (len(pairs),) float64 NumPy."""
     theta = _check_thetas(theta, layout, 1)
     batch = _check_bytes(batch, "batch", 2)
     pairs = range(P) if pairs is None else pairs
     B, T = batch.shape[0], batch.shape[1] - 1
+    path = step_path(layout, B)
+    if path == "fused":
+        return fused_forward.table_losses(theta, layout, batch, eps, seed, expert, step, kind,
+                                          *fused_forward.pair_table(pairs, onesided))
+
+    def build(chunk: range, out=None):  # the members of a chunk of pairs, on the device
+        return perturbed(theta, eps, chunk, seed, expert, step, kind, out=out, onesided=onesided)
+
     per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
     size = max(1, min(len(pairs), workspace_bytes // per_direction))
+    chunks = [range(start, min(pairs.stop, start + size)) for start in range(pairs.start, pairs.stop, size)]
+    if path == "graph":
+        return graph_forward.chunk_losses(layout, batch, chunks, build)
     plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
-    for start in range(pairs.start, pairs.stop, size):
-        chunk = range(start, min(pairs.stop, start + size))
-        losses = population_loss(perturbed(theta, eps, chunk, seed, expert, step, kind, onesided=onesided), layout,
-                                 batch, workspace_bytes)
+    for chunk in chunks:
+        losses = population_loss(build(chunk), layout, batch, workspace_bytes)
         at = slice(chunk.start - pairs.start, chunk.stop - pairs.start)
         plus[at], minus[at] = losses[0::2], losses[1::2]
     return plus, minus

@@ -16,6 +16,7 @@ studies/gpu_check.py):
     spsa_gradient(coeffs, d, seed, ...)                zosoma.engines.ops.Ops.noise_sum
     spsa_update(theta, coeffs, lr, seed, ...)          zosoma.engines.ops.Ops.sgd_update (fused)
     spsa_losses(theta, layout, batch, P, eps, ...)     Ops.perturbed_losses of a dense Population
+    experts_losses(thetas, layout, batches, pops)      Ops.experts_perturbed_losses: N experts, one launch
 
 Inputs may be NumPy or CuPy arrays (NumPy ones are copied to the device on each call, so keep theta
 on the device across steps: `to_device`); array results stay on the device, except the per-member
@@ -31,9 +32,10 @@ import numpy as np
 from zosoma.arrays import to_numpy
 from zosoma.engines.cpu.lowrank import eggroll_step
 from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs, nll_stream, population_loss,
-                                             population_nll, spsa_losses)
+                                             population_nll, spsa_losses, step_path)
 from zosoma.engines.cuda.cuda_noise import perturb, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
+from zosoma.engines.cuda.fused_forward import experts_losses
 from zosoma.engines.cuda.grouped import grouped_nll
 from zosoma.engines.cuda.tensor_cores import check_gemm_format, gemm_format
 from zosoma.engines.ops import Ops
@@ -81,6 +83,16 @@ class CudaOps(Ops):
         if timings is not None:  # noise is made inside the device population: all of it is forward
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
         return result
+
+    def experts_perturbed_losses(self, thetas, layout: Layout, batches, pops: list[Population]) -> list:
+        """N experts' dense populations of one noise kind, where a member fits a block's shared
+        memory, in ONE fused launch (fused_forward.experts_losses: bitwise N single-expert fused
+        launches); otherwise one expert after another."""
+        batches = self.xp.asarray(batches)
+        dense = all(not p.rank for p in pops) and len({p.kind for p in pops}) == 1
+        if dense and step_path(layout, batches.shape[1]) == "fused":
+            return experts_losses(self.xp.stack([to_device(t) for t in thetas]), layout, batches, pops)
+        return super().experts_perturbed_losses(thetas, layout, batches, pops)
 
     def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):  # every column
         return nll_stream(theta, layout, tokens, targets, state)

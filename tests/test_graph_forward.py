@@ -1,0 +1,79 @@
+"""The kernels path's forward captured once as a graph and replayed (zosoma.engines.cuda.graph_forward).
+
+On the emulated runtime a capture records the launch list (kernels, GEMMs, copies, fills) without
+running it and a replay runs it, as a CUDA graph does; so a replayed step must give the bits of
+the uncaptured kernels path: any argument the graph baked in that should have changed (a step
+counter, an input's address) shows up as a difference on the second step. On a GPU the graph's
+nll is summed on the host and the kernels path's on the device: equal within GRAPH_RTOL.
+"""
+
+import numpy as np
+import pytest
+
+from helpers import assert_close
+from test_kernels import _bytes, _model, emulated_libs, rt  # noqa: F401 (fixtures)
+from zosoma.engines.cuda import cuda_forward, graph_forward
+from zosoma.engines.cuda.launches import Launches
+
+GRAPH_RTOL = 1e-12  # float64 sums of the same float32 nll in two orders
+
+
+def assert_same(rt, got, want):
+    """Bit for bit on the emulated runtime; within GRAPH_RTOL on a GPU."""
+    for g, w in zip(got, want):
+        if rt.xp is np:
+            np.testing.assert_array_equal(g, w)
+        else:
+            assert_close(g, w, rtol=GRAPH_RTOL, name="graph vs kernels")
+
+
+@pytest.mark.parametrize("layers, onesided", [(1, False), (2, True)])
+def test_a_replayed_step_gives_the_bits_of_an_uncaptured_one(rt, layers, onesided):
+    theta, layout = _model(8, 12, layers, scale=1.0)
+    for step in range(3):  # step 0 captures, 1 and 2 replay with new counters and batches
+        batch = _bytes(10 + step, (3, 9))
+        args = (theta, layout, batch, 5, 1e-2, 7, 1, step, "rademacher")
+        with cuda_forward.forced_path("kernels"):
+            want = cuda_forward.spsa_losses(*args, onesided=onesided)
+        with cuda_forward.forced_path("graph"), Launches(rt.xp) as n:
+            got = cuda_forward.spsa_losses(*args, onesided=onesided)
+        assert_same(rt, got, want)
+        if step:  # a replayed step: perturb, then the graph
+            assert (n.kernels, n.gemms, n.graphs) == (1, 0, 1)
+    assert list(graph_forward._graphs[rt]) == [(layout.config, 10, 3, 8)]
+
+
+def test_chunks_of_pairs_share_a_graph_per_shape(rt):
+    """Pairs in chunks (a small workspace): the full chunks replay one graph, the last, shorter
+    chunk another; the losses are the kernels path's bits."""
+    theta, layout = _model(6, 10, 1, scale=1.0)
+    batch = _bytes(3, (2, 7))
+    per_direction = 2 * (4 * layout.size + cuda_forward.member_bytes(layout, 2, 6))
+    args = (theta, layout, batch, 5, 1e-2, 3, 0, 4, "gaussian", 2 * per_direction)  # chunks of 2 pairs
+    with cuda_forward.forced_path("kernels"):
+        want = cuda_forward.spsa_losses(*args)
+    with cuda_forward.forced_path("graph"):
+        cuda_forward.spsa_losses(*args)  # captures
+        with Launches(rt.xp) as n:
+            got = cuda_forward.spsa_losses(*args)
+    assert_same(rt, got, want)
+    assert (n.kernels, n.gemms, n.graphs) == (3, 0, 3) and sorted(k[1] for k in graph_forward._graphs[rt]) == [2, 4]
+
+
+def test_the_emulated_graph_bakes_in_its_arguments(rt):
+    """What makes the test above meaningful: a captured launch replays with the arguments it was
+    captured with (here the perturb kernel's step counter), as a CUDA graph does."""
+    from zosoma.engines.cuda import cuda_noise
+
+    if rt.xp is not np:
+        pytest.skip("a check of the emulated runtime's capture")
+    theta = np.zeros(64, np.float32)
+    out = np.full((2, 64), np.nan, np.float32)
+    graph = rt.capture(lambda: cuda_noise.perturbed(theta, 1.0, range(1), 0, 0, 0, "rademacher", out=out))
+    assert np.isnan(out).all()  # captured, not run
+    graph.replay()
+    step0 = out.copy()
+    cuda_noise.perturbed(theta, 1.0, range(1), 0, 0, 1, "rademacher", out=out)
+    assert not np.array_equal(out, step0)
+    graph.replay()
+    np.testing.assert_array_equal(out, step0)
