@@ -97,4 +97,4 @@ def test_gpu_check_measures_the_tensor_core_forward(rt):
     assert names[0] == "paper P=1 L+ - L- with tf32 GEMMs vs fp32, eps 16 tf32 steps" and len(names) == 4
     assert not checks.failed
     if rt.xp is np:  # the emulated runtime rounds as the CPU study does
-        assert checks.rows[1][2] < 1e-5 and checks.rows[3][2] < 1e-5  # fp32 sums in another order
+        assert checks.rows[1][2] < 2e-5 and checks.rows[3][2] < 2e-5  # fp32 sums in another order (the paper shape's rtol, as gpu_check)
