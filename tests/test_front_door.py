@@ -33,6 +33,18 @@ REFUSALS = [
     (["--steps", "5", "--experts", "two"], dict(steps=5, experts="two"), "experts must be an integer, got 'two'", 2),
     (["--steps", "2.5"], dict(steps=2.5), "steps must be an integer, got 2.5", 2),
     (["--steps", "0"], dict(steps=0), "steps must be at least 1, got 0", 2),
+    (["--steps", "1000000000000"], dict(steps=10**12), "steps must be at most 4,294,967,295 (a step is a 32-bit "
+     "word of the noise counters), got 1,000,000,000,000", 2),
+    (["--steps", "5", "--eps", "1e-320"], dict(steps=5, eps=1e-320), "eps must be at least 1e-45, got 9.99989e-321 "
+     "(0 in float32, the parameters' precision: every member would equal theta)", 2),
+    (["--steps", "5", "--lr", "1e308"], dict(steps=5, lr=1e308),
+     "lr must be at most 3.4e38 (float32's largest, the parameters' precision), got 1e+308", 2),
+    (["--steps", "5", "--weight-decay", "1e308"], dict(steps=5, weight_decay=1e308),
+     "weight_decay must be at most 3.4e38 (float32's largest, the parameters' precision), got 1e+308", 2),
+    (["--steps", "5", "--restart-lr-factor", "5"], dict(steps=5, restart_lr_factor=5.0),
+     "restart_lr_factor must lie in (0, 1], got 5.0", 2),
+    (["--steps", "5", "--experts", "1000"], dict(steps=5, experts=1000),
+     "cannot make 1000 clusters from 7 chunks of 2048 bytes: use at most 7 --experts, or a smaller --chunk-size", 2),
     (["--steps", "5", "--preset", "huge"], dict(steps=5, preset="huge"),
      "preset must be one of tiny, small, paper, got 'huge'", 2),
     (["--resume", OLD, "--lr", "0.1"], dict(resume=OLD, lr=0.1), RESUME.format("--lr"), 2),

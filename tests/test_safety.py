@@ -522,9 +522,9 @@ def test_a_start_that_fails_leaves_no_folder(text, tmp_path, monkeypatch):
     small = tmp_path / "small.txt"
     small.write_bytes(b"some words " * 180)
     base = ["train", "--data", small, "--experts", "8", *TINY]
-    line = last_line(invoke(base + ["--run-dir", tmp_path / "new"]))
+    line = last_line(invoke(base + ["--run-dir", tmp_path / "new"]), code=2)  # a usage error
     assert "cannot make 8 clusters" in line and not (tmp_path / "new").exists()
-    assert "cannot make 8 clusters" in last_line(invoke(base))  # in the default runs/<name>
+    assert "cannot make 8 clusters" in last_line(invoke(base), code=2)  # in the default runs/<name>
     assert list((tmp_path / "runs").iterdir()) == []
     line = last_line(invoke(["train", "--data", small, "--optimizer", "eggroll", "--rank", "9", *TINY[:-2]]))
     assert "--rank 9 exceeds 8, the smallest side of this model's matrices" in line

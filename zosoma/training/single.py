@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, describe, load_corpus, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
@@ -200,8 +202,9 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     if should_stop():  # asked during the last step, which is saved: a resume evaluates
         yield Stopped(trainer.expert, trainer.state.step)
         return
-    yield Evaluating()
     state, model = trainer.state, trainer.model
+    check_trained(trainer.theta, trainer.guard.skipped, state.step, trainer.folder.path)
+    yield Evaluating()
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)
     results.update(step=state.step, checkpoint_steps=[state.step], tokens=state.tokens,
                    flops=state.tokens * model.flops_per_token(),
@@ -212,6 +215,18 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     log.evaluation(state.step, held, results["wikitext103"])
     log.close()
     yield Evaluated(results, lookup(heldout, wikitext))
+
+
+def check_trained(theta, skipped: int, step: int, where) -> None:
+    """A ConfigError when training left nothing to evaluate: parameters that are not finite (an
+    update overflowed float32) or a run whose every step's loss was non-finite (none updated it);
+    a figure of NaN, or of the untouched initialisation, is not a result."""
+    if not np.isfinite(theta).all():
+        raise ConfigError(f"{where}: the model's parameters are not finite after step {step} (an update "
+                          "overflowed float32): it diverged; start again with a lower --lr or --weight-decay")
+    if step and skipped >= step:
+        raise ConfigError(f"{where}: every one of its {step} steps had a non-finite loss, so none updated the "
+                          "model: start again with a smaller --eps or --lr")
 
 
 def load_model(path, fallback: bool = False) -> Ensemble:
