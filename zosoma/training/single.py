@@ -20,7 +20,7 @@ from zosoma.corpus import BatchSampler, Corpus, describe, load_corpus, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import ConfigError, DataError
+from zosoma.errors import ConfigError, DataError, OptionError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
@@ -57,12 +57,17 @@ def extended(cfg: TrainConfig, step: int, steps: int | None, where) -> tuple[Tra
     """cfg run to `steps` in all instead (a resume that extends a run), and the note saying so;
     cfg itself when steps is None. Only a longer run: the steps already taken stay as they were,
     and a cosine schedule is laid out again over the new length from here on."""
-    if steps is None or steps == cfg.steps:
+    if steps is None:
+        return cfg, []
+    try:
+        new = dataclasses.replace(cfg, steps=steps)  # an integer, at most MAX_STEPS (TrainConfig's checks)
+    except ConfigError as e:
+        raise OptionError(str(e)) from None
+    if steps == cfg.steps:
         return cfg, []
     if steps < cfg.steps:
         raise ConfigError(f"--steps {steps} with --resume: {where} runs to {cfg.steps} steps; a resume can "
                           "extend a run, not shorten it")
-    new = dataclasses.replace(cfg, steps=steps)
     lr = learning_rate(step, new.lr, new.steps, new.warmup, new.schedule)
     return new, [Note(f"extending {where} from {cfg.steps} to {steps} steps"
                       + (f": the cosine schedule now ends at step {steps} (lr {lr:.4g} at step {step + 1})"
