@@ -107,3 +107,17 @@ def test_the_api_resumes_a_run_as_train_resume_does(text, tmp_path):
     theta = [RunFolder(r.path).read_checkpoint().theta for r in (resumed, whole)]
     assert theta[0].tobytes() == theta[1].tobytes()
     assert resumed.results["heldout"] == whole.results["heldout"]
+
+
+def test_a_start_on_data_alone_and_a_resume_say_what_they_do(text, tmp_path):
+    """--data without --heldout never said there is no held-out evaluation; a resume never said
+    where it continues."""
+    args = ["train", "--data", text, "--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "-P", "2",
+            "--checkpoint-every", "1", "--quiet"]
+    started = run_cli(args + ["--steps", "3", "--run-dir", tmp_path / "run"])
+    assert started.exit_code == 0 and "warning: --data without --heldout: there is no held-out evaluation" \
+        in started.output
+    resumed = run_cli(["train", "--resume", tmp_path / "run", "--steps", "5", "--quiet"])
+    assert resumed.exit_code == 0 and "continuing at step 3 of 5\n" in resumed.output
+    held = run_cli(args + ["--heldout", text, "--steps", "1", "--run-dir", tmp_path / "held"])
+    assert held.exit_code == 0 and "no held-out evaluation" not in held.output

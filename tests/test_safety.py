@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -649,6 +650,25 @@ def test_commands_on_a_run_still_training_say_so_and_name_the_step_they_read(tex
     assert json.loads(done.stdout)["trained_by"] is None and "still training" not in done.stderr
 
 
+@pytest.mark.subprocess
+def test_an_export_of_a_run_still_training_says_so(text, tmp_path):
+    """eval, info and sample said so; export wrote the step-0 weights without a word."""
+    run = tmp_path / "run"
+    assert invoke(train_args(text, run, 2, "--quiet")).exit_code == 0
+    holder = hold_lock(run)
+    try:
+        live = f"{run} is still training (pid {holder.pid} on "
+        for args in (["--out", tmp_path / "model.pt"], ["--format", "onnx", "--out", tmp_path / "model.onnx"]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")  # said again in this process, as in a new one
+                result = invoke(["export", run, *args])
+            assert result.exit_code == 0 and live in result.output, result.output
+            assert "this uses its checkpoint at step 2, not the finished model" in result.output
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(text, tmp_path):
@@ -669,6 +689,8 @@ def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(tex
         assert done.returncode == 0 and live in done.stderr, done.stderr
         done = subprocess.run(zosoma_cmd() + ["info", str(run / "expert1"), "--json"], capture_output=True, text=True)
         assert json.loads(done.stdout)["trained_by"].startswith(f"pid {holder.pid} on ") and live in done.stderr
+        done = invoke(["export", run, "--format", "onnx", "--out", tmp_path / "onnx"])
+        assert done.exit_code == 0 and live in done.output and "experts' checkpoints at step 0, 0" in done.output
     finally:
         holder.kill()
         holder.wait()

@@ -35,9 +35,7 @@ def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, p
     text = os.fsencode(prompt)  # the prompt's own bytes, UTF-8 or not (surrogateescape)
     drawn = generate(ensemble, text, n_bytes=n_bytes, temperature=temperature, seed=seed,
                      reroute_every=reroute_every, ops=ops)  # checked here, before anything is written
-    out = click.get_binary_stream("stdout")  # bytes as they are, whatever the encoding, each as it is drawn
-    out.write(text)
+    click.echo(text, nl=False)  # bytes: written as they are, whatever the encoding
     for byte in drawn:
-        out.write(byte)
-        out.flush()
-    out.write(b"\n")
+        click.echo(byte, nl=False)  # each as it is drawn (echo flushes)
+    click.echo(b"")

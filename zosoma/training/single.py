@@ -153,7 +153,17 @@ def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, h
         if placement is not None:
             folder.write_placement(placement)
         yield Started(str(run_dir), model, cfg, describe(train_corpus), device=trainer.ops.name)
+        yield from no_heldout(train_paths, heldout_paths)
         yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
+
+
+def no_heldout(train_paths, heldout_paths) -> list[Note]:
+    """The note that a run on the user's --data has no held-out text to be scored on (the shipped
+    slices are another distribution), when it has none."""
+    if train_paths and not heldout_paths:
+        return [Note("--data without --heldout: there is no held-out evaluation (only WikiText-103, where "
+                     "found); give --heldout FILES to score the model on text of your own it did not train on")]
+    return []
 
 
 def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
@@ -188,7 +198,7 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
             folder.write_placement(placement)
         yield from notes
         yield Started(str(run_dir), ckpt.model, cfg, describe(run.train_corpus), steps=(ckpt.step,),
-                      device=trainer.ops.name)
+                      device=trainer.ops.name, resumed=True)
         yield from _train_and_evaluate(trainer, run.heldout, data.get("wikitext"), should_stop)
 
 

@@ -41,7 +41,7 @@ from zosoma.workers.population_workers import borrower, summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
-from zosoma.training.single import check_trained, data_record, extended, load_data, recorded_data
+from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -108,6 +108,7 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
         yield Clusters(report, n_chunks, chunk_size)
         ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)  # the run's engine, once
         yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts, ops.name)
+        yield from no_heldout(train_paths, heldout_paths)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
@@ -243,7 +244,7 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         yield from notes
         ops = run_ops(ops or get_ops("cpu"), first.train.engine, first.train.forward_precision)  # once
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
-                      run.soma.loss, done, ops.name)
+                      run.soma.loss, done, ops.name, resumed=True)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
