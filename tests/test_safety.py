@@ -595,6 +595,18 @@ def test_results_of_a_run_extended_then_stopped_are_stale_everywhere_they_are_re
     assert zosoma.open_run(run).results["checkpoint_steps"] == [3000] * len(folders)
 
 
+def test_results_past_a_damaged_newest_checkpoint_say_it_is_damaged(text, tmp_path):
+    """They said "the run trained on after it was evaluated", which it did not."""
+    run = tmp_path / "run"
+    assert invoke(train_args(text, run, 4, "--checkpoint-every", "2", "--quiet")).exit_code == 0
+    damage(run / "checkpoint.h5", "truncated")
+    result = invoke(["eval", run, "--data", text, "--previous"])
+    assert result.exit_code == 0, result.output
+    assert (f"warning: {run}/results.json is of step 4, but the newest intact checkpoint is at step 2: it is stale "
+            "(the newest checkpoint is damaged, so the model it scored cannot be read)") in result.output
+    assert "trained on after" not in result.output
+
+
 def test_results_an_older_zosoma_wrote_without_checkpoint_steps_are_read(text, tmp_path):
     import zosoma
     run = tmp_path / "run"

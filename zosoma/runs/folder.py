@@ -354,12 +354,23 @@ class RunFolder:
         """Each model's newest checkpoint: this folder's, or every expert's of a SOMA run; None
         where one has none (a record kept without its checkpoints). A damaged newest one is passed
         over in silence: the reader that uses the model says so."""
+        return self._newest()[0]
+
+    def _newest(self) -> tuple[list[Checkpoint] | None, bool]:
+        """newest_checkpoints(), and whether a damaged newest checkpoint was passed over for one."""
         folders = [self.expert(i) for i in range(self.read_soma().experts)] if self.is_soma else [self]
         if not all(f.has_checkpoint for f in folders):
-            return None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CheckpointFallback)
-            return [f.read_checkpoint() for f in folders]
+            return None, False
+        ckpts, damaged = [], False
+        for f in folders:
+            try:
+                ckpts.append(f.read_checkpoint(fallback=False))
+            except CheckpointError:
+                damaged = True
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", CheckpointFallback)
+                    ckpts.append(f.read_checkpoint())
+        return ckpts, damaged
 
     def _set_aside(self, name: str) -> None:
         _set_aside(self.path / name, self.path / DAMAGED.format(time=_stamp()))
@@ -425,21 +436,23 @@ class RunFolder:
         model); one an older zosoma wrote without them is judged by its "step" (a single model's;
         a study's SOMA record: its slowest expert's), else by its forward "tokens" (an older SOMA
         results.json), which every step adds to, a restart's too."""
-        ckpts = self.newest_checkpoints()
+        ckpts, damaged = self._newest()
         if ckpts is None:
             return None
         now, tokens = [c.step for c in ckpts], sum(int(c.extra.get("tokens", 0)) for c in ckpts)
         was = record.get("checkpoint_steps")
         if was is None and "step" in record:
             was, now = [record["step"]], [min(now)]
+        newest = "the newest intact checkpoint" if damaged else "the newest checkpoint"
         if was is not None and list(was) != now:
-            why = f"is of step {_steps(was)}, but the newest checkpoint is at step {_steps(now)}"
+            why = f"is of step {_steps(was)}, but {newest} is at step {_steps(now)}"
         elif "tokens" in record and record["tokens"] != tokens:
-            why = (f"is of {record['tokens']:,} forward tokens of training, but the newest checkpoint is of "
-                   f"{tokens:,}")
+            why = f"is of {record['tokens']:,} forward tokens of training, but {newest} is of {tokens:,}"
         else:
             return None
-        return f"{self.path / name} {why}: it is stale (the run trained on after it was evaluated)"
+        cause = ("the newest checkpoint is damaged, so the model it scored cannot be read" if damaged else
+                 "the run trained on after it was evaluated")
+        return f"{self.path / name} {why}: it is stale ({cause})"
 
     # --- SOMA ---------------------------------------------------------------------------------
 
