@@ -707,3 +707,29 @@ def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(tex
         holder.kill()
         holder.wait()
     assert zosoma.open_run(run).trained_by is None
+
+
+def test_eval_of_a_damaged_soma_json_or_a_dropped_model_says_so(text, tmp_path):
+    """A garbage soma.json was warned of, then evaluated as SOMA anyway; a single model training gave
+    up on was scored without a word of the drop."""
+    import zosoma
+    from zosoma.training.soma import DroppedExperts
+    soma = tmp_path / "soma"
+    assert invoke(train_args(text, soma, 2, "--experts", "2", "--chunk-size", "256", "--executor", "inline",
+                             "--quiet")).exit_code == 0
+    (soma / "soma.json").write_text("garbage{")
+    damaged = f"Error: {soma}: soma.json is damaged (Expecting value: line 1 column 1 (char 0)), so this SOMA run " \
+              "cannot be read"
+    for command in ("eval", "sample"):
+        assert last_line(invoke([command, soma])) == damaged
+    with pytest.raises(ConfigError, match="soma.json is damaged"):
+        zosoma.open_run(soma).evaluate()
+    run = tmp_path / "run"
+    result = invoke(train_args(text, run, 120, "--lr", "40", "--checkpoint-every", "20", "--on-divergence", "restart",
+                               "--max-restarts", "0", "--quiet"))
+    assert result.exit_code == 1 and "diverged again" in result.output
+    scored = invoke(["eval", run])
+    assert scored.exit_code == 0 and f"warning: {run} was dropped at step " in scored.output
+    assert "after 0 restart(s)" in scored.output and "it is scored as it was left" in scored.output
+    with pytest.warns(DroppedExperts, match="was dropped at step"):
+        zosoma.open_run(run).evaluate(data=text)

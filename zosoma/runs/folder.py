@@ -460,7 +460,7 @@ class RunFolder:
         try:
             return SomaShape.from_json(json.loads((self.path / SOMA).read_text()))
         except (OSError, ValueError, ConfigError) as e:
-            raise ConfigError(f"{self.path}: not a SOMA run folder ({SOMA} unreadable: {e})") from None
+            raise ConfigError(f"{self.path}: {SOMA} is damaged ({e}), so this SOMA run cannot be read") from None
 
     def write_soma(self, soma: SomaShape) -> None:
         write_json(self.path / SOMA, soma.to_json(), "run description")
