@@ -733,3 +733,23 @@ def test_eval_of_a_damaged_soma_json_or_a_dropped_model_says_so(text, tmp_path):
     assert "after 0 restart(s)" in scored.output and "it is scored as it was left" in scored.output
     with pytest.warns(DroppedExperts, match="was dropped at step"):
         zosoma.open_run(run).evaluate(data=text)
+
+
+def test_a_run_that_checkpoints_every_step_keeps_a_bounded_chain_to_roll_back_to(text, tmp_path):
+    """--checkpoint-every 1 with restarts kept 2 + the guard's window files (52 here, 202 at most);
+    now the newest two and one every stride steps over the window, and the restarts roll back to
+    the steps they did before (step 49: a multiple of the stride)."""
+    from zosoma.config import TrainConfig
+    from zosoma.formats.checkpoint import load_checkpoint
+    from zosoma.runs.trainer import MAX_KEPT, retention
+    restart = TrainConfig(checkpoint_every=1, on_divergence="restart")
+    assert retention(restart, 200) == (202, 25) and retention(restart, 50) == (52, 7)
+    assert retention(TrainConfig(checkpoint_every=500, on_divergence="restart"), 200) == (3, None)  # as it was
+    assert retention(TrainConfig(checkpoint_every=1, on_divergence="stop"), 200) == (2, None)
+    run = tmp_path / "run"
+    result = invoke(train_args(text, run, 400, "--lr", "40", "--checkpoint-every", "1", "--max-restarts", "1",
+                               "--quiet"))
+    assert result.exit_code == 1 and "rolled back to step 49" in result.output
+    assert len(list(run.glob("checkpoint*.h5"))) <= MAX_KEPT
+    older = list(run.glob("checkpoint.prev[0-9]*.h5"))
+    assert older and all(load_checkpoint(p).step % 7 == 0 for p in older)

@@ -70,7 +70,7 @@ from pathlib import Path
 
 from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
-from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint
+from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint, stored_step
 from zosoma.runs.guard import rollback_index
 from zosoma.runs.placement import Placement
 from zosoma.runs.records import Note
@@ -269,9 +269,11 @@ class RunFolder:
 
     # --- checkpoints ------------------------------------------------------------------------
 
-    def write_checkpoint(self, ckpt: Checkpoint, keep: int = 2) -> None:
+    def write_checkpoint(self, ckpt: Checkpoint, keep: int = 2, stride: int | None = None) -> None:
         """Atomically make `ckpt` the newest checkpoint, keeping the `keep` - 1 it replaces as
-        checkpoint.prev.h5, checkpoint.prev2.h5, ... Ctrl-C cannot fall between the renames."""
+        checkpoint.prev.h5, checkpoint.prev2.h5, ... Ctrl-C cannot fall between the renames. With
+        `stride`, those past checkpoint.prev.h5 are kept only at steps that are multiples of it (a
+        long chain thinned: one checkpoint every `stride` steps is enough to roll back to)."""
         save_checkpoint(self.path / NEXT, ckpt)
         chain = [CHECKPOINT, PREVIOUS] + [OLDER.format(n=n) for n in range(2, max(2, keep))]
         try:
@@ -280,6 +282,11 @@ class RunFolder:
                     if (self.path / newer).exists():
                         os.replace(self.path / newer, self.path / older)
                 os.replace(self.path / NEXT, self.path / CHECKPOINT)
+            # each file passes checkpoint.prev2.h5 once: judged there
+            if stride and len(chain) > 2 and (self.path / chain[2]).exists():
+                step = stored_step(self.path / chain[2])
+                if step is not None and step % stride:
+                    (self.path / chain[2]).unlink()
         except OSError as err:
             raise WriteError(f"cannot write checkpoint {self.path / CHECKPOINT}: {reason(err)}") from None
 
