@@ -32,7 +32,8 @@ from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
 from zosoma.training.single import evaluate_run, load_model, resume_run, start_run
-from zosoma.training.soma import DroppedExperts, evaluate_soma, load_ensemble, resume_soma, soma_description, soma_summary, start_soma
+from zosoma.training.soma import (DroppedExperts, evaluate_soma, load_ensemble, resume_soma, soma_description,
+                                  soma_summary, start_soma)
 from zosoma.workers.placing import place
 from zosoma.workers.population_workers import check_shardable
 
@@ -258,7 +259,7 @@ class Soma(Run):
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
-        self.shape  # a damaged soma.json is refused here, not routed around
+        self.folder.read_soma()  # a damaged soma.json is refused here, not routed around
         return load_ensemble(self.path, top_k, temperature, fallback=fallback)
 
     def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,
