@@ -56,3 +56,43 @@ def test_ask_and_tell_take_the_training_step(tmp_path):
         opt.tell(theta, 1, losses[:3])
     with pytest.raises(ConfigError, match="EGGROLL"):
         zosoma.Optimizer(d=3, optimizer="eggroll")
+
+
+@pytest.mark.parametrize("d", [0, -3, 2.5, True, "4"])
+def test_the_optimizer_refuses_a_size_that_is_not_a_count(d):
+    with pytest.raises(ConfigError, match=f"d, the number of parameters, must be a positive integer, got {d!r}"):
+        zosoma.Optimizer(d=d)
+
+
+def test_a_step_with_a_non_finite_loss_is_skipped_out_loud():
+    opt = zosoma.Optimizer(d=4, perturbations=2, eps=0.01, lr=0.1, optimizer="sgd")
+    theta = np.ones(4, np.float32)
+    from zosoma.api import SkippedStep
+    with pytest.warns(SkippedStep, match=r"step 0 skipped: the losses of members \[2\] are not finite \(nan\)"):
+        new = opt.tell(theta, 0, [1.0, 2.0, np.nan, 1.0])
+    np.testing.assert_array_equal(new, theta)
+
+
+def test_sample_takes_bytes_or_text_and_resume_steps_a_count(text, tmp_path, monkeypatch):
+    """Run.sample('text') was a TypeError and sample(12) twelve NUL bytes; zosoma.train(resume=RUN,
+    steps='300') a TypeError; sample --bytes 1e12 printed nothing for minutes."""
+    from helpers import one_line_error, run_cli
+    monkeypatch.chdir(tmp_path)
+    run = zosoma.train(data=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, steps=2,
+                       run_dir=tmp_path / "run")
+    assert run.sample("river", n_bytes=5, seed=1) == run.sample(b"river", n_bytes=5, seed=1)
+    with pytest.raises(ConfigError, match="prompt must be bytes or text, got 12"):
+        run.sample(12)
+    with pytest.raises(ConfigError, match="n_bytes must be at most 1,073,741,824 \\(1 GiB\\), got 1,000,000,000,000"):
+        run.sample(b"", n_bytes=10**12)
+    assert one_line_error(run_cli(["sample", run.path, "--bytes", "1000000000000"]), 2) == \
+        "Error: n_bytes must be at most 1,073,741,824 (1 GiB), got 1,000,000,000,000"
+    for steps, message in (("three", "steps must be an integer, got 'three'"),
+                           (10**12, "steps must be at most 4,294,967,295 (a step is a 32-bit word of the noise "
+                                    "counters), got 1,000,000,000,000")):
+        with pytest.raises(ConfigError) as refused:
+            zosoma.train(resume=run.path, steps=steps)
+        assert str(refused.value) == message
+        assert one_line_error(run_cli(["train", "--resume", run.path, "--steps", steps]), 2) == f"Error: {message}"
+    with pytest.raises(ConfigError, match="steps must be an integer, got '300'"):  # text, where the CLI parses
+        zosoma.train(resume=run.path, steps="300")

@@ -175,6 +175,18 @@ def test_bad_configs_through_the_command_line(tmp_path, restore_sigint, old, new
     assert not (tmp_path / "out").exists()
 
 
+def test_a_plan_checks_the_device_as_a_run_does(tmp_path, restore_sigint):
+    """compare --plan --device cuda printed a plan on a machine without a GPU."""
+    from zosoma.engines.cuda.backend import cuda_unavailable_reason
+    if cuda_unavailable_reason() is None:
+        pytest.skip("a GPU is here: --device cuda is right")
+    (tmp_path / "mini.toml").write_text(MINI)
+    lines = [one_line_error(run_cli(["compare", "mini.toml", "--out", "out", "--device", "cuda", *plan]), 1)
+             for plan in (["--plan"], [])]
+    assert lines[0] == lines[1] and lines[0].startswith("Error: --device cuda: no CUDA device")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("record, problem", [
     ("[1, 2]", r"it is \[1, 2\], not a JSON object"),
     ('{"method": "SOMA N=2"}', "no kind"),

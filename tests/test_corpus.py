@@ -160,6 +160,31 @@ def test_load_text(tmp_path):
     assert out.dtype == np.uint8 and out.tobytes() == b"abc"
 
 
+def test_a_gzip_too_large_is_refused_while_streaming_and_one_that_fits_is_read_once(tmp_path, monkeypatch):
+    """A .gz past the limit was decompressed up to the limit in memory before it was refused (4.3 GB
+    for a 5 GiB file), and one within it was held twice over (2.2 GB for 1 GiB of zeros)."""
+    import tracemalloc
+
+    import zosoma.corpus as corpus
+    monkeypatch.setattr(corpus, "MAX_BYTES", 32 << 20)
+    monkeypatch.setattr(corpus, "GZIP_BLOCK", 1 << 20)
+    (tmp_path / "big.gz").write_bytes(gzip.compress(bytes(64 << 20)))
+    (tmp_path / "fits.gz").write_bytes(gzip.compress(bytes(range(256)) * (96 << 10)))  # 24 MiB
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="big.gz: decompresses to more than 0 GiB"):
+            load_text(tmp_path / "big.gz")
+        refused = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        out = load_text(tmp_path / "fits.gz")
+        read = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert refused < 8 << 20  # a few blocks, not the 32 MiB the limit allows
+    assert out.tobytes() == bytes(range(256)) * (96 << 10) and not out.flags.writeable
+    assert read < (24 << 20) + (8 << 20)  # the array and a few blocks, not twice the text
+
+
 def _missing(tmp_path):
     return tmp_path / "nope.txt", ()
 

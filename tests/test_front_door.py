@@ -33,6 +33,18 @@ REFUSALS = [
     (["--steps", "5", "--experts", "two"], dict(steps=5, experts="two"), "experts must be an integer, got 'two'", 2),
     (["--steps", "2.5"], dict(steps=2.5), "steps must be an integer, got 2.5", 2),
     (["--steps", "0"], dict(steps=0), "steps must be at least 1, got 0", 2),
+    (["--steps", "1000000000000"], dict(steps=10**12), "steps must be at most 4,294,967,295 (a step is a 32-bit "
+     "word of the noise counters), got 1,000,000,000,000", 2),
+    (["--steps", "5", "--eps", "1e-320"], dict(steps=5, eps=1e-320), "eps must be at least 1e-45, got 9.99989e-321 "
+     "(0 in float32, the parameters' precision: every member would equal theta)", 2),
+    (["--steps", "5", "--lr", "1e308"], dict(steps=5, lr=1e308),
+     "lr must be at most 3.4e38 (float32's largest, the parameters' precision), got 1e+308", 2),
+    (["--steps", "5", "--weight-decay", "1e308"], dict(steps=5, weight_decay=1e308),
+     "weight_decay must be at most 3.4e38 (float32's largest, the parameters' precision), got 1e+308", 2),
+    (["--steps", "5", "--restart-lr-factor", "5"], dict(steps=5, restart_lr_factor=5.0),
+     "restart_lr_factor must lie in (0, 1], got 5.0", 2),
+    (["--steps", "5", "--experts", "1000"], dict(steps=5, experts=1000),
+     "cannot make 1000 clusters from 7 chunks of 2048 bytes: use at most 7 --experts, or a smaller --chunk-size", 2),
     (["--steps", "5", "--preset", "huge"], dict(steps=5, preset="huge"),
      "preset must be one of tiny, small, paper, got 'huge'", 2),
     (["--resume", OLD, "--lr", "0.1"], dict(resume=OLD, lr=0.1), RESUME.format("--lr"), 2),
@@ -95,3 +107,17 @@ def test_the_api_resumes_a_run_as_train_resume_does(text, tmp_path):
     theta = [RunFolder(r.path).read_checkpoint().theta for r in (resumed, whole)]
     assert theta[0].tobytes() == theta[1].tobytes()
     assert resumed.results["heldout"] == whole.results["heldout"]
+
+
+def test_a_start_on_data_alone_and_a_resume_say_what_they_do(text, tmp_path):
+    """--data without --heldout never said there is no held-out evaluation; a resume never said
+    where it continues."""
+    args = ["train", "--data", text, "--embed", "8", "--hidden", "16", "--batch", "4", "--seq-len", "16", "-P", "2",
+            "--checkpoint-every", "1", "--quiet"]
+    started = run_cli(args + ["--steps", "3", "--run-dir", tmp_path / "run"])
+    assert started.exit_code == 0 and "warning: --data without --heldout: there is no held-out evaluation" \
+        in started.output
+    resumed = run_cli(["train", "--resume", tmp_path / "run", "--steps", "5", "--quiet"])
+    assert resumed.exit_code == 0 and "continuing at step 3 of 5\n" in resumed.output
+    held = run_cli(args + ["--heldout", text, "--steps", "1", "--run-dir", tmp_path / "held"])
+    assert held.exit_code == 0 and "no held-out evaluation" not in held.output

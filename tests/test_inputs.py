@@ -87,7 +87,7 @@ def test_a_folder_whose_step_is_too_large_does_not_resume_into_a_crash(text, tmp
 def test_too_many_experts_for_the_text_are_refused_before_clustering(text, tmp_path):
     # 15 kB of text, 8 experts of the tiny preset's 49,664 parameters: 0.039 bytes per parameter
     args = ["train", "--data", text, "--experts", "8", "--chunk-size", "256", "--steps", "1"]
-    line = one_line_error(run_cli(args + ["--run-dir", tmp_path / "run"]), 1)
+    line = one_line_error(run_cli(args + ["--run-dir", tmp_path / "run"]), 2)  # a bad option, as any other
     assert "--experts 8: clusters of about 1,914 bytes of text for experts of 49,664 parameters" in line
     assert "under the 0.5 an expert needs: at most 0 experts" in line
     assert not (tmp_path / "run").exists()
@@ -95,6 +95,33 @@ def test_too_many_experts_for_the_text_are_refused_before_clustering(text, tmp_p
         zosoma.train(data=text, experts=8, chunk_size=256, steps=1)
     assert nothing_made()
     assert run_cli(args + [*MODEL, "--experts", "2", "--quiet"]).exit_code == 0  # 0.96 bytes per parameter
+
+
+def test_a_model_trained_into_nothing_ends_non_zero(text, tmp_path):
+    """A weight decay near float32's largest makes theta inf at the first step: the run said so and
+    ended with exit code 1 (it printed a held-out NaN with exit code 0), from the API alike."""
+    args = ["train", "--data", text, "--heldout", text, *TINY, "--steps", "30", "--weight-decay", "3e38"]
+    result = run_cli(args + ["--run-dir", tmp_path / "run", "--quiet"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("Error:"))
+    assert line.startswith(f"Error: {tmp_path / 'run'}: the model's parameters are not finite after step")
+    assert "lower --lr or --weight-decay" in line and not (tmp_path / "run" / "results.json").exists()
+    with pytest.raises(ConfigError, match="parameters are not finite"):
+        zosoma.train(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, steps=30,
+                     weight_decay=3e38, run_dir=tmp_path / "api")
+
+
+def test_a_run_whose_every_loss_was_non_finite_is_no_result():
+    import numpy as np
+
+    from zosoma.training.single import check_trained
+    theta = np.zeros(3, np.float32)
+    check_trained(theta, skipped=4, step=5, where="run")  # one step updated it
+    check_trained(theta, skipped=0, step=0, where="run")  # not trained yet: nothing to judge
+    with pytest.raises(ConfigError, match="run: every one of its 5 steps had a non-finite loss"):
+        check_trained(theta, skipped=5, step=5, where="run")
+    with pytest.raises(ConfigError, match="not finite after step 5"):
+        check_trained(np.array([0, np.nan], np.float32), skipped=0, step=5, where="run")
 
 
 # --- names that are not UTF-8 ---------------------------------------------------------------------------
@@ -189,6 +216,23 @@ def test_eval_warns_of_a_wikitext_that_is_not_the_official_one_and_names_data_gi
     with pytest.warns(NotOfficial, match="is not the official wiki.test.raw"):
         scores = zosoma.open_run(run).evaluate(data=text, wikitext=other)
     assert scores["wikitext103_path"] == str(other.resolve())
+
+
+def test_yardsticks_warn_of_a_wikitext_that_is_not_the_official_one_as_eval_does(tmp_path, monkeypatch):
+    """zosoma data yardsticks scored any file as "WikiText-103" without a word."""
+    import zosoma.yardsticks as yardsticks
+    def measured(*args):  # stands for the minute measuring takes
+        raise ConfigError("measured")
+    monkeypatch.setattr(yardsticks, "measure", measured)
+    other = tmp_path / "notes.txt"
+    other.write_text("some text that is not WikiText-103\n" * 100)
+    result = run_cli(["data", "yardsticks", "--wikitext", other])
+    assert f"warning: {other.resolve()} is not the official wiki.test.raw" in result.output
+    assert one_line_error(result, 1) == "Error: measured"
+    binary = tmp_path / "wiki.bin"
+    binary.write_bytes(b"\0\1\2" * 100)
+    assert one_line_error(run_cli(["data", "yardsticks", "--wikitext", binary]), 1) == \
+        f"Error: {binary.resolve()} is not text, so not WikiText-103's wiki.test.raw"
 
 
 # --- stop signals do not wait ------------------------------------------------------------------------------

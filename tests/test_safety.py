@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -522,9 +523,9 @@ def test_a_start_that_fails_leaves_no_folder(text, tmp_path, monkeypatch):
     small = tmp_path / "small.txt"
     small.write_bytes(b"some words " * 180)
     base = ["train", "--data", small, "--experts", "8", *TINY]
-    line = last_line(invoke(base + ["--run-dir", tmp_path / "new"]))
+    line = last_line(invoke(base + ["--run-dir", tmp_path / "new"]), code=2)  # a usage error
     assert "cannot make 8 clusters" in line and not (tmp_path / "new").exists()
-    assert "cannot make 8 clusters" in last_line(invoke(base))  # in the default runs/<name>
+    assert "cannot make 8 clusters" in last_line(invoke(base), code=2)  # in the default runs/<name>
     assert list((tmp_path / "runs").iterdir()) == []
     line = last_line(invoke(["train", "--data", small, "--optimizer", "eggroll", "--rank", "9", *TINY[:-2]]))
     assert "--rank 9 exceeds 8, the smallest side of this model's matrices" in line
@@ -594,6 +595,18 @@ def test_results_of_a_run_extended_then_stopped_are_stale_everywhere_they_are_re
     assert zosoma.open_run(run).results["checkpoint_steps"] == [3000] * len(folders)
 
 
+def test_results_past_a_damaged_newest_checkpoint_say_it_is_damaged(text, tmp_path):
+    """They said "the run trained on after it was evaluated", which it did not."""
+    run = tmp_path / "run"
+    assert invoke(train_args(text, run, 4, "--checkpoint-every", "2", "--quiet")).exit_code == 0
+    damage(run / "checkpoint.h5", "truncated")
+    result = invoke(["eval", run, "--data", text, "--previous"])
+    assert result.exit_code == 0, result.output
+    assert (f"warning: {run}/results.json is of step 4, but the newest intact checkpoint is at step 2: it is stale "
+            "(the newest checkpoint is damaged, so the model it scored cannot be read)") in result.output
+    assert "trained on after" not in result.output
+
+
 def test_results_an_older_zosoma_wrote_without_checkpoint_steps_are_read(text, tmp_path):
     import zosoma
     run = tmp_path / "run"
@@ -649,6 +662,25 @@ def test_commands_on_a_run_still_training_say_so_and_name_the_step_they_read(tex
     assert json.loads(done.stdout)["trained_by"] is None and "still training" not in done.stderr
 
 
+@pytest.mark.subprocess
+def test_an_export_of_a_run_still_training_says_so(text, tmp_path):
+    """eval, info and sample said so; export wrote the step-0 weights without a word."""
+    run = tmp_path / "run"
+    assert invoke(train_args(text, run, 2, "--quiet")).exit_code == 0
+    holder = hold_lock(run)
+    try:
+        live = f"{run} is still training (pid {holder.pid} on "
+        for args in (["--out", tmp_path / "model.pt"], ["--format", "onnx", "--out", tmp_path / "model.onnx"]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")  # said again in this process, as in a new one
+                result = invoke(["export", run, *args])
+            assert result.exit_code == 0 and live in result.output, result.output
+            assert "this uses its checkpoint at step 2, not the finished model" in result.output
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(text, tmp_path):
@@ -669,7 +701,55 @@ def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(tex
         assert done.returncode == 0 and live in done.stderr, done.stderr
         done = subprocess.run(zosoma_cmd() + ["info", str(run / "expert1"), "--json"], capture_output=True, text=True)
         assert json.loads(done.stdout)["trained_by"].startswith(f"pid {holder.pid} on ") and live in done.stderr
+        done = invoke(["export", run, "--format", "onnx", "--out", tmp_path / "onnx"])
+        assert done.exit_code == 0 and live in done.output and "experts' checkpoints at step 0, 0" in done.output
     finally:
         holder.kill()
         holder.wait()
     assert zosoma.open_run(run).trained_by is None
+
+
+def test_eval_of_a_damaged_soma_json_or_a_dropped_model_says_so(text, tmp_path):
+    """A garbage soma.json was warned of, then evaluated as SOMA anyway; a single model training gave
+    up on was scored without a word of the drop."""
+    import zosoma
+    from zosoma.training.soma import DroppedExperts
+    soma = tmp_path / "soma"
+    assert invoke(train_args(text, soma, 2, "--experts", "2", "--chunk-size", "256", "--executor", "inline",
+                             "--quiet")).exit_code == 0
+    (soma / "soma.json").write_text("garbage{")
+    damaged = f"Error: {soma}: soma.json is damaged (Expecting value: line 1 column 1 (char 0)), so this SOMA run " \
+              "cannot be read"
+    for command in ("eval", "sample"):
+        assert last_line(invoke([command, soma])) == damaged
+    with pytest.raises(ConfigError, match="soma.json is damaged"):
+        zosoma.open_run(soma).evaluate()
+    run = tmp_path / "run"
+    result = invoke(train_args(text, run, 120, "--lr", "40", "--checkpoint-every", "20", "--on-divergence", "restart",
+                               "--max-restarts", "0", "--quiet"))
+    assert result.exit_code == 1 and "diverged again" in result.output
+    scored = invoke(["eval", run])
+    assert scored.exit_code == 0 and f"warning: {run} was dropped at step " in scored.output
+    assert "after 0 restart(s)" in scored.output and "it is scored as it was left" in scored.output
+    with pytest.warns(DroppedExperts, match="was dropped at step"):
+        zosoma.open_run(run).evaluate(data=text)
+
+
+def test_a_run_that_checkpoints_every_step_keeps_a_bounded_chain_to_roll_back_to(text, tmp_path):
+    """--checkpoint-every 1 with restarts kept 2 + the guard's window files (52 here, 202 at most);
+    now the newest two and one every stride steps over the window, and the restarts roll back to
+    the steps they did before (step 49: a multiple of the stride)."""
+    from zosoma.config import TrainConfig
+    from zosoma.formats.checkpoint import load_checkpoint
+    from zosoma.runs.trainer import MAX_KEPT, retention
+    restart = TrainConfig(checkpoint_every=1, on_divergence="restart")
+    assert retention(restart, 200) == (202, 25) and retention(restart, 50) == (52, 7)
+    assert retention(TrainConfig(checkpoint_every=500, on_divergence="restart"), 200) == (3, None)  # as it was
+    assert retention(TrainConfig(checkpoint_every=1, on_divergence="stop"), 200) == (2, None)
+    run = tmp_path / "run"
+    result = invoke(train_args(text, run, 400, "--lr", "40", "--checkpoint-every", "1", "--max-restarts", "1",
+                               "--quiet"))
+    assert result.exit_code == 1 and "rolled back to step 49" in result.output
+    assert len(list(run.glob("checkpoint*.h5"))) <= MAX_KEPT
+    older = list(run.glob("checkpoint.prev[0-9]*.h5"))
+    assert older and all(load_checkpoint(p).step % 7 == 0 for p in older)

@@ -246,7 +246,8 @@ def test_lookup_finds_what_shipped_measured(small_shipped):
 def test_data_yardsticks_command(small_shipped):
     result = CliRunner().invoke(cli, ["data", "yardsticks", "--orders", "3,2", "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    assert "is not the official wiki.test.raw" in result.stderr  # the fixture's small file, said as eval says it
+    out = json.loads(result.stdout)
     expected = shipped(orders=(2, 3))
     assert out["schema"] == "zosoma.data-yardsticks/1" and out["orders"] == [2, 3]
     assert out["heldout"] == expected["heldout"].nats

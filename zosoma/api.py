@@ -18,6 +18,8 @@ that `zosoma eval`, `info`, `train --resume` and TensorBoard read like any other
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ from zosoma.errors import ConfigError
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.folder import RunFolder
 
-__all__ = ["Optimizer", "Run", "load_corpus", "open_run", "train"]
+__all__ = ["Optimizer", "Run", "SkippedStep", "load_corpus", "open_run", "train"]
 
 
 def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str | None = None,
@@ -133,9 +135,13 @@ class Run:
 
     def sample(self, prompt: bytes = b"", n_bytes: int = 200, temperature: float = 0.8, seed: int = 0,
                top_k: int = PROTOCOL.top_k) -> bytes:
-        """Bytes generated after `prompt` (temperature 0: greedy)."""
-        from zosoma.mixture.sample import sample
-        return sample(self.model(top_k), bytes(prompt), n_bytes=n_bytes, temperature=temperature, seed=seed)
+        """Bytes generated after `prompt` (bytes, or text read as UTF-8; temperature 0: greedy)."""
+        from zosoma.mixture.sample import prompt_bytes, sample
+        return sample(self.model(top_k), prompt_bytes(prompt), n_bytes=n_bytes, temperature=temperature, seed=seed)
+
+
+class SkippedStep(UserWarning):
+    """Optimizer.tell skipped a step: a member's loss was not finite (one line: which)."""
 
 
 class Optimizer:
@@ -152,6 +158,8 @@ class Optimizer:
 
         if options.get("optimizer") == "eggroll":
             raise ConfigError("EGGROLL perturbs an LSTM's matrices at low rank: use sgd, momentum, adam or es here")
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1:
+            raise ConfigError(f"d, the number of parameters, must be a positive integer, got {d!r}")
         _, self.cfg = resolve(None, options)
         self.d, self.ops = int(d), Ops()
         self.strategy = make_strategy(self.cfg)
@@ -170,11 +178,17 @@ class Optimizer:
         return self.strategy.members(self._theta(theta), None, pop, self.state)
 
     def tell(self, theta, step: int, losses) -> np.ndarray:
-        """The parameters after the step, from one loss per member of ask(theta, step)."""
+        """The parameters after the step, from one loss per member of ask(theta, step); a step with
+        a loss that is not finite is skipped, as training skips it (theta and the state unchanged),
+        with a SkippedStep warning naming the members."""
         losses = np.asarray(losses, np.float64).reshape(-1)
         P = self.strategy.pairs(step)
         if losses.size != 2 * P:
             raise ConfigError(f"tell needs {2 * P} losses (one per member), got {losses.size}")
+        bad = np.flatnonzero(~np.isfinite(losses))
+        if bad.size:
+            warnings.warn(f"step {step} skipped: the losses of members {bad.tolist()} are not finite "
+                          f"({losses[bad[0]]}); theta is unchanged", SkippedStep, stacklevel=2)
         coeffs, _ = self.strategy.coefficients(losses[0::2], losses[1::2])
         told = self.strategy.tell(self.ops, None, self._theta(theta), self.state, self.shaping, coeffs,
                                   self.strategy.ask(0, step))  # the training loop's step (Strategy.tell)

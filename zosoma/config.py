@@ -16,6 +16,8 @@ ENGINES = ("native", "onnxruntime")  # where forwards run: the device's own kern
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # the forward's number format (zosoma.model.number_formats)
 ON_DIVERGENCE = ("stop", "continue", "restart")  # what a run does when its loss runs away
 LOSSES = ("independent", "summed")  # a SOMA run's experts: their own losses, or the summed ablation
+MAX_STEPS = 2**32 - 1  # a step is one uint32 word of the noise and batch counters (zosoma.model.noise)
+FLOAT32_MAX = 3.4028234663852886e38  # theta and its update are float32: a rate or decay above this is inf there
 
 
 def _typed(config) -> None:
@@ -128,8 +130,18 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.eps > 0:
             raise ConfigError(f"eps must be positive, got {self.eps}")
+        if self.eps < 2.0**-150:  # below half the smallest float32: theta +- eps is theta, nothing trains
+            raise ConfigError(f"eps must be at least 1e-45, got {self.eps:g} (0 in float32, the parameters' "
+                              "precision: every member would equal theta)")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
+        for name in ("eps", "lr", "weight_decay"):
+            if getattr(self, name) > FLOAT32_MAX:
+                raise ConfigError(f"{name} must be at most 3.4e38 (float32's largest, the parameters' precision), "
+                                  f"got {getattr(self, name):g}")
+        if self.steps > MAX_STEPS:
+            raise ConfigError(f"steps must be at most {MAX_STEPS:,} (a step is a 32-bit word of the noise "
+                              f"counters), got {self.steps:,}")
         if self.noise not in ("rademacher", "gaussian"):
             raise ConfigError(f"noise must be rademacher or gaussian, got {self.noise!r}")
         if self.engine not in ENGINES:
@@ -152,8 +164,10 @@ class TrainConfig:
         if not isinstance(transforms, (list, tuple)) or not all(isinstance(p, str) for p in transforms):
             raise ConfigError(f"transforms must be a transform's name or a list of them, got {self.transforms!r}")
         object.__setattr__(self, "transforms", tuple(transforms))
-        if not 0 < self.restart_lr_factor <= 1 or not math.isfinite(self.clip_at) or self.clip_at <= 0:
-            raise ConfigError("restart_lr_factor must lie in (0, 1] and clip_at be a positive number")
+        if not 0 < self.restart_lr_factor <= 1:
+            raise ConfigError(f"restart_lr_factor must lie in (0, 1], got {self.restart_lr_factor}")
+        if not math.isfinite(self.clip_at) or self.clip_at <= 0:
+            raise ConfigError(f"clip_at must be a positive number, got {self.clip_at}")
         if self.max_restarts < 0 or self.normalize_window < 1:
             raise ConfigError("max_restarts must not be negative, normalize_window at least 1")
         if self.schedule not in ("constant", "cosine"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.resources
-import io
 import json
 import os
 import zlib
@@ -87,20 +86,39 @@ def load_text(path: PathLike) -> np.ndarray:
     try:
         if path.stat().st_size > MAX_BYTES:
             raise DataError(f"{path}: larger than {MAX_BYTES >> 30} GiB, the most one text file may hold")
-        raw = path.read_bytes()
+        data = _gunzip(path) if path.suffix == ".gz" else np.frombuffer(path.read_bytes(), dtype=np.uint8)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from e
-    if path.suffix == ".gz":
-        try:
-            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
-                raw = f.read(MAX_BYTES + 1)
-        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; EOF: truncated
-            raise DataError(f"{path}: not a valid gzip file ({e})") from e
-        if len(raw) > MAX_BYTES:
-            raise DataError(f"{path}: decompresses to more than {MAX_BYTES >> 30} GiB, the most one text file may hold")
-    if not raw:
+    if not data.size:
         raise DataError(f"{path}: empty file")
-    return np.frombuffer(raw, dtype=np.uint8)
+    return data
+
+
+GZIP_BLOCK = 1 << 24  # decompressed bytes read at a time
+
+
+def _gunzip(path: Path) -> np.ndarray:
+    """A .gz file's bytes, read read-only: first streamed to measure them (refused past MAX_BYTES
+    with nothing held), then decompressed straight into an array of that size."""
+    try:
+        n = 0
+        with gzip.open(path, "rb") as f:
+            while block := f.read(GZIP_BLOCK):
+                n += len(block)
+                if n > MAX_BYTES:
+                    raise DataError(f"{path}: decompresses to more than {MAX_BYTES >> 30} GiB, the most one text "
+                                    "file may hold")
+        out = np.empty(n, dtype=np.uint8)
+        with gzip.open(path, "rb") as f:
+            filled = 0
+            while filled < n and (got := f.readinto(memoryview(out)[filled:filled + GZIP_BLOCK])):  # no copy
+                filled += got
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # EOF: truncated; any other OSError: cannot read
+        raise DataError(f"{path}: not a valid gzip file ({e})") from e
+    if filled != n:
+        raise DataError(f"{path}: changed while it was read")
+    out.flags.writeable = False
+    return out
 
 
 def load_corpus(

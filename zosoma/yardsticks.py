@@ -37,7 +37,7 @@ import numpy as np
 
 from zosoma.atomic import atomic_write
 from zosoma.corpus import Corpus, default_corpus_dir, describe, load_corpus, load_text
-from zosoma.download import cache_root, find_wikitext103
+from zosoma.download import cache_root, check_wikitext103, find_wikitext103
 from zosoma.errors import ConfigError, DataError, ZosomaError
 from zosoma.model.evaluate import EvalResult
 from zosoma.model.protocol import PROTOCOL
@@ -344,10 +344,12 @@ def measure(train: Corpus, texts: Corpus, orders: Sequence[int] = ORDERS, segmen
 def shipped(orders: Sequence[int] = ORDERS, segment: int = PROTOCOL.segment, context: int = PROTOCOL.context,
             wikitext=None, cache: bool = True, ship: bool = False) -> dict[str, Yardsticks]:
     """`measure` of the shipped training split on the shipped held-out split and on WikiText-103
-    when found (zosoma.download.find_wikitext103: `wikitext`, $ZOSOMA_WIKITEXT103, the download
-    folder): {"heldout": ..., "wikitext103": ...}, the second only when found. With `ship`, also
-    write the records into shipped_dir() (a source checkout's data/, for the repository)."""
-    train, wiki = load_corpus(None, "train"), find_wikitext103(wikitext)
+    when found (zosoma.download.check_wikitext103, as `eval` checks it: `wikitext`,
+    $ZOSOMA_WIKITEXT103, the download folder; a file that is not the official one is scored with a
+    NotOfficial warning, one that is not text refused): {"heldout": ..., "wikitext103": ...}, the
+    second only when found. With `ship`, also write the records into shipped_dir() (a source
+    checkout's data/, for the repository)."""
+    train, wiki = load_corpus(None, "train"), check_wikitext103(wikitext)
     texts = {"heldout": load_corpus(None, "heldout"), "wikitext103": wiki and wikitext_texts(wiki)}
     found = {key: measure(train, t, orders, segment, context, cache) for key, t in texts.items() if t is not None}
     for name, record in found.items() if ship else ():

@@ -35,8 +35,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     cmp = load_comparison(path)
     out = Path(out or Path("results") / path.stem)
     finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
-    if not plan:
-        device = device_ops(device).name
+    device = device_ops(device).name  # --plan too: a plan for a device this machine lacks is no plan
     budget = f"budget {cmp.flops:.3g} forward FLOPs per run" if cmp.flops else "each method's own steps"
     click.echo(f"{cmp.title}\n{budget}; seeds {list(cmp.seeds)}; output {out}")
     w = max([24] + [len(m.name) for m in cmp.methods + cmp.ablation])

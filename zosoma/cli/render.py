@@ -136,6 +136,9 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                        + (f", on divergence {t.on_divergence}" if t.on_divergence != "stop" else "")
                        + (f", {r.loss} losses" if n > 1 else "") + f", device {r.device}")
             click.echo(f"data: {r.data}")
+            if r.resumed:
+                click.echo(f"continuing at step {r.steps[0]:,} of {t.steps:,}" if n == 1 else
+                           f"continuing: experts at steps {', '.join(f'{s:,}' for s in r.steps)} of {t.steps:,}")
             # bars on a terminal; lines without one, or when --log-every asks for them
             show_lines = not logging.quiet and (logging != Logging() or not sys.stderr.isatty())
             for i, done in enumerate(r.steps):

@@ -24,7 +24,7 @@ from zosoma.model.protocol import PROTOCOL
 def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, previous, device):
     """Generate text from a run: a SOMA run's routed mixture, re-routing as the context grows, or
     a single model (its run folder or a checkpoint file)."""
-    from zosoma.mixture.sample import sample as generate
+    from zosoma.mixture.sample import generate
     from zosoma.training.run import Run
 
     ops = device_ops(device)
@@ -33,6 +33,9 @@ def sample(ctx, run, prompt, n_bytes, temperature, seed, top_k, reroute_every, p
         refuse_given(ctx, ("top_k", "reroute_every"), f"SOMA runs; {run} is a single model")
     ensemble = opened.ensemble(top_k, fallback=previous)
     text = os.fsencode(prompt)  # the prompt's own bytes, UTF-8 or not (surrogateescape)
-    out = generate(ensemble, text, n_bytes=n_bytes, temperature=temperature, seed=seed,
-                   reroute_every=reroute_every, ops=ops)
-    click.echo(text + out)  # bytes: written as they are, whatever the encoding
+    drawn = generate(ensemble, text, n_bytes=n_bytes, temperature=temperature, seed=seed,
+                     reroute_every=reroute_every, ops=ops)  # checked here, before anything is written
+    click.echo(text, nl=False)  # bytes: written as they are, whatever the encoding
+    for byte in drawn:
+        click.echo(byte, nl=False)  # each as it is drawn (echo flushes)
+    click.echo(b"")

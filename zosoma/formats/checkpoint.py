@@ -289,6 +289,17 @@ def _read_or_raise(path: PathLike) -> tuple[Checkpoint, dict]:
         raise CheckpointError(f"{path} is damaged or not a zosoma checkpoint: {reason}") from None
 
 
+def stored_step(path: PathLike) -> int | None:
+    """The step a checkpoint file's header names (not verified: for choosing which files to keep),
+    or None when it cannot be read."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            return attr_int(f.attrs["step"], "step")
+    except (OSError, KeyError, ValueError, TypeError, CheckpointError):
+        return None
+
+
 def load_checkpoint(path: PathLike) -> Checkpoint:
     """Read and verify a checkpoint: format and version, every tensor's shape against the layout of
     the stored ModelConfig, and the content checksum. Values need not be finite. Raises

@@ -30,25 +30,28 @@ import math
 import numpy as np
 
 from zosoma.engines.ops import Ops
-from zosoma.errors import ConfigError
+from zosoma.errors import OptionError
 from zosoma.mixture.routing import Ensemble
 from zosoma.model.protocol import PROTOCOL
 
 _STREAM = 0x5A4  # random stream of sampling (params use 0x1D1)
 _START = b"\n"  # the experts' first input when the prompt is empty
+MAX_BYTES = 1 << 30  # a request beyond 1 GiB is a typo (1e12 would take years: a forward per byte)
 
 
 def _check(n_bytes, temperature, reroute_every, context) -> float:
     for name, value, least in (("n_bytes", n_bytes, 0), ("reroute_every", reroute_every, 1),
                                ("context", context, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+            raise OptionError(f"{name} must be an integer >= {least}, got {value!r}")
+    if n_bytes > MAX_BYTES:
+        raise OptionError(f"n_bytes must be at most {MAX_BYTES:,} (1 GiB), got {n_bytes:,}")
     try:
         temperature = float(temperature)
     except (TypeError, ValueError):
-        raise ConfigError(f"sampling temperature must be a number, got {temperature!r}") from None
+        raise OptionError(f"sampling temperature must be a number, got {temperature!r}") from None
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ConfigError(f"sampling temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+        raise OptionError(f"sampling temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     return temperature
 
 
@@ -65,14 +68,32 @@ class _Active:
         self.logp = logp[0, -1]
 
 
+def prompt_bytes(prompt) -> bytes:
+    """A prompt as the experts read it: bytes as they are, text as UTF-8; anything else (an int,
+    which bytes() would read as that many NUL bytes) is refused."""
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8")
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        return bytes(prompt)
+    raise OptionError(f"prompt must be bytes or text, got {prompt!r}")
+
+
 def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
            seed: int = 0, reroute_every: int = 64, context: int = PROTOCOL.context, ops: Ops | None = None) -> bytes:
     """The n_bytes generated after `prompt` (the prompt itself is not repeated); the experts run
     on the engine `ops` (zosoma.engines; default the CPU)."""
+    return b"".join(generate(ensemble, prompt, n_bytes, temperature, seed, reroute_every, context, ops))
+
+
+def generate(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
+             seed: int = 0, reroute_every: int = 64, context: int = PROTOCOL.context, ops: Ops | None = None):
+    """sample's bytes one at a time, as each is drawn (the options are checked before the first)."""
     temperature = _check(n_bytes, temperature, reroute_every, context)
-    ops = ops or Ops()
+    return _generate(ensemble, prompt_bytes(prompt), n_bytes, temperature, seed, reroute_every, context, ops or Ops())
+
+
+def _generate(ensemble, prompt: bytes, n_bytes, temperature, seed, reroute_every, context, ops):
     ensemble = ensemble.on(ops)  # weights copied to the device once, not at every byte
-    prompt = bytes(prompt)
     rng = np.random.default_rng([seed, _STREAM])
     text = bytearray(prompt)  # what the router sees
     stream = bytearray(prompt or _START)  # what the experts read
@@ -92,7 +113,6 @@ def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperat
         weights.clear()
         weights.update(chosen)
 
-    out = bytearray()
     for t in range(n_bytes):
         if t % reroute_every == 0:
             route()
@@ -110,10 +130,9 @@ def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperat
             q = np.exp(z - z.max())
             cdf = np.cumsum(q)
             byte = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), cdf.size - 1))
-        out.append(byte)
+        yield bytes((byte,))
         text.append(byte)
         stream.append(byte)
         if t + 1 < n_bytes:
             for i in ids:
                 active[i].feed(byte)
-    return bytes(out)

@@ -53,7 +53,7 @@ from zosoma.formats.onnx import export_onnx
 from zosoma.formats.torch_state import export_torch
 from zosoma.model.params import Layout
 from zosoma.porting.output_folder import MANIFEST, output_folder
-from zosoma.runs.folder import checkpoint_path, refuse_run_files
+from zosoma.runs.folder import checkpoint_path, refuse_run_files, warn_if_training
 from zosoma.training.run import Run
 from zosoma.training.soma import DroppedExperts, dropped_of, router_of
 
@@ -85,6 +85,7 @@ def export_run(run, out, form: str = "lstm", seq_len: int | None = None, force: 
     folder, soma = opened.folder, opened.shape
     n = soma.experts
     ckpts = [folder.expert(i).read_checkpoint(fallback=fallback) for i in range(n)]
+    warn_if_training(run, [c.step for c in ckpts])
     router = router_of(folder, ckpts, soma.top_k)  # the routing the run is evaluated with
     clustering = router.clustering
     files = sorted([f"expert{i}.onnx" for i in range(n)] + [ROUTER, MANIFEST])
@@ -129,6 +130,7 @@ def export_torch_run(run, out, force: bool = False, fallback: bool = False) -> l
 def _read_model(run, fallback: bool):
     """The checkpoint of a single model or one expert, with a warning when training dropped it."""
     ckpt = load_checkpoint(checkpoint_path(run, fallback=fallback))
+    warn_if_training(run, [ckpt.step])
     dropped = ckpt.extra.get("dropped")
     if dropped:
         warnings.warn(f"{run} was dropped at step {dropped['step']} ({dropped['verdict']}): training gave up on it "

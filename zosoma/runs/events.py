@@ -13,9 +13,11 @@ experts (RUN/expert{i}) plus the routed ensemble (RUN). Tags:
     eval/heldout_curve, hparams/*                                a comparison's curve and HParams)
 
 Records are buffered and appended whole at every checkpoint (and every 64 KiB or 10 s): no
-thread, nothing at exit. A resumed run, or one rolled back by a restart, marks the step it continues from so
-TensorBoard drops the events after it that the checkpoint does not cover (a SessionLog START,
-as tensorboardX's purge_step). The events are a view: a write that fails (a full disk), or a
+thread, nothing at exit. So a run killed between checkpoints may leave events past its newest one:
+a resumed run, or one rolled back by a restart, cuts the folder's event files back to the step it
+continues from before it writes (as metrics.jsonl is cut), and an evaluation replaces an earlier
+one at its step, so every reader (TensorBoard, W&B's import, a plain loop over the records) finds
+each step once, in order. The events are a view: a write that fails (a full disk), or a
 checkout run without tensorboardX, is said in one warning and the run goes on without them.
 """
 
@@ -30,7 +32,8 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-from zosoma.atomic import reason
+from zosoma.atomic import atomic_write, reason
+from zosoma.errors import WriteError
 from zosoma.runs.folder import EVENTS
 
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "spread": "train/spread",
@@ -46,10 +49,11 @@ class EventsUnavailable(UserWarning):
 
 
 class EventLog:
-    """The event file this process writes in one run folder, made at the first write; `since` is
-    the step a resumed run continues from (events past it in older files are purged)."""
+    """The event file this process writes in one run folder, made at the first write; `since`, given,
+    is the step the run trains on from (0 for a new one): events past it, which its checkpoint does
+    not cover, are cut from the folder's files before the first write."""
 
-    def __init__(self, path, since: int = 0):
+    def __init__(self, path, since: int | None = None):
         self.path, self.since = Path(path), since
         self._file: Path | None = None
         self._buffer: list[bytes] = []
@@ -64,13 +68,16 @@ class EventLog:
 
     def evaluation(self, step: int, heldout: float | None, wikitext: float | None = None,
                    tag: str = "eval/heldout") -> None:
-        self._scalars(step, {k: v for k, v in ((tag, heldout), ("eval/wikitext103", wikitext)) if v is not None})
+        values = {k: v for k, v in ((tag, heldout), ("eval/wikitext103", wikitext)) if v is not None}
+        self.flush()
+        self._cut(lambda event: event.step == step and any(v.tag in values for v in event.summary.value))
+        self._scalars(step, values)  # replacing an evaluation at this step (a finished run resumed)
         self.flush()  # few and precious: on disk now
 
     def rolled_back(self, step: int) -> None:
         """A restart took the run back to `step`: events after it belong to the abandoned course."""
-        if self._writable():
-            self._event(step=step + 1, session_log=_proto().SessionLog(status=_proto().SessionLog.START))
+        self.flush()
+        self._cut(lambda event: event.step > step)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """The run's settings and final figures, for TensorBoard's HParams view (a comparison)."""
@@ -90,6 +97,11 @@ class EventLog:
             return
         data = b"".join(self._buffer)
         self._buffer, self._size, self._flushed = [], 0, time.monotonic()
+        if self._file is None and self.since is not None:
+            since, self.since = self.since, None
+            self._cut(lambda event: event.step > since)
+            if self._failed:
+                return
         try:
             if self._file is None:
                 stamp = f"{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
@@ -103,6 +115,23 @@ class EventLog:
                           "still is", EventsUnavailable, stacklevel=2)
 
     close = flush
+
+    def _cut(self, drop) -> None:
+        """Rewrite the folder's event files without the events `drop(event)` names (and without a
+        record a kill left half-written)."""
+        if not self._writable():
+            return
+        try:
+            for path in sorted(self.path.glob(EVENTS.format(stamp="*"))):
+                data = path.read_bytes()
+                kept = [record for record, event in _records(data) if not drop(event)]
+                if sum(map(len, kept)) != len(data):
+                    atomic_write(path, b"".join(kept), "TensorBoard events")
+        except (OSError, WriteError) as err:
+            self._failed = True
+            why = reason(err) if isinstance(err, OSError) else str(err)
+            warnings.warn(f"TensorBoard events of {self.path} are no longer written ({why}); metrics.jsonl "
+                          "still is", EventsUnavailable, stacklevel=3)
 
     def _scalars(self, step: int, values: dict) -> None:
         if values and self._writable():
@@ -126,9 +155,6 @@ class EventLog:
     def _event(self, **fields) -> None:
         if not self._writable():
             return
-        if self.since:  # the first event of a resumed run: drop what the checkpoint does not cover
-            since, self.since = self.since, 0
-            self._event(step=since + 1, session_log=_proto().SessionLog(status=_proto().SessionLog.START))
         record = _record(_proto().Event(wall_time=time.time(), **fields))
         self._buffer.append(record)
         self._size += len(record)
@@ -140,7 +166,7 @@ class EventLog:
 def _proto():
     """tensorboardX's Event and Summary protobufs (loaded when first needed)."""
     from tensorboardX.proto import event_pb2, summary_pb2
-    return SimpleNamespace(Event=event_pb2.Event, SessionLog=event_pb2.SessionLog, Summary=summary_pb2.Summary)
+    return SimpleNamespace(Event=event_pb2.Event, Summary=summary_pb2.Summary)
 
 
 def _record(event) -> bytes:
@@ -149,3 +175,20 @@ def _record(event) -> bytes:
     data = event.SerializeToString()
     header = struct.pack("<Q", len(data))
     return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+
+
+def _records(data: bytes) -> list[tuple[bytes, object]]:
+    """(the TFRecord, framing included, its Event) for each whole record of an event file's bytes;
+    reading stops at a record cut short (a write a kill interrupted) or not an Event."""
+    from google.protobuf.message import DecodeError
+    out, at = [], 0
+    while at + 12 <= len(data):
+        end = at + 12 + struct.unpack_from("<Q", data, at)[0] + 4
+        if end > len(data):
+            break
+        try:
+            out.append((data[at:end], _proto().Event.FromString(data[at + 12:end - 4])))
+        except DecodeError:
+            break
+        at = end
+    return out

@@ -70,7 +70,7 @@ from pathlib import Path
 
 from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
-from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint
+from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint, stored_step
 from zosoma.runs.guard import rollback_index
 from zosoma.runs.placement import Placement
 from zosoma.runs.records import Note
@@ -269,9 +269,11 @@ class RunFolder:
 
     # --- checkpoints ------------------------------------------------------------------------
 
-    def write_checkpoint(self, ckpt: Checkpoint, keep: int = 2) -> None:
+    def write_checkpoint(self, ckpt: Checkpoint, keep: int = 2, stride: int | None = None) -> None:
         """Atomically make `ckpt` the newest checkpoint, keeping the `keep` - 1 it replaces as
-        checkpoint.prev.h5, checkpoint.prev2.h5, ... Ctrl-C cannot fall between the renames."""
+        checkpoint.prev.h5, checkpoint.prev2.h5, ... Ctrl-C cannot fall between the renames. With
+        `stride`, those past checkpoint.prev.h5 are kept only at steps that are multiples of it (a
+        long chain thinned: one checkpoint every `stride` steps is enough to roll back to)."""
         save_checkpoint(self.path / NEXT, ckpt)
         chain = [CHECKPOINT, PREVIOUS] + [OLDER.format(n=n) for n in range(2, max(2, keep))]
         try:
@@ -280,6 +282,11 @@ class RunFolder:
                     if (self.path / newer).exists():
                         os.replace(self.path / newer, self.path / older)
                 os.replace(self.path / NEXT, self.path / CHECKPOINT)
+            # each file passes checkpoint.prev2.h5 once: judged there
+            if stride and len(chain) > 2 and (self.path / chain[2]).exists():
+                step = stored_step(self.path / chain[2])
+                if step is not None and step % stride:
+                    (self.path / chain[2]).unlink()
         except OSError as err:
             raise WriteError(f"cannot write checkpoint {self.path / CHECKPOINT}: {reason(err)}") from None
 
@@ -354,12 +361,23 @@ class RunFolder:
         """Each model's newest checkpoint: this folder's, or every expert's of a SOMA run; None
         where one has none (a record kept without its checkpoints). A damaged newest one is passed
         over in silence: the reader that uses the model says so."""
+        return self._newest()[0]
+
+    def _newest(self) -> tuple[list[Checkpoint] | None, bool]:
+        """newest_checkpoints(), and whether a damaged newest checkpoint was passed over for one."""
         folders = [self.expert(i) for i in range(self.read_soma().experts)] if self.is_soma else [self]
         if not all(f.has_checkpoint for f in folders):
-            return None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CheckpointFallback)
-            return [f.read_checkpoint() for f in folders]
+            return None, False
+        ckpts, damaged = [], False
+        for f in folders:
+            try:
+                ckpts.append(f.read_checkpoint(fallback=False))
+            except CheckpointError:
+                damaged = True
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", CheckpointFallback)
+                    ckpts.append(f.read_checkpoint())
+        return ckpts, damaged
 
     def _set_aside(self, name: str) -> None:
         _set_aside(self.path / name, self.path / DAMAGED.format(time=_stamp()))
@@ -425,21 +443,23 @@ class RunFolder:
         model); one an older zosoma wrote without them is judged by its "step" (a single model's;
         a study's SOMA record: its slowest expert's), else by its forward "tokens" (an older SOMA
         results.json), which every step adds to, a restart's too."""
-        ckpts = self.newest_checkpoints()
+        ckpts, damaged = self._newest()
         if ckpts is None:
             return None
         now, tokens = [c.step for c in ckpts], sum(int(c.extra.get("tokens", 0)) for c in ckpts)
         was = record.get("checkpoint_steps")
         if was is None and "step" in record:
             was, now = [record["step"]], [min(now)]
+        newest = "the newest intact checkpoint" if damaged else "the newest checkpoint"
         if was is not None and list(was) != now:
-            why = f"is of step {_steps(was)}, but the newest checkpoint is at step {_steps(now)}"
+            why = f"is of step {_steps(was)}, but {newest} is at step {_steps(now)}"
         elif "tokens" in record and record["tokens"] != tokens:
-            why = (f"is of {record['tokens']:,} forward tokens of training, but the newest checkpoint is of "
-                   f"{tokens:,}")
+            why = f"is of {record['tokens']:,} forward tokens of training, but {newest} is of {tokens:,}"
         else:
             return None
-        return f"{self.path / name} {why}: it is stale (the run trained on after it was evaluated)"
+        cause = ("the newest checkpoint is damaged, so the model it scored cannot be read" if damaged else
+                 "the run trained on after it was evaluated")
+        return f"{self.path / name} {why}: it is stale ({cause})"
 
     # --- SOMA ---------------------------------------------------------------------------------
 
@@ -447,7 +467,7 @@ class RunFolder:
         try:
             return SomaShape.from_json(json.loads((self.path / SOMA).read_text()))
         except (OSError, ValueError, ConfigError) as e:
-            raise ConfigError(f"{self.path}: not a SOMA run folder ({SOMA} unreadable: {e})") from None
+            raise ConfigError(f"{self.path}: {SOMA} is damaged ({e}), so this SOMA run cannot be read") from None
 
     def write_soma(self, soma: SomaShape) -> None:
         write_json(self.path / SOMA, soma.to_json(), "run description")

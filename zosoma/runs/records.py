@@ -21,7 +21,8 @@ class Clusters:
 
 @dataclass(frozen=True)
 class Started:
-    """A run (new or resumed) is about to train. steps: each expert's step so far."""
+    """A run (new or resumed) is about to train. steps: each expert's step so far; resumed: it goes
+    on from its checkpoints."""
     run_dir: str
     model: ModelConfig
     train: TrainConfig
@@ -30,6 +31,7 @@ class Started:
     loss: str = "independent"
     steps: tuple = (0,)
     device: str = "cpu"
+    resumed: bool = False
 
     @property
     def n_params(self) -> int:

@@ -112,8 +112,7 @@ class Trainer:
         # a run resumed after its guard stopped it goes on: resuming says "continue"
         self.on_divergence = cfg.on_divergence  # "stop" for experts that move in lockstep (couple)
         self.stop_on_divergence = cfg.on_divergence == "stop" and state.divergence is None
-        # a rollback needs a checkpoint from before the guard's window: keep enough of them
-        self.keep = 2 + math.ceil(self.guard.window / cfg.checkpoint_every) if cfg.on_divergence == "restart" else 2
+        self.keep, self.stride = retention(cfg, self.guard.window)
 
     @property
     def run_dir(self):
@@ -192,7 +191,7 @@ class Trainer:
                           metrics_records=state.log.records, metrics_sha256=state.log.sha256)
 
     def checkpoint(self) -> None:
-        self.folder.write_checkpoint(self.to_checkpoint(), self.keep)
+        self.folder.write_checkpoint(self.to_checkpoint(), self.keep, self.stride)
         self.events.flush()  # what the checkpoint covers is on disk
 
     @property
@@ -274,6 +273,22 @@ class Trainer:
     def theta(self) -> np.ndarray:
         """theta on the host (for evaluation and export)."""
         return self.ops.to_numpy(self.state.theta)
+
+
+MAX_KEPT = 10  # checkpoint files a run keeps for rollbacks, about: the newest two and those spread over the window
+
+
+def retention(cfg: TrainConfig, window: int) -> tuple[int, int | None]:
+    """(the checkpoints a run's rotation spans, the stride of steps at which it keeps those past the
+    newest two, None: all). A rollback needs a checkpoint from before the guard's window, so a run that
+    restarts spans the window; when that takes more than MAX_KEPT files (--checkpoint-every 1 kept
+    202), it keeps one every stride steps instead (zosoma.runs.folder.write_checkpoint)."""
+    if cfg.on_divergence != "restart":
+        return 2, None
+    spanned = math.ceil(window / cfg.checkpoint_every)
+    if 2 + spanned <= MAX_KEPT:
+        return 2 + spanned, None
+    return 2 + spanned, cfg.checkpoint_every * math.ceil(spanned / (MAX_KEPT - 2))
 
 
 def training_summary(guard: DivergenceGuard, divergence: dict | None, restarts=(), dropped: dict | None = None) -> dict:

@@ -98,7 +98,7 @@ class Strategy:
 
     def total_pairs(self) -> int:
         """The pairs of the whole run, sum_t P_t over cfg.steps steps (2 B T tokens each)."""
-        return sum(self.pairs(t) for t in range(self.cfg.steps))
+        return self.queries.total_pairs(self.cfg.steps)  # in closed form: a run may be 2**32 steps
 
     def ask(self, expert: int, step: int) -> Population:
         raise NotImplementedError

@@ -15,6 +15,7 @@ messages (OptionError, a ConfigError the command line answers with exit code 2).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -31,7 +32,8 @@ from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
 from zosoma.training.single import evaluate_run, load_model, resume_run, start_run
-from zosoma.training.soma import evaluate_soma, load_ensemble, resume_soma, soma_description, soma_summary, start_soma
+from zosoma.training.soma import (DroppedExperts, evaluate_soma, load_ensemble, resume_soma, soma_description,
+                                  soma_summary, start_soma)
 from zosoma.workers.placing import place
 from zosoma.workers.population_workers import check_shardable
 
@@ -216,6 +218,11 @@ class SingleModel(Run):
 
         ckpt = self.folder.read_checkpoint(fallback=fallback) if self.path.is_dir() else load_checkpoint(self.path)
         warn_if_training(self.path, [ckpt.step])
+        dropped = ckpt.extra.get("dropped")
+        if dropped:
+            warnings.warn(f"{self.path} was dropped at step {dropped['step']} after "
+                          f"{len(ckpt.extra.get('restarts') or ())} restart(s) ({dropped['verdict']}): training gave "
+                          "up on it, and it is scored as it was left", DroppedExperts, stacklevel=2)
         r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=protocol.segment,
                          context=protocol.context, streams=streams)
         return {"kind": "single", "step": ckpt.step, "n_params": ckpt.model.n_params(), **r}
@@ -252,6 +259,7 @@ class Soma(Run):
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
+        self.folder.read_soma()  # a damaged soma.json is refused here, not routed around
         return load_ensemble(self.path, top_k, temperature, fallback=fallback)
 
     def evaluate(self, corpus, wikitext=None, protocol=PROTOCOL, ops=None, temperature=0.1, fallback=False,

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, describe, load_corpus, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import ConfigError, DataError
+from zosoma.errors import ConfigError, DataError, OptionError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
@@ -55,12 +57,17 @@ def extended(cfg: TrainConfig, step: int, steps: int | None, where) -> tuple[Tra
     """cfg run to `steps` in all instead (a resume that extends a run), and the note saying so;
     cfg itself when steps is None. Only a longer run: the steps already taken stay as they were,
     and a cosine schedule is laid out again over the new length from here on."""
-    if steps is None or steps == cfg.steps:
+    if steps is None:
+        return cfg, []
+    try:
+        new = dataclasses.replace(cfg, steps=steps)  # an integer, at most MAX_STEPS (TrainConfig's checks)
+    except ConfigError as e:
+        raise OptionError(str(e)) from None
+    if steps == cfg.steps:
         return cfg, []
     if steps < cfg.steps:
         raise ConfigError(f"--steps {steps} with --resume: {where} runs to {cfg.steps} steps; a resume can "
                           "extend a run, not shorten it")
-    new = dataclasses.replace(cfg, steps=steps)
     lr = learning_rate(step, new.lr, new.steps, new.warmup, new.schedule)
     return new, [Note(f"extending {where} from {cfg.steps} to {steps} steps"
                       + (f": the cosine schedule now ends at step {steps} (lr {lr:.4g} at step {step + 1})"
@@ -146,7 +153,17 @@ def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, h
         if placement is not None:
             folder.write_placement(placement)
         yield Started(str(run_dir), model, cfg, describe(train_corpus), device=trainer.ops.name)
+        yield from no_heldout(train_paths, heldout_paths)
         yield from _train_and_evaluate(trainer, heldout, wikitext, should_stop)
+
+
+def no_heldout(train_paths, heldout_paths) -> list[Note]:
+    """The note that a run on the user's --data has no held-out text to be scored on (the shipped
+    slices are another distribution), when it has none."""
+    if train_paths and not heldout_paths:
+        return [Note("--data without --heldout: there is no held-out evaluation (only WikiText-103, where "
+                     "found); give --heldout FILES to score the model on text of your own it did not train on")]
+    return []
 
 
 def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
@@ -181,7 +198,7 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
             folder.write_placement(placement)
         yield from notes
         yield Started(str(run_dir), ckpt.model, cfg, describe(run.train_corpus), steps=(ckpt.step,),
-                      device=trainer.ops.name)
+                      device=trainer.ops.name, resumed=True)
         yield from _train_and_evaluate(trainer, run.heldout, data.get("wikitext"), should_stop)
 
 
@@ -200,8 +217,9 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     if should_stop():  # asked during the last step, which is saved: a resume evaluates
         yield Stopped(trainer.expert, trainer.state.step)
         return
-    yield Evaluating()
     state, model = trainer.state, trainer.model
+    check_trained(trainer.theta, trainer.guard.skipped, state.step, trainer.folder.path)
+    yield Evaluating()
     results = evaluate_run(trainer.theta, trainer.layout, heldout, wikitext, ops=trainer.ops)
     results.update(step=state.step, checkpoint_steps=[state.step], tokens=state.tokens,
                    flops=state.tokens * model.flops_per_token(),
@@ -212,6 +230,18 @@ def _train_and_evaluate(trainer: Trainer, heldout, wikitext, should_stop):
     log.evaluation(state.step, held, results["wikitext103"])
     log.close()
     yield Evaluated(results, lookup(heldout, wikitext))
+
+
+def check_trained(theta, skipped: int, step: int, where) -> None:
+    """A ConfigError when training left nothing to evaluate: parameters that are not finite (an
+    update overflowed float32) or a run whose every step's loss was non-finite (none updated it);
+    a figure of NaN, or of the untouched initialisation, is not a result."""
+    if not np.isfinite(theta).all():
+        raise ConfigError(f"{where}: the model's parameters are not finite after step {step} (an update "
+                          "overflowed float32): it diverged; start again with a lower --lr or --weight-decay")
+    if step and skipped >= step:
+        raise ConfigError(f"{where}: every one of its {step} steps had a non-finite loss, so none updated the "
+                          "model: start again with a smaller --eps or --lr")
 
 
 def load_model(path, fallback: bool = False) -> Ensemble:

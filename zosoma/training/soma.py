@@ -30,7 +30,7 @@ from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
 from zosoma.engines import get_ops, run_ops
 from zosoma.engines.ops import Ops
-from zosoma.errors import CheckpointError, ConfigError
+from zosoma.errors import CheckpointError, ConfigError, OptionError
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.events import EventLog
@@ -41,7 +41,7 @@ from zosoma.workers.population_workers import borrower, summed_trainers
 from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
-from zosoma.training.single import data_record, extended, load_data, recorded_data
+from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -108,6 +108,7 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
         yield Clusters(report, n_chunks, chunk_size)
         ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)  # the run's engine, once
         yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts, ops.name)
+        yield from no_heldout(train_paths, heldout_paths)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
@@ -130,13 +131,14 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
     if loss == "summed":
         Summed([strategy])  # refuses strategies whose scalars do not add up
     if chunk_size < cfg.seq_len + 1:
-        raise ConfigError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
+        raise OptionError(f"chunk size {chunk_size} is shorter than a training window of {cfg.seq_len + 1} bytes")
     train_corpus, _ = load_data(train_paths, heldout_paths)  # the held-out files are checked here too
     found = check_wikitext103(wikitext)  # a bad --wikitext fails now, not after training
     data = data_record(train_corpus, train_paths, heldout_paths, found if wikitext else None)
     chunks = chunk(train_corpus, chunk_size)
     if n_experts > len(chunks):
-        raise ConfigError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes")
+        raise OptionError(f"cannot make {n_experts} clusters from {len(chunks)} chunks of {chunk_size} bytes: "
+                          f"use at most {len(chunks)} --experts, or a smaller --chunk-size")  # a usage error
     check_cluster_size(train_corpus.n_bytes, n_experts, model)
     clustering, assignments = fit_clusters(chunks, ClusterConfig(n_clusters=n_experts, seed=cfg.seed))
     report = cluster_report(assignments, chunks.names, n_experts)
@@ -165,7 +167,7 @@ def check_cluster_size(n_bytes: int, n_experts: int, model: ModelConfig) -> None
     d = model.n_params()
     if n_bytes < MIN_BYTES_PER_PARAMETER * n_experts * d:
         most = int(n_bytes // (MIN_BYTES_PER_PARAMETER * d))
-        raise ConfigError(f"--experts {n_experts}: clusters of about {n_bytes // n_experts:,} bytes of text for "
+        raise OptionError(f"--experts {n_experts}: clusters of about {n_bytes // n_experts:,} bytes of text for "
                           f"experts of {d:,} parameters, {n_bytes / n_experts / d:.2g} bytes per parameter, under the "
                           f"{MIN_BYTES_PER_PARAMETER:g} an expert needs: at most {most} experts of this size for "
                           f"these {n_bytes:,} bytes (or more text, or smaller experts)")
@@ -242,7 +244,7 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         yield from notes
         ops = run_ops(ops or get_ops("cpu"), first.train.engine, first.train.forward_precision)  # once
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
-                      run.soma.loss, done, ops.name)
+                      run.soma.loss, done, ops.name, resumed=True)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
@@ -334,6 +336,9 @@ def _evaluate(run: SomaRun, ops: Ops):
     yield Evaluating()
     ckpts = [run.folder.expert(i).read_checkpoint() for i in range(run.n_experts)]
     training = [summary_of(c) for c in ckpts]
+    for i, c in enumerate(ckpts):
+        if not c.extra.get("dropped"):  # routing leaves a dropped one out
+            check_trained(c.theta, training[i]["skipped_steps"], c.step, run.folder.expert(i).path)
     soma = run.soma.replaced(experts_status=tuple({"restarts": len(t["restarts"]), "dropped": t["dropped"]}
                                                   for t in training))
     if soma != run.soma:

@@ -3,7 +3,8 @@
 `constant` (the default, the paper's) is P every step. A schedule keeps its accounting in one
 place: `pairs(t)` is P_t of step t of the run's `steps`, `mean_pairs()` the mean P_t over the
 run, by which a forward-FLOP budget becomes a step count (zosoma.experiments.compare_config),
-and the trainer counts each step's tokens as 2 P_t B T.
+`total_pairs(steps)` the sum of P_t over the first `steps` steps (in closed form), and the trainer
+counts each step's tokens as 2 P_t B T.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class Constant:
 
     def mean_pairs(self) -> float:
         return float(self.P)
+
+    def total_pairs(self, steps: int) -> int:
+        return self.P * steps
 
 
 # --queries name -> schedule. A new schedule is one file and one line here.

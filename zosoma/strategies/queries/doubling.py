@@ -28,6 +28,14 @@ class Doubling:
         stage = next((i for i, end in enumerate(self.ends) if step < end), len(STAGES) - 1)
         return max(1, round(self.P * STAGES[stage]))
 
+    def total_pairs(self, steps: int) -> int:
+        """sum of pairs(t) for t < steps, stage by stage."""
+        total, start = 0, 0
+        for i, end in enumerate(self.ends[:-1] + [max(steps, self.ends[-1])]):
+            total += max(0, min(end, steps) - start) * max(1, round(self.P * STAGES[i]))
+            start = max(start, end)
+        return total
+
     def mean_pairs(self) -> float:
         """The mean P_t of a run (the budget's: 3 / sum(1 / f) = 6/7 P; a run's own steps round
         the stages' ends, which pairs() follows)."""
