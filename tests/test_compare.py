@@ -545,3 +545,38 @@ def test_tuning_only_the_methods_named(mini, tmp_path):
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "runs").rglob("result.json")}
     run_comparison(cmp, tmp_path / "out")
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+# 40 steps at lr 400: every model runs away within them, and the run ends before the guard's
+# warm-up (50 steps) is over, so no verdict ever comes
+RUNAWAY = header("runaway", [0], "4e8", 256) + """
+[[method]]
+name = "SOMA runaway"
+experts = 2
+steps = 40
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 400}
+
+[[method]]
+name = "SPSA runaway"
+steps = 40
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 400}
+"""
+
+
+@pytest.mark.slow
+def test_runs_still_diverging_when_their_budget_ends_are_diverged_seeds(tmp_path):
+    """Issue 45: such runs were reported at thousands of nats/byte with "diverged seeds 0"."""
+    cmp = load_comparison_text(tmp_path, RUNAWAY)
+    run_comparison(cmp, tmp_path / "out")
+    for job, experts in zip(jobs(cmp), (2, 1)):
+        r = json.loads((tmp_path / "out" / "runs" / job.name / "result.json").read_text())
+        assert [d["expert"] for d in r["dropped"]] == list(range(experts)) and r["step"] == 40
+        assert all(d["verdict"].startswith("rising when its budget ran out") for d in r["dropped"])
+    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "out" / "results.csv").open())}
+    assert all(rows[m]["dropped"].count("step 40") == n for m, n in (("SOMA runaway", 2), ("SPSA runaway", 1)))
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    header_row = next(line for line in table if line.startswith("| method |")).split(" | ")
+    column = header_row.index("diverged seeds")
+    assert [line.split(" | ")[column] for line in table if "runaway |" in line] == ["1", "1"]

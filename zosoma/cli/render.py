@@ -162,7 +162,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                                      f"({r.verdict}): the others go on, and routing leaves it out")
             else:
                 from zosoma.training.single import after_drop
-                failed.append(f"the model diverged again at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
+                failed.append(f"the model was dropped at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
                               f"{after_drop(run_dir)}")
                 gave_up = True
         elif isinstance(r, Stopped):

@@ -306,10 +306,13 @@ class Run(Scored):
 
     def ensemble(self, top_k: int | None = None) -> Ensemble:
         """The run's model; a SOMA run's router top-k (default the spec's) over the experts it
-        did not drop (fewer when fewer are left)."""
+        did not drop (fewer when fewer are left), or over all of them as they were left when it
+        dropped every one (a lost run, as its record says: scored as a dropped single model is)."""
         router = self.router
         if isinstance(router, Router):
             dropped = [i for i, t in enumerate(self.trainers) if t.state.dropped]
+            if len(dropped) == len(self.trainers):
+                dropped = []
             k = min(top_k or router.top_k, len(self.trainers) - len(dropped))
             router = Router(router.clustering, k, router.temperature, dropped)
         return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
