@@ -175,6 +175,15 @@ def test_bad_configs_through_the_command_line(tmp_path, restore_sigint, old, new
     assert not (tmp_path / "out").exists()
 
 
+# a record of MINI's SOMA run (no eval_top_k) as the report reads it; the cases below damage it
+GOOD = {"method": "SOMA N=2", "kind": "soma", "seed": 0, "experts": 2, "n_params": 9, "steps": 3, "flops": 1.0,
+        "wall_s": 1, "model": {}, "train": {}, "heldout": {"overall": 2.5, "drama": 2.4}, "wikitext103": None,
+        "heldout_by_k": {}, "loss": "independent", "series": [], "skipped_steps": 0, "final_train_loss": 2.6,
+        "divergence": None, "restarts": [{"expert": 1, "step": 3, "to": 0, "lr_scale": 0.5}],
+        "dropped": [{"expert": 1, "step": 3, "verdict": "rising"}],
+        "curve": [{"step": 0, "flops": 0.0, "wall_s": 0.0, "heldout": 5.5, "cpu_s": 0.0}]}
+
+
 @pytest.mark.parametrize("record, problem", [
     ("[1, 2]", r"it is \[1, 2\], not a JSON object"),
     ('{"method": "SOMA N=2"}', "no kind"),
@@ -184,6 +193,9 @@ def test_bad_configs_through_the_command_line(tmp_path, restore_sigint, old, new
     ('{"method": "SOMA N=2", "kind": "soma", "seed": 0, "experts": 2, "n_params": 9, "steps": 3, "flops": 1.0, '
      '"wall_s": 1, "curve": [], "model": {}, "train": {}, "heldout": {"overall": "2.5"}, "wikitext103": null}',
      'heldout.overall is "2.5"'),
+    # issue 45: the right outer shape, the wrong inner one (a KeyError and a TypeError in the report)
+    (json.dumps({**GOOD, "curve": [{"a": 1}]}), r"no curve\[0\]\.step"),
+    (json.dumps({**GOOD, "restarts": 5}), "restarts is 5, not a list"),
 ])
 def test_a_result_record_of_the_wrong_shape_is_one_line_saying_how_to_write_it_again(tmp_path, restore_sigint,
                                                                                       record, problem):
@@ -197,6 +209,37 @@ def test_a_result_record_of_the_wrong_shape_is_one_line_saying_how_to_write_it_a
         assert re.search(f"^Error: {re.escape(str(done.relative_to(tmp_path)))} is damaged \\({problem}\\): delete "
                          "it; run the same command again: it scores the run again from its checkpoints$", line), line
     assert done.read_text() == record
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ({"curve": [{"a": 1}]}, "no curve[0].step"),
+    ({"curve": [GOOD["curve"][0], {**GOOD["curve"][0], "heldout": True}]}, "curve[1].heldout is true"),
+    ({"curve": {"step": 0}}, 'curve is {"step": 0}, not a list'),
+    ({"restarts": 5}, "restarts is 5, not a list"),
+    ({"restarts": [{"expert": 1, "step": 3, "to": 0}]}, "no restarts[0].lr_scale"),
+    ({"dropped": [{"expert": "1", "step": 3}]}, 'dropped[0].expert is "1"'),
+    ({"divergence": {"step": 3, "verdict": "rising"}}, 'divergence is {"step": 3, "verdict": "rising"}, not a list'),
+    ({"divergence": [{"expert": 0, "step": 3}]}, "no divergence[0].verdict"),
+    ({"heldout": {"overall": 2.5, "drama": None}}, "heldout.drama is null"),
+    ({"heldout": {"drama": 2.4}}, "no heldout.overall"),
+    ({"series": "N"}, 'series is "N", not a list'),
+    ({"final_train_loss": "2.6"}, 'final_train_loss is "2.6"'),
+    ({"heldout_by_k": []}, "heldout_by_k is [], not a JSON object"),
+])
+def test_every_part_of_a_result_record_the_report_reads_is_checked(mini, damage, problem):
+    from zosoma.runs.json_shape import record_problem
+    job = jobs(mini)[0]
+    assert job.name == "soma-n-2-seed0" and record_problem(GOOD, job.record_shape) is None
+    assert record_problem({**GOOD, **damage}, job.record_shape) == problem
+    older = {k: v for k, v in GOOD.items() if k not in ("restarts", "dropped", "series", "skipped_steps", "loss")}
+    assert record_problem(older, job.record_shape) is None  # what the report reads only where present
+
+
+def test_a_comparison_with_a_price_table_needs_its_runs_cpu_seconds(tmp_path):
+    cmp = load_comparison_text(tmp_path, MINI.replace('title = "mini"', 'title = "mini"\nprice_levels = [3.0]'))
+    point = {k: v for k, v in GOOD["curve"][0].items() if k != "cpu_s"}
+    from zosoma.runs.json_shape import record_problem
+    assert record_problem({**GOOD, "curve": [point]}, jobs(cmp)[0].record_shape) == "no curve[0].cpu_s"
 
 
 def test_curve_steps():

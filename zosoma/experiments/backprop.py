@@ -179,7 +179,7 @@ class BackpropRun(Scored):
                 "flops": float(self.tokens) * (1 + BACKWARD_FACTOR) * self.spec.model.flops_per_token()}
 
     def training(self) -> dict:
-        divergence = {"step": self.step, "reason": "non-finite loss"} if self.diverged else None
+        divergence = [{"expert": 0, "step": self.step, "verdict": "non-finite loss"}] if self.diverged else None
         return {"skipped_steps": 0, "divergence": divergence, "restarts": [], "dropped": [],
                 "final_train_loss": self.last_loss}
 

@@ -5,7 +5,7 @@ A study supplies its jobs and their scoring; a job (the Job protocol) says
 
     name          its run folder, OUT/runs/<name>/
     label, kind   how messages name it and its study ("SPSA P=64, seed 1"; "comparison")
-    record_shape  what its record must hold to be read back (zosoma.runs.folder.record_problem):
+    record_shape  what its record must hold to be read back (zosoma.runs.json_shape):
                   the keys its study's report reads
     spec          what its run is (Spec: model, training configuration, experts, loss, ...)
     device        where its forwards run
