@@ -395,7 +395,8 @@ def test_an_expert_still_diverging_at_its_budget_is_left_out_of_routing_and_said
     assert [(r.expert, r.step, r.restarts) for r in dropped] == [(1, 40, 0)]
     assert dropped[0].verdict.startswith("rising when its budget ran out: smoothed loss ")
     results = next(r for r in records if isinstance(r, Evaluated)).results
-    assert results["dropped"] == [1] and results["training"][1]["dropped"] == {"step": 40, "verdict": dropped[0].verdict}
+    assert results["dropped"] == [1]
+    assert results["training"][1]["dropped"] == {"step": 40, "verdict": dropped[0].verdict}
     held = results["heldout"]["overall"]
     assert held["routed"] == held["expert0"] < 5.6 < held["expert1"]  # the routed figure is expert 0's alone
     run = Run.open(tmp_path / "run")

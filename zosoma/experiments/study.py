@@ -144,7 +144,7 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
                 result = job.score(run, stopping)
                 if result is None:
                     return None
-                folder.write_result({**result, "checkpoint_steps": [t.state.step for t in run.trainers]})
+                folder.write_result({**result, "checkpoint_steps": run.checkpoint_steps})
                 return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
     return check_job(job, folder)
 
@@ -286,6 +286,11 @@ class Run(Scored):
     @property
     def diverged(self) -> bool:
         return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        """The step of each model's checkpoint (what its record is of: RunFolder.stale)."""
+        return [t.state.step for t in self.trainers]
 
     def training(self) -> dict:
         """Skipped steps summed over experts, the guards' verdicts (a run they stopped), every

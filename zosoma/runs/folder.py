@@ -483,7 +483,8 @@ class RunFolder:
         append_line(self.path / CURVE, json.dumps(point), "curve")
 
     def clear_curve(self) -> None:
-        """Forget the curve: for a run that starts again from step 0 (one that keeps no checkpoints)."""
+        """Forget the curve: for a run that starts again from step 0 (a backprop run an older zosoma began,
+        without checkpoints)."""
         (self.path / CURVE).unlink(missing_ok=True)
 
     # --- a folder of runs bound to its settings ----------------------------------------------
