@@ -403,4 +403,8 @@ def test_an_expert_still_diverging_at_its_budget_is_left_out_of_routing_and_said
     assert [e["dropped"] for e in run.describe()["experts_status"]] == [None, results["training"][1]["dropped"]]
     assert "expert1: step 40/40" in run.summary(run.describe()) and "DROPPED at step 40" in run.summary(run.describe())
     with pytest.warns(UserWarning, match="experts \\[1\\] were dropped"):
-        assert run.evaluate(load_corpus([str(text)]))["dropped"] == [1]
+        scored = run.evaluate(load_corpus([str(text)]))  # zosoma eval
+    from zosoma.cli.render import results as shown
+    assert scored["dropped"] == [1]
+    for r in (results, scored):  # what zosoma train and zosoma eval print
+        assert "dropped in training, so left out of routing: expert1" in shown(r).splitlines()
