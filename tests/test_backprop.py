@@ -216,3 +216,113 @@ def test_zosomas_own_training_needs_no_torch(tmp_path):
             f"train(run_dir={str(tmp_path / 'run')!r}, embed=4, hidden=4, steps=2, perturbations=2); "
             "assert 'zosoma.experiments.backprop' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- issue 45: a backprop run under signals keeps a checkpoint and resumes from it bit for bit ------
+
+LONG = """
+title = "backprop under signals"
+seeds = [0]
+curve_points = 4
+curve_bytes = 1024
+train = {batch = 2, seq_len = 8}
+
+[[method]]
+name = "backprop"
+model = {embed = 16, hidden = 64, layers = 1}
+train = {optimizer = "backprop", lr = 0.01}
+steps = 1200
+"""
+
+
+class StopAfter:
+    """A stop request, true from its n-th poll on (one poll per step)."""
+
+    def __init__(self, n):
+        self.polls, self.n = 0, n
+
+    def __call__(self):
+        self.polls += 1
+        return self.polls > self.n
+
+
+def curve_events(folder) -> list[int]:
+    """The steps of every eval/heldout_curve event in the folder's event files, as written."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    steps = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + n])
+            steps += [event.step for v in event.summary.value if v.tag == "eval/heldout_curve"]
+            at += 16 + n
+    return steps
+
+
+def test_a_stopped_backprop_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    """It started again at step 0 (and wrote its first curve points into its events twice)."""
+    from zosoma.experiments.compare import Job
+    from zosoma.experiments.study import run_job
+
+    path = tmp_path / "p.toml"
+    path.write_text(TOML)
+    cmp = load_comparison(path)
+    method = cmp.methods[1]
+    whole = run_job(Job("whole", method, 0, cmp), tmp_path / "whole")
+    part = Job("part", method, 0, cmp)
+    assert run_job(part, tmp_path / "part", stopping=StopAfter(8)) is None  # stopped part way
+    stopped = RunFolder(tmp_path / "part").read_checkpoint().step
+    assert 3 <= stopped < 12 and [p["step"] for p in RunFolder(tmp_path / "part").read_curve()][-1] <= stopped
+    from zosoma.errors import ConfigError
+    from zosoma.training.single import resume_run
+    with pytest.raises(ConfigError, match="is a backprop run of a comparison: run the same zosoma compare command"):
+        list(resume_run(tmp_path / "part"))  # zosoma train --resume: it is not zosoma's to train
+    resumed = run_job(part, tmp_path / "part")
+    for key in ("heldout", "steps", "step", "tokens", "flops", "final_train_loss", "checkpoint_steps"):
+        assert resumed[key] == whole[key], key
+    assert [(p["step"], p["heldout"]) for p in resumed["curve"]] == [(p["step"], p["heldout"]) for p in whole["curve"]]
+    a, b = (RunFolder(tmp_path / name).read_checkpoint() for name in ("whole", "part"))
+    assert np.array_equal(a.theta, b.theta) and a.step == b.step == 12
+    assert a.optimizer.keys() == b.optimizer.keys()  # the torch weights and AdamW's state, bit for bit
+    assert all(np.array_equal(a.optimizer[k], b.optimizer[k]) for k in a.optimizer)
+    assert curve_events(tmp_path / "part") == curve_events(tmp_path / "whole") == [0, 3, 6, 12]  # each point once
+    assert run_job(part, tmp_path / "part") == resumed  # finished: read back, not trained again
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_sigterm_stops_a_backprop_run_with_its_checkpoint_and_the_rerun_goes_on(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from helpers import zosoma_cmd
+
+    (tmp_path / "p.toml").write_text(LONG)
+    cmd = zosoma_cmd() + ["compare", str(tmp_path / "p.toml"), "--jobs", "1", "--out"]
+    run = tmp_path / "cut" / "runs" / "backprop-seed0"
+    proc = subprocess.Popen(cmd + [str(tmp_path / "cut")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while len(RunFolder(run).read_curve() if run.exists() else []) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopping after this step (a second signal stops at once, keeping the newest checkpoint)" in err
+    stopped = RunFolder(run).read_checkpoint().step
+    points = [p["step"] for p in RunFolder(run).read_curve()]
+    assert 0 < points[-1] <= stopped < 1200 and not (run / "result.json").exists()
+    for out_dir in ("cut", "whole"):  # the rerun goes on from the checkpoint; a run never stopped, to compare
+        done = subprocess.run(cmd + [str(tmp_path / out_dir)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    cut, whole = (json.loads((tmp_path / d / "runs" / "backprop-seed0" / "result.json").read_text())
+                  for d in ("cut", "whole"))
+    assert cut["heldout"] == whole["heldout"] and cut["step"] == whole["step"] == 1200
+    assert [(p["step"], p["heldout"]) for p in cut["curve"]] == [(p["step"], p["heldout"]) for p in whole["curve"]]
+    assert curve_events(run) == [p["step"] for p in whole["curve"]]  # each point once, in order

@@ -187,6 +187,15 @@ def test_a_plan_checks_the_device_as_a_run_does(tmp_path, restore_sigint):
     assert not (tmp_path / "out").exists()
 
 
+# a record of MINI's SOMA run (no eval_top_k) as the report reads it; the cases below damage it
+GOOD = {"method": "SOMA N=2", "kind": "soma", "seed": 0, "experts": 2, "n_params": 9, "steps": 3, "flops": 1.0,
+        "wall_s": 1, "model": {}, "train": {}, "heldout": {"overall": 2.5, "drama": 2.4}, "wikitext103": None,
+        "heldout_by_k": {}, "loss": "independent", "series": [], "skipped_steps": 0, "final_train_loss": 2.6,
+        "divergence": None, "restarts": [{"expert": 1, "step": 3, "to": 0, "lr_scale": 0.5}],
+        "dropped": [{"expert": 1, "step": 3, "verdict": "rising"}],
+        "curve": [{"step": 0, "flops": 0.0, "wall_s": 0.0, "heldout": 5.5, "cpu_s": 0.0}]}
+
+
 @pytest.mark.parametrize("record, problem", [
     ("[1, 2]", r"it is \[1, 2\], not a JSON object"),
     ('{"method": "SOMA N=2"}', "no kind"),
@@ -196,6 +205,9 @@ def test_a_plan_checks_the_device_as_a_run_does(tmp_path, restore_sigint):
     ('{"method": "SOMA N=2", "kind": "soma", "seed": 0, "experts": 2, "n_params": 9, "steps": 3, "flops": 1.0, '
      '"wall_s": 1, "curve": [], "model": {}, "train": {}, "heldout": {"overall": "2.5"}, "wikitext103": null}',
      'heldout.overall is "2.5"'),
+    # issue 45: the right outer shape, the wrong inner one (a KeyError and a TypeError in the report)
+    (json.dumps({**GOOD, "curve": [{"a": 1}]}), r"no curve\[0\]\.step"),
+    (json.dumps({**GOOD, "restarts": 5}), "restarts is 5, not a list"),
 ])
 def test_a_result_record_of_the_wrong_shape_is_one_line_saying_how_to_write_it_again(tmp_path, restore_sigint,
                                                                                       record, problem):
@@ -209,6 +221,37 @@ def test_a_result_record_of_the_wrong_shape_is_one_line_saying_how_to_write_it_a
         assert re.search(f"^Error: {re.escape(str(done.relative_to(tmp_path)))} is damaged \\({problem}\\): delete "
                          "it; run the same command again: it scores the run again from its checkpoints$", line), line
     assert done.read_text() == record
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ({"curve": [{"a": 1}]}, "no curve[0].step"),
+    ({"curve": [GOOD["curve"][0], {**GOOD["curve"][0], "heldout": True}]}, "curve[1].heldout is true"),
+    ({"curve": {"step": 0}}, 'curve is {"step": 0}, not a list'),
+    ({"restarts": 5}, "restarts is 5, not a list"),
+    ({"restarts": [{"expert": 1, "step": 3, "to": 0}]}, "no restarts[0].lr_scale"),
+    ({"dropped": [{"expert": "1", "step": 3}]}, 'dropped[0].expert is "1"'),
+    ({"divergence": {"step": 3, "verdict": "rising"}}, 'divergence is {"step": 3, "verdict": "rising"}, not a list'),
+    ({"divergence": [{"expert": 0, "step": 3}]}, "no divergence[0].verdict"),
+    ({"heldout": {"overall": 2.5, "drama": None}}, "heldout.drama is null"),
+    ({"heldout": {"drama": 2.4}}, "no heldout.overall"),
+    ({"series": "N"}, 'series is "N", not a list'),
+    ({"final_train_loss": "2.6"}, 'final_train_loss is "2.6"'),
+    ({"heldout_by_k": []}, "heldout_by_k is [], not a JSON object"),
+])
+def test_every_part_of_a_result_record_the_report_reads_is_checked(mini, damage, problem):
+    from zosoma.runs.json_shape import record_problem
+    job = jobs(mini)[0]
+    assert job.name == "soma-n-2-seed0" and record_problem(GOOD, job.record_shape) is None
+    assert record_problem({**GOOD, **damage}, job.record_shape) == problem
+    older = {k: v for k, v in GOOD.items() if k not in ("restarts", "dropped", "series", "skipped_steps", "loss")}
+    assert record_problem(older, job.record_shape) is None  # what the report reads only where present
+
+
+def test_a_comparison_with_a_price_table_needs_its_runs_cpu_seconds(tmp_path):
+    cmp = load_comparison_text(tmp_path, MINI.replace('title = "mini"', 'title = "mini"\nprice_levels = [3.0]'))
+    point = {k: v for k, v in GOOD["curve"][0].items() if k != "cpu_s"}
+    from zosoma.runs.json_shape import record_problem
+    assert record_problem({**GOOD, "curve": [point]}, jobs(cmp)[0].record_shape) == "no curve[0].cpu_s"
 
 
 def test_curve_steps():
@@ -557,3 +600,38 @@ def test_tuning_only_the_methods_named(mini, tmp_path):
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / "runs").rglob("result.json")}
     run_comparison(cmp, tmp_path / "out")
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+# 40 steps at lr 400: every model runs away within them, and the run ends before the guard's
+# warm-up (50 steps) is over, so no verdict ever comes
+RUNAWAY = header("runaway", [0], "4e8", 256) + """
+[[method]]
+name = "SOMA runaway"
+experts = 2
+steps = 40
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 400}
+
+[[method]]
+name = "SPSA runaway"
+steps = 40
+model = {embed = 4, hidden = 8, layers = 1}
+train = {perturbations = 2, lr = 400}
+"""
+
+
+@pytest.mark.slow
+def test_runs_still_diverging_when_their_budget_ends_are_diverged_seeds(tmp_path):
+    """Issue 45: such runs were reported at thousands of nats/byte with "diverged seeds 0"."""
+    cmp = load_comparison_text(tmp_path, RUNAWAY)
+    run_comparison(cmp, tmp_path / "out")
+    for job, experts in zip(jobs(cmp), (2, 1)):
+        r = json.loads((tmp_path / "out" / "runs" / job.name / "result.json").read_text())
+        assert [d["expert"] for d in r["dropped"]] == list(range(experts)) and r["step"] == 40
+        assert all(d["verdict"].startswith("rising when its budget ran out") for d in r["dropped"])
+    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "out" / "results.csv").open())}
+    assert all(rows[m]["dropped"].count("step 40") == n for m, n in (("SOMA runaway", 2), ("SPSA runaway", 1)))
+    table = (tmp_path / "out" / "results.md").read_text().splitlines()
+    header_row = next(line for line in table if line.startswith("| method |")).split(" | ")
+    column = header_row.index("diverged seeds")
+    assert [line.split(" | ")[column] for line in table if "runaway |" in line] == ["1", "1"]

@@ -93,3 +93,48 @@ def test_on_divergence_continue_trains_to_the_end(tmp_path, monkeypatch, action)
     records = list(train(trainer))
     assert isinstance(records[-1], Finished) and trainer.state.step == 120
     assert trainer.summary()["divergence"] is not None  # recorded all the same
+
+
+# --- issue 45: a model still diverging when its budget runs out is not a trained model ---------------
+
+def test_a_loss_still_rising_at_the_end_of_the_budget_is_a_verdict():
+    rising = g.DivergenceGuard(g.WINDOW)
+    for x in [3.0] * 300 + [6.0] * 60:  # the loss doubles at step 301; the window has not judged it yet
+        assert rising.observe(x, False) is None
+    said = rising.at_budget()
+    assert said.startswith("rising when its budget ran out: smoothed loss ") and "over 1.25 x its best 3.000" in said
+    assert f"for the last {rising.above} steps" in said and 0 < rising.above < g.WINDOW
+    calm = g.DivergenceGuard(g.WINDOW)
+    for x in 5.5 * np.exp(-np.arange(400) / 80) + 2.5 + np.random.default_rng(0).normal(0, 0.3, 400):
+        calm.observe(float(x), False)
+    assert calm.at_budget() is None and g.DivergenceGuard().at_budget() is None  # healthy, or nothing seen
+
+
+@pytest.mark.parametrize("action, record", [("restart", "Dropped"), ("stop", "Diverged"), ("continue", "Continued")])
+def test_a_run_whose_budget_ends_mid_divergence_is_judged_as_a_verdict_is(tmp_path, action, record):
+    """40 steps at lr 500: the loss runs away from step ~10, but 40 steps end before the guard
+    judges any (its warm-up is 50): before issue 45 the run Finished, its divergence null."""
+    cfg = TrainConfig(steps=40, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
+                      on_divergence=action, shaping=())
+    sampler = BatchSampler(corpus(), cfg.seq_len + 1)
+    trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
+    ends = [r for r in train(trainer) if not isinstance(r, Step)]
+    said = ends[0]
+    assert type(said).__name__ == record and said.step == 40
+    assert said.verdict.startswith("rising when its budget ran out: smoothed loss ")
+    assert [type(r) for r in ends[1:]] == ([Finished] if action == "continue" else [])
+    verdict = {"step": 40, "verdict": said.verdict}
+    summary = trainer.summary()
+    assert (summary["dropped"], summary["divergence"]) == ((verdict, None) if action == "restart" else (None, verdict))
+    ckpt = RunFolder(tmp_path).read_checkpoint()  # checkpointed with the verdict: a resume finds it judged
+    assert ckpt.step == 40 and ckpt.extra.get("dropped" if action == "restart" else "divergence") == verdict
+    again = list(train(Trainer(tmp_path, MODEL, cfg, sampler, from_checkpoint(ckpt))))
+    assert again == [Finished(0, 40)]  # said once: no second verdict, nothing trained
+
+
+def test_a_healthy_run_ends_as_before(tmp_path):
+    cfg = TrainConfig(steps=40, batch=2, seq_len=8, perturbations=2, lr=0.2, warmup=1, checkpoint_every=1000,
+                      shaping=())
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg))
+    assert [r for r in train(trainer) if not isinstance(r, Step)] == [Finished(0, 40)]
+    assert trainer.summary()["divergence"] is None and trainer.summary()["dropped"] is None

@@ -288,7 +288,8 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
 
     job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
     assert job.name == "single-fp32-default-eps"
-    scores = {"eps_over_step": 1.0, "heldout": {"overall": 5.0}, "heldout_fp32_eval": 5.0}  # what the report reads
+    scores = {"eps_over_step": 1.0, "heldout": {"overall": 5.0}, "heldout_fp32_eval": 5.0,  # what the report reads
+              "train_loss_last100": 5.1, "skipped_steps": 0, "divergence": None, "wall_s": 1.0}
     RunFolder(tmp_path).write_result({**dataclasses.asdict(job), **scores, "steps": 5})  # a shorter study's run
     with pytest.raises(ConfigError, match=r"\(single model, fp32 forwards, eps 0.001\) was made with another "
                                           r"configuration \(steps was 5, now 10\): give this precision study another --out"):
@@ -354,3 +355,23 @@ def test_a_comparisons_folder_is_refused_before_anything_trains(tmp_path):
     with pytest.raises(ConfigError, match='study was "comparison", now "precision study"'):
         run_study(Study(steps=2, formats=("fp32",), multiples=(), soma_multiples=()), tmp_path)
     assert not (tmp_path / "runs").exists()  # no run was started
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ({"divergence": {"step": 420}}, "no divergence.verdict"),
+    ({"skipped_steps": None}, "skipped_steps is null"),
+    ({"train_loss_last100": "5.1"}, 'train_loss_last100 is "5.1"'),
+])
+def test_a_precision_record_is_checked_whole(damage, problem):
+    """Every field the study's report reads is checked when its record is read back (issue 45)."""
+    import dataclasses
+
+    from zosoma.experiments.precision import Study, jobs
+    from zosoma.runs.json_shape import record_problem
+
+    job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
+    good = {**dataclasses.asdict(job), "eps_over_step": 1.0, "heldout": {"overall": 5.0}, "heldout_fp32_eval": 5.0,
+            "train_loss_last100": None, "skipped_steps": 0, "divergence": {"step": 420, "verdict": "rising"},
+            "wall_s": 1.0}
+    assert record_problem(good, job.record_shape) is None
+    assert record_problem({**good, **damage}, job.record_shape) == problem

@@ -366,3 +366,45 @@ def test_on_divergence_continue_says_its_verdict_once_and_trains_on(tmp_path):
     went_on = sorted((r for r in records if isinstance(r, Continued)), key=lambda r: r.expert)
     assert [r.expert for r in went_on] == [0, 1] and isinstance(records[-1], Evaluated)
     assert [t["divergence"]["step"] for t in records[-1].results["training"]] == [r.step for r in went_on]
+
+
+# --- issue 45: a model still diverging when its budget runs out is dropped, and said ----------------
+
+@pytest.mark.slow
+def test_a_single_model_still_diverging_at_its_budget_is_dropped_with_exit_code_1(tmp_path):
+    """Before issue 45: rc 0, results.json with divergence null and a held-out figure of hundreds."""
+    text, run = text_corpus(tmp_path), tmp_path / "run"
+    done = cli_train("train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=400, steps=40),
+                     "--optimizer", "sgd", "--shaping", "none", "--run-dir", run, "--quiet")
+    assert done.exit_code == 1, done.output
+    said = "the model was dropped at step 40 after 0 restart(s) (rising when its budget ran out: smoothed loss "
+    assert said in done.output and "training gave up on it" in done.output
+    assert not (run / "results.json").exists()  # no figure is reported as the run's
+    dropped = RunFolder(run).read_checkpoint().extra["dropped"]
+    assert dropped["step"] == 40 and dropped["verdict"].startswith("rising when its budget ran out")
+    info = cli_train("info", run)
+    assert info.exit_code == 0 and f"dropped: {json.dumps(dropped, sort_keys=True)}"[:100] in info.output
+
+
+def test_an_expert_still_diverging_at_its_budget_is_left_out_of_routing_and_said(tmp_path):
+    from zosoma.training.run import Run
+    text = text_corpus(tmp_path)
+    faulty_soma(tmp_path / "run", text, dataclasses.replace(RESTART, steps=40), bad_lr=400.0)
+    records = list(resume_soma(tmp_path / "run", Inline()))
+    dropped = [r for r in records if isinstance(r, Dropped)]
+    assert [(r.expert, r.step, r.restarts) for r in dropped] == [(1, 40, 0)]
+    assert dropped[0].verdict.startswith("rising when its budget ran out: smoothed loss ")
+    results = next(r for r in records if isinstance(r, Evaluated)).results
+    assert results["dropped"] == [1]
+    assert results["training"][1]["dropped"] == {"step": 40, "verdict": dropped[0].verdict}
+    held = results["heldout"]["overall"]
+    assert held["routed"] == held["expert0"] < 5.6 < held["expert1"]  # the routed figure is expert 0's alone
+    run = Run.open(tmp_path / "run")
+    assert [e["dropped"] for e in run.describe()["experts_status"]] == [None, results["training"][1]["dropped"]]
+    assert "expert1: step 40/40" in run.summary(run.describe()) and "DROPPED at step 40" in run.summary(run.describe())
+    with pytest.warns(UserWarning, match="experts \\[1\\] were dropped"):
+        scored = run.evaluate(load_corpus([str(text)]))  # zosoma eval
+    from zosoma.cli.render import results as shown
+    assert scored["dropped"] == [1]
+    for r in (results, scored):  # what zosoma train and zosoma eval print
+        assert "dropped in training, so left out of routing: expert1" in shown(r).splitlines()

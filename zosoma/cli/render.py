@@ -165,7 +165,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                                      f"({r.verdict}): the others go on, and routing leaves it out")
             else:
                 from zosoma.training.single import after_drop
-                failed.append(f"the model diverged again at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
+                failed.append(f"the model was dropped at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
                               f"{after_drop(run_dir)}")
                 gave_up = True
         elif isinstance(r, Stopped):
@@ -219,6 +219,9 @@ def results(r, yardsticks: dict | None = None, data: str | None = None) -> str:
         lines.append(f"  {'':<14}" + "".join(f"{c:>10}" for c in cols))
         rows = list(heldout.items()) + ([("WikiText-103", wiki)] if wiki else [])
         lines += [f"  {name:<14}" + "".join(f"{v[c]:>10.4f}" for c in cols) for name, v in rows]
+        if r.get("dropped"):  # their columns are the weights training gave up on
+            names = ", ".join(f"expert{i}" for i in r["dropped"])
+            lines.append(f"dropped in training, so left out of routing: {names}")
     elif heldout:
         lines.append(f"{scored} (untrained: 5.545; {r.get('protocol', '')}):")
         lines += [f"  {name:<14} {v:.4f}" for name, v in heldout.items()]

@@ -137,31 +137,79 @@ def flat_grad(model, layout: Layout) -> np.ndarray:
 
 class BackpropRun(Scored):
     """One backprop run of a comparison, with what zosoma.experiments.study.Run offers its job:
-    advance, step, totals, training, score. It keeps no checkpoints: a stopped run starts again
-    (it takes seconds to minutes), and its folder holds only the comparison's records."""
+    advance, step, totals, training, score.
+
+    It keeps a checkpoint in its run folder (zosoma.formats.checkpoint, written atomically) at step
+    0, wherever `advance` returns (a curve point, the end, a stop) and so before every curve point
+    is recorded: theta, so `zosoma eval` and `info` read it, and, as optimizer state arrays, the
+    torch weights (torch.<name>: theta's one LSTM bias is torch's two) and AdamW's state
+    (adamw.<i>.<key>). A stopped or killed run resumes from it bit for bit: batches are a pure
+    function of (seed, stream, step), and nothing draws from torch's generator."""
 
     def __init__(self, folder, spec, device: str = "cpu"):
         from zosoma.engines import get_ops
-        from zosoma.training.single import load_data
+        from zosoma.training.single import data_record, load_data
         from zosoma.runs.stepper import stream
 
         torch = import_torch()
         torch.set_num_threads(1)  # one core, as each ZO worker's one BLAS thread
         torch.manual_seed(spec.train.seed)  # nothing draws from it; any later use stays seeded
         self.folder, self.spec, self.cfg = folder, spec, spec.train
-        folder.clear_curve()  # it starts again from step 0: an earlier attempt's points are void
         self.ops, self.layout = get_ops(device), Layout(spec.model)
         train_corpus, self.heldout = load_data(None, None)
+        self.data = data_record(train_corpus)  # the shipped corpus, as a single ZO run's checkpoint records it
         self.sampler, self.stream = BatchSampler(train_corpus, self.cfg.seq_len + 1), stream(0, 0)
         self.model = torch_model(init_params(spec.model, self.cfg.seed), self.layout).to(torch_device(self.ops))
         c = self.cfg
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=(c.momentum, c.beta2),
                                            weight_decay=c.weight_decay)
         self.step, self.tokens, self.wall_s, self.last_loss = 0, 0, 0.0, None
-        self.trainers, self.diverged = (), False  # no checkpoints; a NaN loss stops it (diverged)
+        self.diverged = False  # a NaN loss stops it
+        if folder.has_checkpoint:  # the study checked it is this job's (zosoma.experiments.study.check_job)
+            self._resume(folder.read_checkpoint(set_aside=True))
+        else:
+            folder.make()
+            folder.clear_curve()  # points an older zosoma's attempt left, which kept no checkpoint
+            self.checkpoint()
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        return [self.step]
+
+    def checkpoint(self) -> None:
+        from zosoma.formats.checkpoint import Checkpoint
+
+        state = {f"torch.{name}": t.detach().numpy().copy() for name, t in self.model.state_dict().items()}
+        for i, kept in self.optimizer.state_dict()["state"].items():
+            state.update({f"adamw.{i}.{key}": t.numpy().copy() for key, t in kept.items()})
+        extra = {"seed": self.cfg.seed, "data": self.data, "tokens": self.tokens, "wall_s": self.wall_s,
+                 "last_loss": self.last_loss, "diverged": self.diverged}
+        self.folder.write_checkpoint(Checkpoint(self.spec.model, self.cfg, self.theta(), self.step, state, extra))
+
+    def _resume(self, ckpt) -> None:
+        torch = import_torch()
+        arrays = {name: torch.from_numpy(np.asarray(a)) for name, a in ckpt.optimizer.items()}
+        self.model.load_state_dict({n.removeprefix("torch."): t for n, t in arrays.items() if n.startswith("torch.")})
+        saved = self.optimizer.state_dict()
+        for name, t in arrays.items():
+            if name.startswith("adamw."):
+                _, i, key = name.split(".", 2)
+                saved["state"].setdefault(int(i), {})[key] = t
+        self.optimizer.load_state_dict(saved)
+        e = ckpt.extra
+        self.step, self.tokens, self.wall_s = ckpt.step, int(e["tokens"]), float(e["wall_s"])
+        self.last_loss, self.diverged = e["last_loss"], bool(e["diverged"])
 
     def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
-        """Train to step `target` (or until stopping() or a non-finite loss); False when asked to stop."""
+        """Train to step `target` (or until stopping() or a non-finite loss), then checkpoint; False
+        when asked to stop."""
+        at = self.step
+        going_on = self._train(target, stopping)
+        if self.step != at:
+            self.checkpoint()
+        return going_on
+
+    def _train(self, target: int, stopping: Callable[[], bool]) -> bool:
         import time
 
         from zosoma.strategies.base import learning_rate
@@ -190,7 +238,7 @@ class BackpropRun(Scored):
                 "flops": float(self.tokens) * (1 + BACKWARD_FACTOR) * self.spec.model.flops_per_token()}
 
     def training(self) -> dict:
-        divergence = {"step": self.step, "reason": "non-finite loss"} if self.diverged else None
+        divergence = [{"expert": 0, "step": self.step, "verdict": "non-finite loss"}] if self.diverged else None
         return {"skipped_steps": 0, "divergence": divergence, "restarts": [], "dropped": [],
                 "final_train_loss": self.last_loss}
 

@@ -62,7 +62,7 @@ from zosoma.experiments.compare_config import Comparison, Method, Tuning, slug
 from zosoma.experiments.report import lost
 from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.runs.events import EventLog
-from zosoma.runs.folder import NUMBER
+from zosoma.runs.json_shape import NUMBER, ListOf, MayLack, ValuesOf
 
 @dataclass(frozen=True)
 class Job:
@@ -83,11 +83,24 @@ class Job:
 
     @property
     def record_shape(self) -> dict:
-        """What its result.json must hold (zosoma.runs.folder.record_problem): what the report reads."""
-        scores = ({"validation": NUMBER} if self.tuning else
-                  {"heldout": {"overall": NUMBER}, "wikitext103": (*NUMBER, type(None))})
+        """What its result.json must hold (zosoma.runs.json_shape): all that the report, the
+        tuning and the ablation read of it (what they read where present may be absent: records
+        of an older zosoma)."""
+        point = {"step": int, "flops": NUMBER, "wall_s": NUMBER, "heldout": NUMBER,
+                 "cpu_s": NUMBER if self.cmp.price_levels else MayLack(NUMBER)}
+        if self.tuning:
+            scores = {"validation": NUMBER}
+        else:
+            ks = {str(k): NUMBER for k in self.cmp.eval_top_k if k <= self.method.experts}
+            scores = {"heldout": ValuesOf(NUMBER, ("overall",)), "wikitext103": (*NUMBER, type(None)),
+                      "heldout_by_k": ks if self.curve else MayLack(ks)}
         return {"method": str, "kind": str, "seed": int, "experts": int, "n_params": int, "steps": int,
-                "flops": NUMBER, "wall_s": NUMBER, "curve": list, "model": dict, "train": dict, **scores}
+                "flops": NUMBER, "wall_s": NUMBER, "curve": ListOf(point), "model": dict, "train": dict, **scores,
+                "loss": MayLack(str) if self.curve or self.tuning else str, "series": MayLack(ListOf(str)),
+                "skipped_steps": MayLack(int), "final_train_loss": MayLack((*NUMBER, type(None))),
+                "divergence": MayLack((ListOf({"expert": int, "step": int, "verdict": str}), type(None))),
+                "restarts": MayLack(ListOf({"expert": int, "step": int, "to": int, "lr_scale": NUMBER})),
+                "dropped": MayLack(ListOf({"expert": int, "step": int}))}
 
     @property
     def spec(self) -> Spec:

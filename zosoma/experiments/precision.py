@@ -40,7 +40,7 @@ from zosoma.errors import ConfigError
 from zosoma.experiments.study import Run, Spec, StudyFolder
 from zosoma.model.params import Layout, init_params
 from zosoma.model.number_formats import format_step
-from zosoma.runs.folder import NUMBER
+from zosoma.runs.json_shape import NUMBER
 from zosoma.strategies.settings import resolve
 
 PRESET = "tiny"
@@ -79,9 +79,12 @@ class Job:
     seed: int
     kind = "precision study"
     device = "cpu"  # the formats are emulated on the CPU
-    # what its result.json must hold (zosoma.runs.folder.record_problem): what the report reads
-    record_shape = {"fmt": str, "experts": int, "multiple": (*NUMBER, type(None)), "eps_over_step": NUMBER,
-                    "steps": int, "seed": int, "heldout": {"overall": NUMBER}, "heldout_fp32_eval": NUMBER}
+    # what its result.json must hold (zosoma.runs.json_shape): what the report reads
+    record_shape = {"name": str, "fmt": str, "experts": int, "eps": NUMBER, "multiple": (*NUMBER, type(None)),
+                    "step_size": NUMBER, "eps_over_step": NUMBER, "steps": int, "seed": int,
+                    "heldout": {"overall": NUMBER}, "heldout_fp32_eval": NUMBER,
+                    "train_loss_last100": (*NUMBER, type(None)), "skipped_steps": int,
+                    "divergence": ({"step": int, "verdict": str}, type(None)), "wall_s": NUMBER}
 
     @property
     def label(self) -> str:

@@ -5,7 +5,7 @@ A study supplies its jobs and their scoring; a job (the Job protocol) says
 
     name          its run folder, OUT/runs/<name>/
     label, kind   how messages name it and its study ("SPSA P=64, seed 1"; "comparison")
-    record_shape  what its record must hold to be read back (zosoma.runs.folder.record_problem):
+    record_shape  what its record must hold to be read back (zosoma.runs.json_shape):
                   the keys its study's report reads
     spec          what its run is (Spec: model, training configuration, experts, loss, ...)
     device        where its forwards run
@@ -144,7 +144,7 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
                 result = job.score(run, stopping)
                 if result is None:
                     return None
-                folder.write_result({**result, "checkpoint_steps": [t.state.step for t in run.trainers]})
+                folder.write_result({**result, "checkpoint_steps": run.checkpoint_steps})
                 return folder.read_result()  # as a rerun reads it back (JSON: tuples are lists)
     return check_job(job, folder)
 
@@ -287,6 +287,11 @@ class Run(Scored):
     def diverged(self) -> bool:
         return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
 
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        """The step of each model's checkpoint (what its record is of: RunFolder.stale)."""
+        return [t.state.step for t in self.trainers]
+
     def training(self) -> dict:
         """Skipped steps summed over experts, the guards' verdicts (a run they stopped), every
         restart and dropped expert (--on-divergence restart), the mean final training loss."""
@@ -306,10 +311,13 @@ class Run(Scored):
 
     def ensemble(self, top_k: int | None = None) -> Ensemble:
         """The run's model; a SOMA run's router top-k (default the spec's) over the experts it
-        did not drop (fewer when fewer are left)."""
+        did not drop (fewer when fewer are left), or over all of them as they were left when it
+        dropped every one (a lost run, as its record says: scored as a dropped single model is)."""
         router = self.router
         if isinstance(router, Router):
             dropped = [i for i, t in enumerate(self.trainers) if t.state.dropped]
+            if len(dropped) == len(self.trainers):
+                dropped = []
             k = min(top_k or router.top_k, len(self.trainers) - len(dropped))
             router = Router(router.clustering, k, router.temperature, dropped)
         return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)

@@ -72,6 +72,7 @@ from zosoma.atomic import append_line, atomic_write, reason
 from zosoma.errors import CheckpointError, ConfigError, WriteError
 from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint, stored_step
 from zosoma.runs.guard import rollback_index
+from zosoma.runs.json_shape import record_problem
 from zosoma.runs.placement import Placement
 from zosoma.runs.records import Note
 from zosoma.runs.shape import SomaShape
@@ -502,7 +503,8 @@ class RunFolder:
         append_line(self.path / CURVE, json.dumps(point), "curve")
 
     def clear_curve(self) -> None:
-        """Forget the curve: for a run that starts again from step 0 (one that keeps no checkpoints)."""
+        """Forget the curve: for a run that starts again from step 0 (a backprop run an older zosoma began,
+        without checkpoints)."""
         (self.path / CURVE).unlink(missing_ok=True)
 
     # --- a folder of runs bound to its settings ----------------------------------------------
@@ -825,29 +827,3 @@ def _read_record(path: Path, redo: str, shape: dict | None = None) -> dict | Non
     if problem:
         raise ConfigError(f"{path} is damaged ({problem}): delete it; {redo}")
     return record
-
-
-NUMBER = (int, float)  # a JSON number, in a record's shape
-
-
-def record_problem(record, shape: dict, where: str = "") -> str | None:
-    """What makes a record read from JSON other than `shape`, in a few words, or None: shape maps
-    each key the record must hold to its type (a tuple of types; NUMBER; type(None) where null is
-    allowed) or to the shape of a nested object. true and false are not numbers."""
-    if not isinstance(record, dict):
-        return f"{where.rstrip('.') or 'it'} is {json.dumps(record)[:40]}, not a JSON object"
-    for key, kind in shape.items():
-        if key not in record:
-            return f"no {where}{key}"
-        value = record[key]
-        if isinstance(kind, dict):
-            problem = record_problem(value, kind, f"{where}{key}.")
-            if problem:
-                return problem
-        elif not isinstance(value, kind) or (isinstance(value, bool) and bool not in _types(kind)):
-            return f"{where}{key} is {json.dumps(value)[:40]}"
-    return None
-
-
-def _types(kind) -> tuple:
-    return kind if isinstance(kind, tuple) else (kind,)

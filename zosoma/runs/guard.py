@@ -11,6 +11,9 @@ members' losses) and the steps skipped for non-finite losses:
                                                      after `window` consecutive steps past the
                                                      first WARMUP with smoothed > RATIO * best
 
+A run whose steps run out inside such a stretch, before the window has judged it, gets the verdict
+"rising when its budget ran out" (at_budget): the model it ends with is not a trained one.
+
 A healthy SPSA run's smoothed loss wanders by a few percent and never sits 25% above its best for
 200 steps; the diverged runs seen so far (a SOMA expert at lr 0.3, the summed ablation at 0.15)
 left their best for good within tens of steps. The window shrinks with the run so a short one
@@ -67,6 +70,17 @@ class DivergenceGuard:
             return (f"rising: smoothed loss {self.smoothed:.3f}, over {RATIO} x its best {self.best:.3f} "
                     f"for {self.above} steps")
         return None
+
+    def at_budget(self) -> str | None:
+        """The verdict on a run whose step budget ran out while its loss was running away: its
+        smoothed loss over RATIO x its best at the last step (a stretch shorter than the window,
+        which the guard had not judged yet), else None. Such a model is no trained model: the
+        trainer treats this as the guard speaking (zosoma.runs.trainer, Trainer.ran_out)."""
+        if self.healthy:
+            return None
+        stretch = f" for the last {self.above} steps" if self.above else ""
+        return (f"rising when its budget ran out: smoothed loss {self.smoothed:.3f}, over {RATIO} x its best "
+                f"{self.best:.3f}{stretch}")
 
     @property
     def healthy(self) -> bool:

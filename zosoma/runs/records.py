@@ -100,8 +100,8 @@ class Restarted:
 
 @dataclass(frozen=True)
 class Dropped:
-    """An expert diverged again after `restarts` restarts: it trains no further, and a SOMA run
-    routes around it."""
+    """An expert diverged again after `restarts` restarts, or was still diverging when its
+    budget ran out: it trains no further, and a SOMA run routes around it."""
     expert: int
     step: int
     verdict: str

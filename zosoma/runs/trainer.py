@@ -250,6 +250,25 @@ class Trainer:
         self.events.rolled_back(back.step)
         return Restarted(self.expert, step, verdict, back.step, restarts[-1]["lr_scale"])
 
+    def ran_out(self) -> Dropped | Diverged | Continued | None:
+        """The run is done and its guard finds the loss still rising (DivergenceGuard.at_budget):
+        judged as a verdict is, by the run's action, except that a restart has no compute left, so
+        the model is dropped; the record that says so (checkpointed first), else None (a healthy
+        end, or a model already dropped or judged)."""
+        state = self.state
+        verdict = self.guard.at_budget() if state.dropped is None and state.divergence is None else None
+        if verdict is None:
+            return None
+        if self.on_divergence == "restart":
+            state.dropped = {"step": state.step, "verdict": verdict}
+            self.checkpoint()
+            return Dropped(self.expert, state.step, verdict, len(state.restarts))
+        state.divergence = {"step": state.step, "verdict": verdict}
+        if self.halted:
+            return self.halt()
+        self.checkpoint()
+        return Continued(self.expert, state.step, verdict)
+
     def adopt(self, state: RunState) -> None:
         """Go on from `state` (a restart's rollback)."""
         self._go_on(state)
@@ -309,8 +328,9 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False,
           widen: Callable[[Trainer], Trainer] | None = None) -> Iterator:
     """Train one model with its own losses (SOMA's independent experts; a single model) to
     cfg.steps, or fewer when restarts re-ran steps (Trainer.spent), yielding a Step record per
-    step and a final Finished, or Stopped when should_stop() turned true (the state is
-    checkpointed first). `widen`, given, may hand the model to a trainer over more workers
+    step and a final Finished (or, when the loss is still rising at the end, what the guard's
+    verdict would have made of it: Trainer.ran_out), or Stopped when should_stop() turned true
+    (the state is checkpointed first). `widen`, given, may hand the model to a trainer over more workers
     before a step (zosoma.workers.population_workers.Borrower)."""
     try:
         while not trainer.done:
@@ -331,6 +351,10 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False,
                 yield record
                 if isinstance(record, Dropped):
                     return
+        if said := trainer.ran_out():  # the budget ran out mid-divergence: not a trained model
+            yield said
+            if not isinstance(said, Continued):
+                return
         yield Finished(trainer.expert, trainer.state.step)
     finally:
         trainer.events.close()

@@ -180,6 +180,9 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
         run = open_run(run_dir)
         yield from fallbacks()
         data, ckpt = run.data, run.ckpt
+        if ckpt.train.optimizer == "backprop":  # PyTorch trains it (zosoma.experiments.backprop), not zosoma
+            raise ConfigError(f"{run_dir} is a backprop run of a comparison: run the same zosoma compare command "
+                              "again to resume it")
         dropped = ckpt.extra.get("dropped")
         if dropped:  # it trains no further, whatever the resume: say so, and what can help
             raise ConfigError(f"{run_dir}: the model was dropped at step {dropped['step']} after "

@@ -38,7 +38,7 @@ from zosoma.workers.executor import Inline
 from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
 from zosoma.workers.population_workers import borrower, summed_trainers
-from zosoma.runs.records import Clusters, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
+from zosoma.runs.records import Clusters, Diverged, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
@@ -328,7 +328,11 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
                     yield Stopped(t.expert, t.state.step)
             return
     for t in trainers:
-        yield Finished(t.expert, t.state.step)
+        said = t.ran_out()  # the budget ran out mid-divergence (zosoma.runs.trainer)
+        if said:
+            yield said
+        if not isinstance(said, Diverged):
+            yield Finished(t.expert, t.state.step)
 
 
 def _evaluate(run: SomaRun, ops: Ops):
