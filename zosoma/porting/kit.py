@@ -33,7 +33,7 @@ from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.version import __version__
 from zosoma.formats.onnx import build_model, save_model
-from zosoma.porting import kit_model, kit_precision, kit_router, kit_run, kit_training
+from zosoma.porting import kit_data, kit_loop, kit_model, kit_precision, kit_router, kit_run, kit_training
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
 
@@ -60,17 +60,17 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
              "router": kit_router.router_stage(seed)}
     rng = np.random.default_rng([seed, 0x9018])  # the stages added in format 2
     built.update({
-        "init": kit_training.init_stage(config, seed),
-        "batches": kit_training.batch_stage(seed),
-        "schedule": kit_training.schedule_stage(),
+        "init": kit_data.init_stage(config, seed),
+        "batches": kit_data.batch_stage(seed),
+        "schedule": kit_data.schedule_stage(),
         "momentum": kit_training.momentum_stage(theta, rng),
         "adam": kit_training.adam_stage(theta, rng),
         "es": kit_training.es_stage(theta, layout, rng),
         "eggroll": kit_training.eggroll_stage(theta, layout, rng),
-        "train": kit_training.train_stage(theta, layout, seed),
-        "train_normalize": kit_training.train_stage(theta, layout, seed, "normalize"),
-        "shaping": kit_training.shaping_stage(rng),
-        "restart": kit_training.restart_stage(seed),
+        "train": kit_loop.train_stage(theta, layout, seed),
+        "train_normalize": kit_loop.train_stage(theta, layout, seed, "normalize"),
+        "shaping": kit_loop.shaping_stage(rng),
+        "restart": kit_loop.restart_stage(seed),
         "bf16": kit_precision.float_stage("bf16", theta, layout, rng),
         "fp16": kit_precision.float_stage("fp16", theta, layout, rng),
         "int8": kit_precision.int8_stage(theta, layout, rng),
