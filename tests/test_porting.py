@@ -19,9 +19,11 @@ from click.testing import CliRunner
 from helpers import (error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, snapshot, users_files,
                      zosoma_cmd)
 from zosoma.cli.main import cli
+from zosoma.config import ModelConfig
+from zosoma.errors import OptionError
 from zosoma.model.noise import philox4x32_10, stream_key
 from zosoma.porting import check_port
-from zosoma.porting.kit import STAGES
+from zosoma.porting.kit import STAGES, write_kit
 
 pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
 
@@ -210,6 +212,35 @@ def test_force_replaces_the_kit_and_nothing_else(tmp_path):
     assert set(snapshot(out)) == set(users) | set(kit_files)  # retired.npz gone, nothing temporary left
     assert users.items() <= snapshot(out).items() and (tmp_path / "outside.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kit", "outside.txt"]
+
+
+def test_a_run_folder_is_refused_force_or_not(tmp_path):
+    """A kit is never written into a run folder (as export refuses them): --force replaces a kit's
+    files, never a run's."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.h5").write_bytes(b"a run's checkpoint")
+    before = snapshot(run)
+    for extra in ((), ("--force",)):
+        assert one_line_error(kit_cli(run, *extra), 1) == (f"Error: {run} is a run folder: write the porting kit "
+                                                           "elsewhere; nothing was changed")
+    assert snapshot(run) == before and leftovers(tmp_path, run) == []
+
+
+@pytest.mark.parametrize("option, value", [("--hidden", "100000"), ("--embed", "100000"),
+                                           ("--layers", "1000000000000"), ("--seed", str(2**63))])
+def test_a_kit_too_large_or_a_seed_out_of_range_is_one_line(tmp_path, option, value):
+    """Refused before anything is written, in one line with exit code 2 (a bad option), and the
+    Python API refuses it in the same words (a 40-line MemoryError before)."""
+    out = tmp_path / "kit"
+    line = one_line_error(kit_cli(out, option, value), 2)
+    assert ("a kit takes at most 1,000,000" in line and "lower --hidden, --embed or --layers" in line
+            if option != "--seed" else line == f"Error: --seed must be an integer in [0, 2^63), got {2**63}")
+    sizes = {"embed": 8, "hidden": 8, "layers": 1, **({option[2:]: int(value)} if option != "--seed" else {})}
+    with pytest.raises(OptionError) as err:
+        write_kit(out, ModelConfig(**sizes), int(value) if option == "--seed" else 0)
+    assert line == f"Error: {err.value}"
+    assert not out.exists() and leftovers(tmp_path) == []
 
 
 def test_a_users_file_with_a_kit_name_stops_it(tmp_path):

@@ -31,17 +31,22 @@ import numpy as np
 
 from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
+from zosoma.errors import OptionError
 from zosoma.version import __version__
 from zosoma.formats.onnx import build_model, save_model
 from zosoma.porting import kit_data, kit_loop, kit_model, kit_precision, kit_router, kit_run, kit_training
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
+from zosoma.runs.folder import refuse_run_files
 
 KIT_FORMAT, KIT_VERSION = "zosoma-porting-kit", 2
 CHECKER = Path(__file__).with_name("check_port.py")
 MODEL = "model.onnx"
 MISREADINGS = "misreadings.npz"
 SAMPLE = 4096  # a misreading of a larger output is stored (and compared) at every stride-th value
+# The kit holds some 60 vectors of d values and computes float64 references over them (about 150
+# bytes of files per parameter): a model past this is no kit anyone can run, and would exhaust memory.
+MAX_PARAMETERS = 1_000_000
 
 # The stages in the order a port is best written in; each one's file is <name>.npz.
 STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "onesided_step", "momentum",
@@ -113,6 +118,8 @@ def write_kit(out, config: ModelConfig = ModelConfig(embed=16, hidden=32, layers
     those an earlier kit wrote (zosoma.porting.output_folder; other files are left alone). Returns
     the manifest's path."""
     out = Path(out)
+    check_options(config, seed)
+    refuse_run_files(out, "porting kit")
     files = sorted([f"{name}.npz" for name in STAGES] + [MISREADINGS, MODEL, CHECKER.name, MANIFEST])
     with output_folder(out, files, KIT_FORMAT, force, "porting kit") as tmp:
         stages = build_stages(config, seed)
@@ -138,6 +145,18 @@ def write_kit(out, config: ModelConfig = ModelConfig(embed=16, hidden=32, layers
                     "stages": entries, "misreadings": MISREADINGS, "files": files}
         atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=2), "porting kit")
     return out / MANIFEST
+
+
+def check_options(config: ModelConfig, seed: int) -> None:
+    """Refuse (OptionError, one line) a kit seed outside [0, 2^63) or a model too large for a kit."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise OptionError(f"--seed must be an integer in [0, 2^63), got {seed!r}")
+    E, H, L = config.embed, config.hidden, config.layers
+    d = VOCAB * E + 4 * H * (E + H + 1) + (L - 1) * 4 * H * (2 * H + 1) + H * VOCAB + VOCAB  # n_params, closed form
+    if d > MAX_PARAMETERS:
+        raise OptionError(f"the kit's model (E={config.embed} H={config.hidden} L={config.layers}) has {d:,} "
+                          f"parameters; a kit takes at most {MAX_PARAMETERS:,} (its vectors are some 150 bytes "
+                          "per parameter): lower --hidden, --embed or --layers")
 
 
 def _save(path: Path, arrays: dict) -> None:
