@@ -115,6 +115,53 @@ def test_porting_kit_command(tmp_path):
     assert again.output.strip().endswith("exists; pass --force to replace the files zosoma wrote there")
 
 
+def test_the_training_graph_gives_the_losses_stages_figures(kit):
+    """train_model.onnx (theta an input) fed the losses stage's theta and batch gives that stage's
+    nll and loss within its tolerances, as the manifest says."""
+    ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is in the onnx extra")
+    manifest = json.loads((kit / "manifest.json").read_text())
+    assert "train_model.onnx" in manifest["files"] and "losses.npz" in manifest["graphs"]["train_model.onnx"]["check"]
+    f, m = _load(kit, "losses"), manifest["model"]
+    batch = f["batch"].astype(np.int64)
+    zeros = np.zeros((m["layers"], batch.shape[0], m["hidden"]), np.float32)
+    session = ort.InferenceSession(str(kit / "train_model.onnx"), providers=["CPUExecutionProvider"])
+    nll, loss, _, _ = session.run(None, {"theta": f["theta"], "tokens": batch[:, :-1], "targets": batch[:, 1:],
+                                         "h0": zeros, "c0": zeros})
+    tol = next(s for s in manifest["stages"] if s["name"] == "losses")["outputs"]
+    assert np.abs(nll - f["nll"]).max() <= tol["nll"]["atol"] / 5
+    assert abs(float(loss) - float(f["loss"])) <= tol["loss"]["atol"] / 5
+
+
+def test_the_kit_has_a_readme_and_the_default_runs_batches(kit):
+    """README.md names every stage and file; default_run_batches.npz holds the default run's
+    3,540 x 8 windows on stream 0 and a first restart's, as zosoma's sampler draws them."""
+    from zosoma.corpus import BatchSampler, load_corpus
+    manifest = json.loads((kit / "manifest.json").read_text())
+    readme = (kit / "README.md").read_text()
+    assert all(f"`{s}.npz`" in readme for s in STAGES) and "check_port.py" in readme
+    assert {"README.md", "default_run_batches.npz"} <= set(manifest["files"]) and "skipped" not in manifest
+    f = _load(kit, "default_run_batches")
+    assert f["batch_doc"].shape == f["batch_start"].shape == (2, 3540, 8) and list(f["streams"]) == [0, 65536]
+    sampler = BatchSampler(load_corpus(None, split="train"), int(f["T"]) + 1)
+    for row, s in enumerate(f["streams"]):
+        for t in (0, 1234, 3539):
+            doc, start = sampler.positions(0, int(s), t, 8)
+            assert np.array_equal(doc, f["batch_doc"][row, t]) and np.array_equal(start, f["batch_start"][row, t])
+
+
+def test_without_onnx_the_kit_is_written_but_the_graphs_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
+    out = tmp_path / "kit"
+    result = kit_cli(out)
+    assert result.exit_code == 0, result.output
+    assert ("skipped model.onnx, train_model.onnx: the onnx package is not installed (pip install 'zosoma[onnx]')"
+            in result.output), result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in out.iterdir()} and "model.onnx" not in manifest["files"]
+    assert len(manifest["skipped"]) == 1 and "Not written here" in (out / "README.md").read_text()
+    assert check_port.check(out, out, strict=True) == 0  # every stage is there
+
+
 # --- the checker's verdicts: NaN never passes, damaged files are one line -----------------------------
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -268,8 +315,8 @@ def test_a_failure_half_way_leaves_the_old_kit(tmp_path, monkeypatch, when):
     assert kit_cli(out, "--force").exit_code == 0
     before = snapshot(out)
     if when == "building":
-        from zosoma.porting import kit as kit_module
-        monkeypatch.setattr(kit_module, "save_model", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        from zosoma.porting import kit_files  # the graphs are written after every stage's vectors
+        monkeypatch.setattr(kit_files, "save_model", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     else:  # the third file renamed into the folder fails (Ctrl-C); the renames putting things back work
         rename, calls = os.rename, []
 

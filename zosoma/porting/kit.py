@@ -10,6 +10,10 @@
     OUT/misreadings.npz   outputs as plausible wrong readings of the specification compute them:
                           the checker names the reading a failing output matches
     OUT/model.onnx        the kit's model as the standard-LSTM ONNX graph (zosoma.formats.onnx)
+    OUT/train_model.onnx  the training graph, theta an input (both graphs need the onnx package:
+                          without it they are skipped, and the manifest's "skipped" says so)
+    OUT/default_run_batches.npz   the default run's batch indices (kit_files)
+    OUT/README.md         what the kit is, how to check a port, its files and stages
     OUT/check_port.py     the standalone checker (plain NumPy): python check_port.py OUT PORT/
 
 The manifest's "files" lists these, the files zosoma owns in OUT: `--force` replaces them and
@@ -33,15 +37,14 @@ from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import OptionError
 from zosoma.version import __version__
-from zosoma.formats.onnx import build_model, save_model
-from zosoma.porting import kit_data, kit_loop, kit_model, kit_precision, kit_router, kit_run, kit_training
+from zosoma.porting import (kit_approx, kit_data, kit_default_run, kit_files, kit_loop, kit_model, kit_precision, kit_router,
+                            kit_run, kit_training)
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
 from zosoma.runs.folder import refuse_run_files
 
 KIT_FORMAT, KIT_VERSION = "zosoma-porting-kit", 2
 CHECKER = Path(__file__).with_name("check_port.py")
-MODEL = "model.onnx"
 MISREADINGS = "misreadings.npz"
 SAMPLE = 4096  # a misreading of a larger output is stored (and compared) at every stride-th value
 # The kit holds some 60 vectors of d values and computes float64 references over them (about 150
@@ -51,7 +54,7 @@ MAX_PARAMETERS = 1_000_000
 # The stages in the order a port is best written in; each one's file is <name>.npz.
 STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "onesided_step", "momentum",
           "adam", "es", "eggroll", "train", "train_normalize", "shaping", "restart", "router", "routed", "bf16",
-          "fp16", "int8", "run")
+          "fp16", "int8", "approx", "run", "run_onesided", "run_restart")
 
 
 def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
@@ -84,6 +87,10 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
     })
     # its own generator, so that adding it left every other stage's vectors as they were
     built["onesided_step"] = kit_training.onesided_stage(theta, layout, np.random.default_rng([seed, 0x9019]))
+    built["approx"] = kit_approx.approx_stage(theta, layout, np.random.default_rng([seed, 0x901A]))
+    # today's default run and its restart (kit_default_run): no generator, stored reference figures
+    built["run_onesided"] = kit_default_run.onesided_stage()
+    built["run_restart"] = kit_default_run.restart_stage()
     return [built[name] for name in STAGES]
 
 
@@ -120,7 +127,9 @@ def write_kit(out, config: ModelConfig = ModelConfig(embed=16, hidden=32, layers
     out = Path(out)
     check_options(config, seed)
     refuse_run_files(out, "porting kit")
-    files = sorted([f"{name}.npz" for name in STAGES] + [MISREADINGS, MODEL, CHECKER.name, MANIFEST])
+    graphs, skipped = kit_files.graph_files(), kit_files.onnx_missing()
+    files = sorted([f"{name}.npz" for name in STAGES] + graphs + [MISREADINGS, CHECKER.name, MANIFEST,
+                                                                 kit_files.BATCHES, kit_files.README])
     with output_folder(out, files, KIT_FORMAT, force, "porting kit") as tmp:
         stages = build_stages(config, seed)
         entries, misread = [], {}
@@ -131,7 +140,8 @@ def write_kit(out, config: ModelConfig = ModelConfig(embed=16, hidden=32, layers
             _save(tmp / entry["file"], {**stage.arrays(), **{k: np.asarray(v) for k, (v, _) in stage.settings.items()}})
         _save(tmp / MISREADINGS, misread)
         theta, layout = kit_model.kit_model(config, seed)
-        save_model(build_model(theta, layout), tmp / MODEL)
+        graph_entry = kit_files.write_graphs(tmp, theta, layout)
+        batches = kit_files.write_batches(tmp, _save)
         atomic_write(tmp / CHECKER.name, CHECKER.read_bytes(), "porting kit")
         manifest = {"format": KIT_FORMAT, "format_version": KIT_VERSION, "zosoma_version": __version__,
                     "spec": "PORTING.md in the zosoma repository", "seed": seed,
@@ -142,7 +152,11 @@ def write_kit(out, config: ModelConfig = ModelConfig(embed=16, hidden=32, layers
                     "tolerance": "|port - kit| <= atol + rtol * |kit| elementwise; integers within atol (0: "
                                  "exactly); with ulps, at most that many values of the format apart; the kit's "
                                  "NaN and inf matched exactly",
-                    "stages": entries, "misreadings": MISREADINGS, "files": files}
+                    "stages": entries, "misreadings": MISREADINGS, "graphs": graph_entry,
+                    "default_run_batches": batches, "files": files}
+        if skipped:
+            manifest["skipped"] = [f"{', '.join(graph_entry)}: {skipped}"]
+        atomic_write(tmp / kit_files.README, kit_files.readme(manifest), "porting kit")
         atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=2), "porting kit")
     return out / MANIFEST
 
