@@ -4,6 +4,7 @@ checks the stages themselves: zosoma's own code passes each, a wrong reading of 
 fails it."""
 
 import ast
+import io
 import json
 import os
 import shutil
@@ -113,6 +114,21 @@ def test_porting_kit_command(tmp_path):
     again = CliRunner().invoke(cli, ["porting-kit", str(out)])
     assert again.exit_code == 1
     assert again.output.strip().endswith("exists; pass --force to replace the files zosoma wrote there")
+
+
+def test_strict_does_not_ask_for_the_optional_approx_stage(kit, tmp_path):
+    """approx is for devices with approximate activations: a port that does not write it passes
+    --strict; one that writes it is checked."""
+    port = tmp_path / "port"
+    port.mkdir()
+    for stage in STAGES:
+        if stage != "approx":
+            shutil.copy(kit / f"{stage}.npz", port)
+    out = io.StringIO()
+    assert check_port.check(kit, port, strict=True, out=out) == 0, out.getvalue()
+    assert "[skip] approx:" in out.getvalue() and "(optional: for a device whose sigmoid" in out.getvalue()
+    shutil.copy(kit / "approx.npz", port)
+    assert check_port.check(kit, port, strict=True, out=io.StringIO(), stages=["approx"]) == 0
 
 
 def test_the_training_graph_gives_the_losses_stages_figures(kit):

@@ -116,6 +116,8 @@ def stage_manifest(stage: Stage) -> tuple[dict, dict]:
     entry = {"name": stage.name, "file": f"{stage.name}.npz", "what": stage.what, "settings": _settings(stage),
              "inputs": {k: what for k, (_, what) in stage.inputs.items()},
              "outputs": {k: o.manifest(tol) for k, o in stage.outputs.items()}, "misreadings": readings}
+    if stage.optional:
+        entry["optional"] = stage.optional
     return entry, arrays
 
 

@@ -99,4 +99,6 @@ def approx_stage(theta, layout: Layout, rng) -> Stage:
     return Stage("approx", "approximate activations (PLAN, ONNX's HardSigmoid): the functions at every segment's "
                            "start, a free-running forward and loss with them", inputs, outputs,
                  settings={"modes": (",".join(approx.MODES), "each mode's outputs are prefixed with its name")},
-                 misreadings=misreadings, tol=tol)
+                 misreadings=misreadings, tol=tol,
+                 optional="for a device whose sigmoid and tanh are approximate; it runs this stage in place of "
+                          "forward and losses")

@@ -80,10 +80,11 @@ def readme(manifest: dict) -> str:
     return f"""# zosoma porting kit
 
 The conformance vectors a port of zosoma (zero-order LSTM training) must reproduce, stage by stage.
-The specification is PORTING.md in the zosoma repository (zosoma {manifest['zosoma_version']}); this
-kit is format {manifest['format_version']}, seed {manifest['seed']}, for a model of E = {m['embed']},
-H = {m['hidden']}, L = {m['layers']} ({m['parameters']:,} parameters; the whole-run stages use the
-`tiny` preset's model, as their settings say).
+The specification is PORTING.md in the zosoma repository (zosoma {manifest['zosoma_version']}).
+
+This kit: format {manifest['format_version']}, seed {manifest['seed']}, a model of E = {m['embed']}, \
+H = {m['hidden']}, L = {m['layers']} ({m['parameters']:,} parameters); the whole-run stages use the `tiny` \
+preset's model, as their settings say.
 
 ## Checking a port
 
@@ -93,7 +94,7 @@ For each stage, read its inputs (and the kit's values its outputs' `from` lists 
 
 ```bash
 python check_port.py . PORT/                 # every stage the port wrote
-python check_port.py . PORT/ --strict        # a stage or output not written fails
+python check_port.py . PORT/ --strict        # a stage or output not written fails (optional ones aside)
 python check_port.py . PORT/ --stage run_restart
 ```
 
