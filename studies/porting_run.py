@@ -3,7 +3,7 @@ another order may land from the kit's figures, and how far a port without the de
 
     python studies/porting_run.py [--seeds 0 1 2 3 4] [--dir runs/porting-run] [--out FILE]
 
-Trains the run stage's run (zosoma train's defaults, 300 steps; zosoma.porting.kit_run) with
+Trains the run stage's run (zosoma train --optimizer sgd, 300 steps; zosoma.porting.kit_run) with
 `--engine native` and `--engine onnxruntime` per seed (a folder that already holds results.json is
 reused), prints each run's held-out figure, the largest step-loss gap and held-out gap between the
 engines, and writes that spread into zosoma/porting/run_reference.json (the stage's manifest quotes
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     lines = [f"# python studies/porting_run.py --seeds {' '.join(map(str, args.seeds))}",
-             f"# The porting kit's run stage: zosoma train's defaults, {kit_run.RUN_STEPS} steps, per seed and engine.",
+             f"# The porting kit's run stage: zosoma train --optimizer sgd, {kit_run.RUN_STEPS} steps, per seed and engine.",
              "seed  native held-out  onnxruntime held-out  gap      max |step loss gap|  restarts"]
     gaps, loss_gaps = [], []
     for seed in args.seeds:

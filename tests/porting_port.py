@@ -20,7 +20,7 @@ from zosoma.model import noise as noise_spec, number_formats
 from zosoma.model.reference import sigmoid
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
-from zosoma.porting import kit_run
+from zosoma.porting import approx_activations, kit_default_run, kit_run
 from zosoma.model.population import Population
 from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
@@ -357,6 +357,45 @@ def port_run(kit, run_dir: Path, **options):
     return {"losses": np.array(ran["losses"]), "heldout": np.float64(ran["heldout"])}
 
 
+def port_approx(kit, layout, sigmoid=approx_activations.sigmoid):
+    """The approx stage in float32, as a device computes it (approx_activations; `sigmoid` its
+    elementwise function, for a wrong port)."""
+    f = load(kit, "approx")
+    out = {}
+    for mode in str(f["modes"]).split(","):
+        x = f["edge_x"]
+        run = approx_activations.forward(f["theta"], layout, f["tokens"], mode, f["h0"][None], f["c0"][None])
+        free = approx_activations.forward(f["theta"], layout, f["batch"][:, :-1], mode)
+        out.update({f"{mode}_sigmoid": sigmoid(x, mode), f"{mode}_tanh": approx_activations.tanh(x, mode),
+                    f"{mode}_logits": run["logits"][0],
+                    f"{mode}_loss": np.float64(approx_activations.nll(free["logits"][0], f["batch"][:, 1:]).mean(
+                        dtype=np.float64))})
+    return out
+
+
+def port_default_run(kit, run_dir: Path, stage: str, budget: bool = True):
+    """run_onesided or run_restart with zosoma's trainer and evaluation (a minute), its batches the
+    kit's; budget=False is the deliberately wrong port that follows PORTING.md's old sentence (the
+    counter runs on to `steps` after a rollback)."""
+    f = load(kit, stage)
+    which = "onesided" if stage == "run_onesided" else "restart"
+    _, cfg = kit_default_run.onesided_config() if which == "onesided" else kit_default_run.restart_config()
+    sampler = BatchSampler(load_corpus(None, split="train"), cfg.seq_len + 1)
+    doc, start = (f["batch_doc"][None], f["batch_start"][None]) if which == "onesided" else (f["batch_doc"],
+                                                                                               f["batch_start"])
+    for row, s in enumerate((0, stream(0, 1))[:doc.shape[0]]):
+        for t in (0, 1, cfg.steps - 1):
+            d, st = sampler.positions(int(f["seed"]), s, t, int(f["batch"]))
+            assert np.array_equal(d, doc[row, t]) and np.array_equal(st, start[row, t])
+    ran = kit_default_run.train_reference(run_dir, which, budget=budget)
+    out = {"losses": np.array(ran["losses"]), "heldout": np.float64(ran["heldout"])}
+    if which == "restart":  # the losses of the course after the (first) rollback
+        (verdict, to), = ran["restarts"][:1]
+        out.update(verdict_step=np.int64(verdict), rollback_to=np.int64(to), final_step=np.int64(ran["final_step"]),
+                   attempted=np.int64(len(ran["losses"])), losses=out["losses"][verdict:])
+    return out
+
+
 def _shifted(kit_values, first):
     """(B, T, n) the kit's values of step t-1 at t, `first` (B, n) at t = 0: teacher forcing."""
     return np.concatenate([first[:, None], kit_values[:, :-1]], axis=1)
@@ -475,7 +514,8 @@ def zosoma_port(kit: Path, port: Path) -> dict:
               "train": port_train(kit, layout), "train_normalize": port_train(kit, layout, stage="train_normalize"),
               "shaping": port_shaping(kit), "restart": port_restart(kit),
               "router": port_router(kit), "routed": port_routed(kit), "bf16": port_float_format(kit, layout, "bf16"),
-              "fp16": port_float_format(kit, layout, "fp16"), "int8": port_int8(kit, layout)}
+              "fp16": port_float_format(kit, layout, "fp16"), "int8": port_int8(kit, layout),
+              "approx": port_approx(kit, layout)}
     for name, outputs in stages.items():
         np.savez(port / f"{name}.npz", **outputs)
     return stages

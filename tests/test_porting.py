@@ -4,6 +4,7 @@ checks the stages themselves: zosoma's own code passes each, a wrong reading of 
 fails it."""
 
 import ast
+import io
 import json
 import os
 import shutil
@@ -19,9 +20,11 @@ from click.testing import CliRunner
 from helpers import (error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, snapshot, users_files,
                      zosoma_cmd)
 from zosoma.cli.main import cli
+from zosoma.config import ModelConfig
+from zosoma.errors import OptionError
 from zosoma.model.noise import philox4x32_10, stream_key
 from zosoma.porting import check_port
-from zosoma.porting.kit import STAGES
+from zosoma.porting.kit import STAGES, write_kit
 
 pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
 
@@ -111,6 +114,68 @@ def test_porting_kit_command(tmp_path):
     again = CliRunner().invoke(cli, ["porting-kit", str(out)])
     assert again.exit_code == 1
     assert again.output.strip().endswith("exists; pass --force to replace the files zosoma wrote there")
+
+
+def test_strict_does_not_ask_for_the_optional_approx_stage(kit, tmp_path):
+    """approx is for devices with approximate activations: a port that does not write it passes
+    --strict; one that writes it is checked."""
+    port = tmp_path / "port"
+    port.mkdir()
+    for stage in STAGES:
+        if stage != "approx":
+            shutil.copy(kit / f"{stage}.npz", port)
+    out = io.StringIO()
+    assert check_port.check(kit, port, strict=True, out=out) == 0, out.getvalue()
+    assert "[skip] approx:" in out.getvalue() and "(optional: for a device whose sigmoid" in out.getvalue()
+    shutil.copy(kit / "approx.npz", port)
+    assert check_port.check(kit, port, strict=True, out=io.StringIO(), stages=["approx"]) == 0
+
+
+def test_the_training_graph_gives_the_losses_stages_figures(kit):
+    """train_model.onnx (theta an input) fed the losses stage's theta and batch gives that stage's
+    nll and loss within its tolerances, as the manifest says."""
+    ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is in the onnx extra")
+    manifest = json.loads((kit / "manifest.json").read_text())
+    assert "train_model.onnx" in manifest["files"] and "losses.npz" in manifest["graphs"]["train_model.onnx"]["check"]
+    f, m = _load(kit, "losses"), manifest["model"]
+    batch = f["batch"].astype(np.int64)
+    zeros = np.zeros((m["layers"], batch.shape[0], m["hidden"]), np.float32)
+    session = ort.InferenceSession(str(kit / "train_model.onnx"), providers=["CPUExecutionProvider"])
+    nll, loss, _, _ = session.run(None, {"theta": f["theta"], "tokens": batch[:, :-1], "targets": batch[:, 1:],
+                                         "h0": zeros, "c0": zeros})
+    tol = next(s for s in manifest["stages"] if s["name"] == "losses")["outputs"]
+    assert np.abs(nll - f["nll"]).max() <= tol["nll"]["atol"] / 5
+    assert abs(float(loss) - float(f["loss"])) <= tol["loss"]["atol"] / 5
+
+
+def test_the_kit_has_a_readme_and_the_default_runs_batches(kit):
+    """README.md names every stage and file; default_run_batches.npz holds the default run's
+    3,540 x 8 windows on stream 0 and a first restart's, as zosoma's sampler draws them."""
+    from zosoma.corpus import BatchSampler, load_corpus
+    manifest = json.loads((kit / "manifest.json").read_text())
+    readme = (kit / "README.md").read_text()
+    assert all(f"`{s}.npz`" in readme for s in STAGES) and "check_port.py" in readme
+    assert {"README.md", "default_run_batches.npz"} <= set(manifest["files"]) and "skipped" not in manifest
+    f = _load(kit, "default_run_batches")
+    assert f["batch_doc"].shape == f["batch_start"].shape == (2, 3540, 8) and list(f["streams"]) == [0, 65536]
+    sampler = BatchSampler(load_corpus(None, split="train"), int(f["T"]) + 1)
+    for row, s in enumerate(f["streams"]):
+        for t in (0, 1234, 3539):
+            doc, start = sampler.positions(0, int(s), t, 8)
+            assert np.array_equal(doc, f["batch_doc"][row, t]) and np.array_equal(start, f["batch_start"][row, t])
+
+
+def test_without_onnx_the_kit_is_written_but_the_graphs_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
+    out = tmp_path / "kit"
+    result = kit_cli(out)
+    assert result.exit_code == 0, result.output
+    assert ("skipped model.onnx, train_model.onnx: the onnx package is not installed (pip install 'zosoma[onnx]')"
+            in result.output), result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["files"]) == {p.name for p in out.iterdir()} and "model.onnx" not in manifest["files"]
+    assert len(manifest["skipped"]) == 1 and "Not written here" in (out / "README.md").read_text()
+    assert check_port.check(out, out, strict=True) == 0  # every stage is there
 
 
 # --- the checker's verdicts: NaN never passes, damaged files are one line -----------------------------
@@ -212,6 +277,35 @@ def test_force_replaces_the_kit_and_nothing_else(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kit", "outside.txt"]
 
 
+def test_a_run_folder_is_refused_force_or_not(tmp_path):
+    """A kit is never written into a run folder (as export refuses them): --force replaces a kit's
+    files, never a run's."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.h5").write_bytes(b"a run's checkpoint")
+    before = snapshot(run)
+    for extra in ((), ("--force",)):
+        assert one_line_error(kit_cli(run, *extra), 1) == (f"Error: {run} is a run folder: write the porting kit "
+                                                           "elsewhere; nothing was changed")
+    assert snapshot(run) == before and leftovers(tmp_path, run) == []
+
+
+@pytest.mark.parametrize("option, value", [("--hidden", "100000"), ("--embed", "100000"),
+                                           ("--layers", "1000000000000"), ("--seed", str(2**63))])
+def test_a_kit_too_large_or_a_seed_out_of_range_is_one_line(tmp_path, option, value):
+    """Refused before anything is written, in one line with exit code 2 (a bad option), and the
+    Python API refuses it in the same words (a 40-line MemoryError before)."""
+    out = tmp_path / "kit"
+    line = one_line_error(kit_cli(out, option, value), 2)
+    assert ("a kit takes at most 1,000,000" in line and "lower --hidden, --embed or --layers" in line
+            if option != "--seed" else line == f"Error: --seed must be an integer in [0, 2^63), got {2**63}")
+    sizes = {"embed": 8, "hidden": 8, "layers": 1, **({option[2:]: int(value)} if option != "--seed" else {})}
+    with pytest.raises(OptionError) as err:
+        write_kit(out, ModelConfig(**sizes), int(value) if option == "--seed" else 0)
+    assert line == f"Error: {err.value}"
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
 def test_a_users_file_with_a_kit_name_stops_it(tmp_path):
     out = tmp_path / "kit"
     users_files(out)
@@ -237,8 +331,8 @@ def test_a_failure_half_way_leaves_the_old_kit(tmp_path, monkeypatch, when):
     assert kit_cli(out, "--force").exit_code == 0
     before = snapshot(out)
     if when == "building":
-        from zosoma.porting import kit as kit_module
-        monkeypatch.setattr(kit_module, "save_model", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        from zosoma.porting import kit_files  # the graphs are written after every stage's vectors
+        monkeypatch.setattr(kit_files, "save_model", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     else:  # the third file renamed into the folder fails (Ctrl-C); the renames putting things back work
         rename, calls = os.rename, []
 

@@ -25,7 +25,7 @@ from zosoma.model import noise as noise_spec
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
-from zosoma.porting import check_port
+from zosoma.porting import approx_activations, check_port
 from zosoma.porting.kit import STAGES
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Step
@@ -62,7 +62,7 @@ def test_zosomas_own_code_passes_every_stage_with_a_margin(kit, good):
     output with room to spare (1 value of a 16-bit format where its float32 sums straddle a
     rounding point)."""
     out = io.StringIO()
-    stages = [s for s in STAGES if s != "run"]  # the run stage trains for a minute: tests/test_porting_run.py
+    stages = [s for s in STAGES if not s.startswith("run")]  # each run trains a minute: tests/test_porting_run.py
     assert check_port.check(kit, good[0], strict=True, out=out, stages=stages) == 0, out.getvalue()
     assert f"stages: {len(stages)} passed; 0 failed; 0 skipped" in out.getvalue()
     margins = {}
@@ -445,6 +445,14 @@ def wrong_normalize_before_33(kit, good, layout):
     return porting_port.port_train(kit, layout, stage="train_normalize", shape=shape)
 
 
+def wrong_approx_segment_start(kit, good, layout):
+    def strict(x, mode):  # PLAN's segments applied only past their start
+        y = approx_activations.sigmoid(x, mode)
+        below = approx_activations.sigmoid(np.nextafter(x, np.float32(0)), mode)
+        return np.where(np.isin(np.abs(x), np.float32(2.375)), below, y)
+    return porting_port.port_approx(kit, layout, sigmoid=strict)
+
+
 WRONG = [  # (stage, output, the wrong port, what the checker should say it looks like)
     ("forward", "gates0", wrong_orientation, "torch's (out, in) layout"),
     ("forward", "activations0", wrong_activation_order, "gate blocks in the order i, f, o, g"),
@@ -480,6 +488,7 @@ WRONG = [  # (stage, output, the wrong port, what the checker should say it look
     ("es", "tie_ranks", wrong_es_tie_average, "averaged"),
     ("train_normalize", "shaped", wrong_unshaped_train, "no shaping"),
     ("train_normalize", "shaped", wrong_normalize_before_33, "before the change log"),
+    ("approx", "plan_sigmoid", wrong_approx_segment_start, "only past its start"),
     # no look-alike to name: the checker says what the port's NaN or all-zero input does
     ("router", "features", wrong_zero_norm, None),
     ("fp16", "edge_rounded", wrong_fp16_nan_payload, None),

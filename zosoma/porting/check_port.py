@@ -20,7 +20,7 @@ first mismatches (port value vs kit value), what the output is computed from, th
 likeliest causes and, when the port's values match one, the wrong reading that produces them
 (gate blocks in another order, rows in another order, a misreading the kit computed). Each stage
 gets a verdict; stages or outputs the port did not write are listed as skipped (failures with
---strict). --stage checks only the stages named. Every .npz is read whole, so its CRC-32 catches
+--strict, except a stage the manifest marks "optional", for some devices only). --stage checks only the stages named. Every .npz is read whole, so its CRC-32 catches
 a damaged byte. Exit status: 0 all checked outputs agree, 1 some do not (or nothing was checked,
 or a port's file is damaged), 2 the kit cannot be read or is damaged.
 """
@@ -73,7 +73,8 @@ def read_kit(kit: Path) -> tuple[list[dict], dict]:
         stages = [{"name": str(s["name"]), "file": str(s["file"]), "what": str(s["what"]),
                    "outputs": {n: dict(t, atol=float(t["atol"]), rtol=float(t["rtol"]))
                                for n, t in s["outputs"].items()},
-                   "misreadings": dict(s.get("misreadings") or {})} for s in manifest["stages"]]
+                   "misreadings": dict(s.get("misreadings") or {}), "optional": str(s.get("optional") or "")}
+                  for s in manifest["stages"]]
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise Unreadable(f"{path} is damaged (its stages cannot be read: {type(e).__name__} {e})") from e
     for stage in stages:
@@ -225,14 +226,17 @@ def check(kit: Path, port: Path, strict: bool = False, out=sys.stdout, stages: l
                   f"{', '.join(k['name'] for k in kit_stages)})", file=out)
             return 2
         kit_stages = [k for k in kit_stages if k["name"] in stages]
-    checked = failed = skipped = 0
+    checked = failed = skipped = optional_skipped = 0
     verdicts = {"passed": [], "failed": [], "skipped": []}
     for stage in kit_stages:
         name = stage["name"]
         path = port / stage["file"]
         if not path.is_file():
-            print(f"[skip] {name}: {path} not written by the port", file=out)
+            optional = stage.get("optional")  # a stage for some devices only: never a failure, --strict or not
+            print(f"[skip] {name}: {path} not written by the port" + (f" (optional: {optional})" if optional else ""),
+                  file=out)
             skipped += 1
+            optional_skipped += bool(optional)
             verdicts["skipped"].append(name)
             continue
         try:
@@ -275,7 +279,7 @@ def check(kit: Path, port: Path, strict: bool = False, out=sys.stdout, stages: l
         else:
             verdicts["passed"].append(name)
             print(f"[PASS] {name}: all {total} outputs", file=out)
-    status = 1 if failed or not checked or (strict and skipped) else 0
+    status = 1 if failed or not checked or (strict and skipped > optional_skipped) else 0
     print("stages: " + "; ".join(f"{len(v)} {k}" + (f" ({', '.join(v)})" if v and k != "passed" else "")
                                  for k, v in verdicts.items()), file=out)
     print(f"{checked} outputs checked, {failed} failed, {skipped} skipped: {'PASS' if status == 0 else 'FAIL'}",

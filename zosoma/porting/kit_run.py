@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zosoma.config import PRESETS, ModelConfig, TrainConfig
+from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, default_corpus_dir, load_corpus
 from zosoma.model import reference
 from zosoma.model.params import Layout, init_params
@@ -28,6 +28,7 @@ from zosoma.porting.kit_router import TAU, TOP_K, kit_clustering
 from zosoma.porting.stage import Out, Stage
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.records import Evaluated
+from zosoma.strategies.settings import resolve
 from zosoma.training.single import start_run
 
 RUN_STEPS = 300  # the paper estimator's run, shortened: the cosine laid out over these steps
@@ -38,8 +39,8 @@ LOSS_ATOL, HELDOUT_ATOL = 2e-3, 0.006
 
 def run_config() -> tuple[ModelConfig, TrainConfig]:
     """The run stage's run: the paper's estimator at the tiny preset (`zosoma train --optimizer
-    sgd`, TrainConfig's defaults) with RUN_STEPS steps."""
-    return PRESETS["tiny"][0], TrainConfig(steps=RUN_STEPS)
+    sgd --steps 300`), resolved as the command resolves it."""
+    return resolve("tiny", {"optimizer": "sgd", "steps": RUN_STEPS})
 
 
 def train_reference(run_dir, **options) -> dict:
@@ -55,7 +56,7 @@ def train_reference(run_dir, **options) -> dict:
             "restarts": len(results["restarts"])}
 
 
-def _sha256s() -> np.ndarray:
+def corpus_sha256s() -> np.ndarray:
     entries = json.loads((default_corpus_dir() / "MANIFEST.json").read_text())
     return np.array([e["sha256_uncompressed"] for s in ("train", "heldout") for e in entries if e["split"] == s])
 
@@ -75,7 +76,7 @@ def run_stage() -> Stage:
                 "shaping": (",".join(cfg.shaping), "zosoma's default shaping"), "expert": (0, "a single model: stream 0")}
     inputs = {"batch_doc": (doc.astype(np.int64), "(steps, B) int64 each window's train document (manifest order)"),
               "batch_start": (start.astype(np.int64), "(steps, B) int64 each window's first byte in its document"),
-              "sha256": (_sha256s(), "the corpus files' sha256 (uncompressed): train, then held-out, manifest order")}
+              "sha256": (corpus_sha256s(), "the corpus files' sha256 (uncompressed): train, then held-out, manifest order")}
     why_loss = (f"zosoma's Numba and ONNX Runtime engines on this run differ by at most {stored['spread']['losses']:.1e} "
                 "(seeds 0-4, results/porting-run.txt): float32 summation orders")
     why_heldout = (f"the two engines' largest held-out gap over the full run, seeds 0-4 (0.006, "

@@ -97,6 +97,7 @@ class Stage:
     settings: dict = field(default_factory=dict)
     misreadings: dict = field(default_factory=dict)
     tol: dict = field(default_factory=dict)  # stage-specific tolerances (key -> (atol, rtol, why))
+    optional: str = ""  # for some devices only (why): a port that does not write it still passes --strict
 
     def arrays(self) -> dict:
         return {**{k: np.asarray(v) for k, (v, _) in self.inputs.items()},
