@@ -99,8 +99,13 @@ def test_too_many_experts_for_the_text_are_refused_before_clustering(text, tmp_p
 
 def test_a_model_trained_into_nothing_ends_non_zero(text, tmp_path):
     """A weight decay near float32's largest makes theta inf at the first step: the run said so and
-    ended with exit code 1 (it printed a held-out NaN with exit code 0), from the API alike."""
+    ended with exit code 1 (it printed a held-out NaN with exit code 0), from the API alike. The
+    default guard restarts it and drops it when its budget runs out; with the guard told to go on,
+    the end of the run finds the parameters not finite."""
     args = ["train", "--data", text, "--heldout", text, *TINY, "--steps", "30", "--weight-decay", "3e38"]
+    result = run_cli(args + ["--run-dir", tmp_path / "dropped", "--quiet"])
+    assert result.exit_code == 1 and "the model was dropped at step" in result.output
+    args += ["--on-divergence", "continue"]
     result = run_cli(args + ["--run-dir", tmp_path / "run", "--quiet"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     line = next(x for x in result.output.splitlines() if x.startswith("Error:"))
@@ -108,7 +113,7 @@ def test_a_model_trained_into_nothing_ends_non_zero(text, tmp_path):
     assert "lower --lr or --weight-decay" in line and not (tmp_path / "run" / "results.json").exists()
     with pytest.raises(ConfigError, match="parameters are not finite"):
         zosoma.train(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, steps=30,
-                     weight_decay=3e38, run_dir=tmp_path / "api")
+                     weight_decay=3e38, on_divergence="continue", run_dir=tmp_path / "api")
 
 
 def test_a_run_whose_every_loss_was_non_finite_is_no_result():

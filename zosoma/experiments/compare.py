@@ -118,7 +118,7 @@ class Job:
         protocol = dict(segment=cmp.segment, context=cmp.context)
         curve = folder.read_curve()
         events = EventLog(folder.path)  # the run's curve and final figures for TensorBoard
-        cpu = _CpuClock(curve) if self.device == "cpu" else _DeviceClock(curve)
+        cpu = _DeviceClock(curve) if run.ops.on_device else _CpuClock(curve)
         if self.curve:
             subset = curve_texts(run.heldout, cmp)
             for target in curve_steps(run.cfg.steps, cmp.curve_points, cmp.curve_spacing):
@@ -140,7 +140,7 @@ class Job:
                   "series": list(m.series), "n_params": m.experts * m.model.n_params(), "steps": run.cfg.steps,
                   **run.totals(), "cpu_s": cpu.seconds, **run.training(), "curve": sorted(curve, key=lambda p: p["step"]),
                   "model": dataclasses.asdict(m.model), "train": dataclasses.asdict(run.cfg)}
-        if self.device != "cpu":
+        if run.ops.on_device:
             result["clock"] = "gpu"  # its cpu_s are the device's seconds (_DeviceClock)
         if self.tuning:  # tuning reads the validation split only
             result["validation"] = run.score(load_corpus(None, "validation"), **protocol)["overall"]

@@ -317,7 +317,9 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     size = max(1, min(len(pairs), workspace_bytes // per_direction))
     chunks = [range(start, min(pairs.stop, start + size)) for start in range(pairs.start, pairs.stop, size)]
     if path == "graph":
-        return graph_forward.chunk_losses(layout, batch, chunks, build)
+        def forward(thetas, tokens, targets):  # what the graph captures
+            return _nll(_Dense(thetas, layout), layout, tokens, targets)
+        return graph_forward.chunk_losses(layout, batch, chunks, build, forward)
     plus, minus = np.empty(len(pairs)), np.empty(len(pairs))
     for chunk in chunks:
         losses = population_loss(build(chunk), layout, batch, workspace_bytes)

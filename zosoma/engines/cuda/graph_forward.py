@@ -30,14 +30,11 @@ _graphs = weakref.WeakKeyDictionary()  # runtime -> {(ModelConfig, M, B, T): _Ca
 class _Captured:
     """One shape's forward as a graph: its input buffers and the graph that reads them."""
 
-    def __init__(self, layout: Layout, M: int, B: int, T: int):
-        from zosoma.engines.cuda.cuda_forward import _Dense, _nll
-
+    def __init__(self, layout: Layout, M: int, B: int, T: int, forward):
         rt = runtime()
         self.thetas = rt.xp.zeros((M, layout.size), np.float32)
         self.batch = rt.xp.zeros((B, T + 1), np.uint8)
-        self.graph = rt.capture(lambda: _nll(_Dense(self.thetas, layout), layout, self.batch[None, :, :-1],
-                                             self.batch[None, :, 1:]))
+        self.graph = rt.capture(lambda: forward(self.thetas, self.batch[None, :, :-1], self.batch[None, :, 1:]))
 
 
 def replay(graph) -> None:
@@ -45,16 +42,18 @@ def replay(graph) -> None:
     graph.replay()
 
 
-def captured(layout: Layout, M: int, B: int, T: int) -> _Captured:
-    """The graph of this shape on the active runtime, captured on first use."""
+def captured(layout: Layout, M: int, B: int, T: int, forward) -> _Captured:
+    """The graph of this shape on the active runtime, captured on first use; forward(thetas,
+    tokens, targets) is the population forward to capture (cuda_forward's, handed in so that this
+    module does not import it back)."""
     per_runtime = _graphs.setdefault(runtime(), {})
     key = (layout.config, M, B, T)
     if key not in per_runtime:
-        per_runtime[key] = _Captured(layout, M, B, T)
+        per_runtime[key] = _Captured(layout, M, B, T, forward)
     return per_runtime[key]
 
 
-def chunk_losses(layout: Layout, batch, chunks: list[range], build):
+def chunk_losses(layout: Layout, batch, chunks: list[range], build, forward):
     """plus, minus losses of each chunk of pairs (cuda_forward.spsa_losses' chunks) on one (B, T+1)
     device batch: per chunk build(chunk, out) fills the graph's population with the chunk's
     members (the perturb kernel), the batch is copied in, the graph replays. Returns (plus,
@@ -62,7 +61,7 @@ def chunk_losses(layout: Layout, batch, chunks: list[range], build):
     B, T = batch.shape[0], batch.shape[1] - 1
     out = []
     for chunk in chunks:
-        step = captured(layout, 2 * len(chunk), B, T)
+        step = captured(layout, 2 * len(chunk), B, T, forward)
         build(chunk, step.thetas)
         step.batch[...] = batch
         replay(step.graph)
