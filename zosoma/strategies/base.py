@@ -68,6 +68,11 @@ class Strategy:
     # why its scalars do not add up across experts (the summed-loss ablation refuses it); None: they do
     not_summable: str | None = "shapes fitness instead"
 
+    @staticmethod
+    def extra_flops(model, cfg: TrainConfig) -> float:
+        """FLOPs a step spends beyond its 2 P_t B T forward bytes (a comparison's budget counts them)."""
+        return 0.0
+
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         # the pieces it reads (zosoma.strategies: shaping, probes, queries, transforms); the
