@@ -18,6 +18,7 @@ from zosoma.model.params import Layout, init_params
 from zosoma.strategies import make_strategy
 from zosoma.strategies.readout import readout_flops, readout_gradient
 from zosoma.strategies.settings import resolve
+from zosoma.workers.population_workers import check_shardable
 
 torch = pytest.importorskip("torch", reason="PyTorch, the referee, is in the test extra")
 from torch_reference import torch_model  # noqa: E402
@@ -80,6 +81,10 @@ def test_readout_is_refused_where_it_cannot_work():
         Optimizer(100, optimizer="readout")
     with pytest.raises(ConfigError, match="readout_lr must be a finite number"):
         TrainConfig(readout_lr=float("nan"))
+    for name in ("readout", "rowwise"):
+        with pytest.raises(ConfigError, match=f"--optimizer {name} .* not sharded over --population-workers"):
+            check_shardable(TrainConfig(optimizer=name), 2)
+    check_shardable(TrainConfig(optimizer="readout"), 1)
 
 
 def test_readout_flops_are_counted_in_the_budget():

@@ -73,6 +73,7 @@ class Readout(OneSided):
     name = "readout"
     options = frozenset({"noise", "weight_decay", "shaping", "clip_at", "normalize_window", "readout_lr"})
     extra_flops = staticmethod(readout_flops)
+    unshardable = "computes the readout's gradient where it updates"
 
     _grad = None  # (pop, (d - n0,) float64): the step's readout gradient, kept from losses for update
 
@@ -102,8 +103,6 @@ class Readout(OneSided):
         return build
 
     def losses(self, ops, theta, layout, batch, pop, state, pairs=None, timings=None):
-        if pairs is not None and len(pairs) != pop.P:
-            raise ConfigError("--optimizer readout takes the whole population in one process (no population workers)")
         w, b, _ = readout_gradient(ops.to_numpy(theta), layout, np.asarray(batch))
         self._grad = (pop, np.concatenate([w.ravel(), b]))
         return super().losses(ops, theta, layout, batch, pop, state, pairs, timings)

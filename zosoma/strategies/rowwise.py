@@ -32,7 +32,6 @@ import dataclasses
 import numpy as np
 
 from zosoma.engines.ops import member_chunks, perturbed
-from zosoma.errors import ConfigError
 from zosoma.model.population import Population
 from zosoma.strategies.onesided import OneSided
 
@@ -40,6 +39,7 @@ from zosoma.strategies.onesided import OneSided
 class Rowwise(OneSided):
     name = "rowwise"
     options = frozenset({"noise", "weight_decay", "shaping", "clip_at", "normalize_window"})
+    unshardable = "evaluates every (member, row) of the step in one population"
 
     def rows(self, pop: Population) -> Population:
         """The population of single-row members: directions 0..2PB-1, direction i on row i mod B."""
@@ -47,8 +47,6 @@ class Rowwise(OneSided):
 
     def losses(self, ops, theta, layout, batch, pop, state, pairs=None, timings=None):
         """(plus, minus), (PB,) each: member i's loss on its row is at 2 (i // 2) + (i % 2)."""
-        if pairs is not None and len(pairs) != pop.P:
-            raise ConfigError("--optimizer rowwise takes the whole population in one process (no population workers)")
         rows, host, batch = self.rows(pop), ops.to_numpy(theta), np.asarray(batch)
         L = np.empty(2 * rows.P)
         for chunk in member_chunks(range(rows.P), host.size):
