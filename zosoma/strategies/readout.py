@@ -26,7 +26,6 @@ import numpy as np
 
 from zosoma.config import VOCAB, ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.model.noise import kind_code, stream_key
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.model.reference import lstm_cell, zero_state
@@ -88,10 +87,12 @@ class Readout(OneSided):
 
     def builder(self, theta, layout, pop, state, timings=None):
         """Rows 2j, 2j+1: theta + eps delta_{2k}, theta + eps delta_{2k+1} on [0, n0), theta after."""
+        from zosoma.engines.cpu.noise_kernels import antithetic_pair  # Numba: imported where used
+        from zosoma.model.noise import kind_code, stream_key
+
         n0 = layout["out.w"].offset
         k0, k1 = stream_key(pop.seed)
         scale, code, none = np.float32(pop.scale), kind_code(pop.kind), np.empty(0, np.float32)
-        from zosoma.engines.cpu.noise_kernels import antithetic_pair  # Numba: compiled on first use
 
         def build(chunk, out):
             for j, k in enumerate(chunk):

@@ -31,7 +31,6 @@ import dataclasses
 
 import numpy as np
 
-from zosoma.engines.ops import member_chunks, perturbed
 from zosoma.model.population import Population
 from zosoma.strategies.onesided import OneSided
 
@@ -47,6 +46,8 @@ class Rowwise(OneSided):
 
     def losses(self, ops, theta, layout, batch, pop, state, pairs=None, timings=None):
         """(plus, minus), (PB,) each: member i's loss on its row is at 2 (i // 2) + (i % 2)."""
+        from zosoma.engines.ops import member_chunks, perturbed  # Numba: imported where used
+
         rows, host, batch = self.rows(pop), ops.to_numpy(theta), np.asarray(batch)
         L = np.empty(2 * rows.P)
         for chunk in member_chunks(range(rows.P), host.size):
