@@ -74,6 +74,11 @@ def test_readout_step_against_numpy():
     assert_close(told.theta, want, atol=1e-6, rtol=1e-5, name="theta after the step")
 
 
+def test_a_run_that_names_readout_gets_its_tuned_readout_rate():
+    assert resolve(None, {"optimizer": "readout"})[1].readout_lr == 10.0
+    assert resolve(None, {"optimizer": "readout", "readout_lr": 3.0})[1].readout_lr == 3.0
+
+
 def test_readout_is_refused_where_it_cannot_work():
     with pytest.raises(ConfigError, match="--readout-lr is not used by --optimizer onesided"):
         resolve(None, {"optimizer": "onesided", "readout_lr": 2.0})

@@ -73,6 +73,9 @@ class Readout(OneSided):
     options = frozenset({"noise", "weight_decay", "shaping", "clip_at", "normalize_window", "readout_lr"})
     extra_flops = staticmethod(readout_flops)
     unshardable = "computes the readout's gradient where it updates"
+    # readout_lr 10: the validation winner of 10, 30 and 100 on one E=16 H=20 expert at
+    # cut-price-2's budget (docs/cut-price.md; 3 at the grid's edge is measured by cut-price-2-edges)
+    defaults = {**OneSided.defaults, "readout_lr": 10.0}
 
     _grad = None  # (pop, (d - n0,) float64): the step's readout gradient, kept from losses for update
 
