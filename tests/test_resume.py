@@ -33,7 +33,8 @@ STRATEGY = {"sgd": dict(lr=0.2, weight_decay=0.01), "momentum": dict(lr=0.05, mo
             "guided": dict(optimizer="sgd", probes="guided", lr=0.2),
             "es-adam-guided": dict(optimizer="es", transforms=("adam",), probes="guided", eps=0.02, lr=0.01),
             "doubling": dict(optimizer="sgd", queries="doubling", lr=0.2),
-            "onesided": dict(optimizer="onesided", lr=0.2)}
+            "onesided": dict(optimizer="onesided", lr=0.2),
+            "readout": dict(lr=0.2, readout_lr=2.0), "rowwise": dict(lr=0.4)}
 STOP = 7  # steps before the stop: past one checkpoint (5), short of the next (10)
 
 
@@ -104,7 +105,7 @@ class PopulationWorkers:
 RUNS = {"loop": TrainingLoop, "soma": lambda data: Soma(data, "independent"),
         "soma-summed": lambda data: Soma(data, "summed"), "population-workers": PopulationWorkers}
 CASES = [(s, "loop") for s in STRATEGY] + [("sgd", "soma"), ("eggroll", "soma"), ("es-adam-guided", "soma"),
-                                            ("sgd", "soma-summed"), ("sgd", "population-workers"),
+                                            ("readout", "soma"), ("sgd", "soma-summed"), ("sgd", "population-workers"),
                                             ("guided", "population-workers"), ("onesided", "population-workers")]
 
 

@@ -108,6 +108,7 @@ class TrainConfig:
     transforms: tuple = ()  # zosoma.strategies.transforms chained onto the estimate: momentum, adam
     clip_at: float = 5.0  # clip: each scalar bounded at this many running medians of |g|
     normalize_window: int = 50  # normalize: the first steps, whose mean (bounded) spread is the reference
+    readout_lr: float = 1.0  # readout: the output layer's rate along its exact gradient (zosoma.strategies.readout)
     # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint; goes
     # on with the verdict recorded; or restarts: rolled back to a checkpoint from before the
     # guard's window, its rate times restart_lr_factor, on fresh batches and noise, and after
@@ -125,7 +126,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("eps", "lr", "momentum", "beta2", "weight_decay"):
+        for name in ("eps", "lr", "momentum", "beta2", "weight_decay", "readout_lr"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.eps > 0:

@@ -76,12 +76,15 @@ class Method:
 
     def flops_per_step(self) -> float:
         """Forward FLOPs of a mean step: N experts x 2 P x B x T tokens, P the query schedule's
-        mean (zosoma.strategies.queries: the constant P, unless it grows)."""
+        mean (zosoma.strategies.queries: the constant P, unless it grows), plus each expert's
+        strategy's extra arithmetic (Strategy.extra_flops: the readout's local gradient)."""
+        from zosoma.strategies import STRATEGIES
         from zosoma.strategies.queries import make_queries
         t = self.train
         if t.optimizer == BACKPROP:  # a forward and a backward pass (zosoma.experiments.backprop)
             return backprop_flops(self.model, t)
-        return self.experts * 2 * make_queries(t).mean_pairs() * t.batch * t.seq_len * self.model.flops_per_token()
+        forwards = 2 * make_queries(t).mean_pairs() * t.batch * t.seq_len * self.model.flops_per_token()
+        return self.experts * (forwards + STRATEGIES[t.optimizer].extra_flops(self.model, t))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from zosoma.strategies.base import Strategy, check_options
 from zosoma.strategies.eggroll import Eggroll
 from zosoma.strategies.es import OpenES
 from zosoma.strategies.onesided import OneSided
+from zosoma.strategies.readout import Readout
+from zosoma.strategies.rowwise import Rowwise
 from zosoma.strategies.spsa import SPSA, Adam, Momentum
 
 # --optimizer name -> strategy class. A new strategy is one file and one line here.
@@ -27,6 +29,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "eggroll": Eggroll,
     "es": OpenES,
     "onesided": OneSided,
+    "readout": Readout,
+    "rowwise": Rowwise,
 }
 
 

@@ -67,6 +67,14 @@ class Strategy:
     builtin: tuple = ()  # update transforms (zosoma.strategies.transforms) the strategy always applies
     # why its scalars do not add up across experts (the summed-loss ablation refuses it); None: they do
     not_summable: str | None = "shapes fitness instead"
+    # why its population cannot be split over --population-workers (each worker computes only its
+    # pairs' losses; the driver updates); None: it can
+    unshardable: str | None = None
+
+    @staticmethod
+    def extra_flops(model, cfg: TrainConfig) -> float:
+        """FLOPs a step spends beyond its 2 P_t B T forward bytes (a comparison's budget counts them)."""
+        return 0.0
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

@@ -86,6 +86,9 @@ def shard_pairs(P: int, W: int) -> list[range]:
 
 def check_shardable(cfg: TrainConfig, W: int) -> None:
     """ConfigError when `cfg` cannot be sharded over W workers bit for bit."""
+    reason = make_strategy(cfg).unshardable
+    if W > 1 and reason:
+        raise ConfigError(f"--optimizer {cfg.optimizer} {reason}: it is not sharded over --population-workers")
     if W > 1 and make_strategy(cfg).ask(0, 0).rank:
         raise ConfigError(f"--optimizer {cfg.optimizer} evaluates its population as one shared GEMM, whose "
                           "rounding depends on the split: it is not sharded over --population-workers")
