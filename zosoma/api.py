@@ -152,6 +152,9 @@ class Optimizer:
 
         if options.get("optimizer") == "eggroll":
             raise ConfigError("EGGROLL perturbs an LSTM's matrices at low rank: use sgd, momentum, adam or es here")
+        if options.get("optimizer") == "activity":
+            raise ConfigError("activity perturbation perturbs an LSTM's pre-activations, not a vector: use sgd, "
+                              "momentum, adam or es here")
         _, self.cfg = resolve(None, options)
         self.d, self.ops = int(d), Ops()
         self.strategy = make_strategy(self.cfg)

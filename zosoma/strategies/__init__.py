@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
+from zosoma.strategies.activity import Activity, ActivityCausal, ActivityLocal, ActivityLocalCausal
 from zosoma.strategies.base import Strategy, check_options
 from zosoma.strategies.eggroll import Eggroll
 from zosoma.strategies.es import OpenES
@@ -27,6 +28,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "eggroll": Eggroll,
     "es": OpenES,
     "onesided": OneSided,
+    "activity": Activity,
+    "activity-local": ActivityLocal,
+    "activity-causal": ActivityCausal,
+    "activity-local-causal": ActivityLocalCausal,
 }
 
 
