@@ -56,7 +56,7 @@ def test_a_complete_basis_of_activity_directions_gives_the_autograd_gradient(rea
     Z = np.eye(n).reshape(n, B, T, -1)
     if causal:
         plus, minus = npert.position_losses(theta, layout, batch, 1e-5, Z)
-        zeta = npert.causal(npert.coefficients(plus, minus, 1e-5), Z, 4 * 2 * 2) * n
+        zeta = npert.combined(npert.coefficients(plus, minus, 1e-5), Z, True, 4 * 2 * 2) * n
     else:
         plus, minus = npert.row_losses(theta, layout, batch, 1e-5, Z)
         zeta = np.einsum("kb,kbts->bts", npert.coefficients(plus, minus, 1e-5), Z) / B
@@ -82,9 +82,10 @@ def test_the_estimate_from_the_counters_is_unbiased(kind, causal):
     for k0 in range(0, K, 1000):
         Z = np.stack([npert.member_noise(layout, B, T, 5, 1, 2, k, kind) for k in range(k0, k0 + 1000)]).astype(
             np.float64)
-        if causal:  # one pair's zeta each: causal() of that pair alone, times K for its 1/K
+        if causal:  # one pair's zeta each: combined() of that pair alone
             c = npert.coefficients(*npert.position_losses(theta, layout, batch, eps, Z), eps)
-            zetas = np.stack([npert.causal(c[j:j + 1], Z[j:j + 1], 8).astype(np.float64) for j in range(len(Z))])
+            zetas = np.stack([npert.combined(c[j:j + 1], Z[j:j + 1], True, 8).astype(np.float64)
+                              for j in range(len(Z))])
         else:
             c = npert.coefficients(*npert.row_losses(theta, layout, batch, eps, Z), eps)
             zetas = np.einsum("kb,kbts->kbts", c, Z) / B
@@ -149,8 +150,7 @@ def test_the_strategys_step_is_the_references_estimate(name):
     assert_close(coeffs, ((plus - minus) / 2e-2).ravel(), rtol=1e-12, name="scalars")
     new, _ = strategy.update(ops, layout, theta, {}, coeffs, pop, 1.0)
     Z = np.stack([npert.member_noise(layout, 3, 7, 0, 1, 9, k, readout=readout) for k in range(4)])
-    zeta = (npert.causal(coeffs.reshape(4, 3, 7), Z, 20) if strategy.causal
-            else npert.combined(coeffs.reshape(4, 3), Z))
+    zeta = npert.combined(coeffs.reshape((4, 3, 7) if strategy.causal else (4, 3)), Z, strategy.causal, 20)
     want = theta - npert.estimate(theta, layout, batch, zeta)
     assert_close(new, want, atol=1e-6, rtol=1e-5, name="step")
 

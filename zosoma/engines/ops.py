@@ -220,7 +220,7 @@ class Ops:
         noise kept from activity_losses or regenerated from the counters; readout "local": the
         readout's exact gradient from the same clean forward; causal: coeffs (P, B, T) are every
         target's differences, each position's noise weighted by those it can move
-        (node_perturbation.causal)."""
+        (node_perturbation.credit)."""
         batch = np.asarray(batch)
         B, T = batch.shape[0], batch.shape[1] - 1
         kept = self._activity_kept
@@ -229,11 +229,9 @@ class Ops:
             Z = kept[2]
         else:
             Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(pop.P), pop.kind, readout)
-        if causal:
-            gates = 4 * layout.config.hidden * layout.config.layers
-            zeta = node_perturbation.causal(np.asarray(coeffs, np.float64).reshape(pop.P, B, T), Z, gates)
-        else:
-            zeta = node_perturbation.combined(np.asarray(coeffs, np.float64).reshape(pop.P, B), Z)
+        coeffs = np.asarray(coeffs, np.float64).reshape((pop.P, B, T) if causal else (pop.P, B))
+        gates = 4 * layout.config.hidden * layout.config.layers
+        zeta = noisy_forward.weighted_noise(*node_perturbation.credit(coeffs, causal), Z, gates)
         return self.asarray(node_perturbation.estimate(self.to_numpy(theta), layout, batch, zeta))
 
 

@@ -20,6 +20,7 @@ a = u @ W is linear in its weights, with u its input at theta ([x_t; h_(t-1); 1]
 w_ih, w_hh, bias; h_t for the readout), so the weights' gradient is an outer product of the two:
 
     zeta_(b,t)   = 1/(P B) sum_k c_(k,b) z_(k,b,t)            (B, T, S): the step's combined noise
+                   (causal: each target's own differences, `credit`)
     ghat[W]      = sum_(b,t) u_(b,t)^T zeta_(b,t)             for each layer's w_ih, w_hh, bias, out.w, out.b
     ghat[embed]  = sum over the positions of byte v of zeta_(b,t)[layer 0] @ w_ih^T     (row v)
 
@@ -97,26 +98,31 @@ def coefficients(plus, minus, scale: float) -> np.ndarray:
     return (np.asarray(plus, np.float64) - np.asarray(minus, np.float64)) / (2 * scale)
 
 
-def combined(coeffs, Z) -> np.ndarray:
-    """zeta (B, T, S) float32 = 1/(K B) sum_k coeffs[k, b] Z[k, b]: coeffs (K, B), Z (K, B, T, S)."""
-    K, B = coeffs.shape
-    zeta = np.einsum("kb,kbts->bts", np.asarray(coeffs, np.float64), Z, optimize=True) / (K * B)
-    return zeta.astype(np.float32)
-
-
-def causal(coeffs, Z, gates: int) -> np.ndarray:
-    """zeta (B, T, S) float32 from per-position central differences coeffs (K, B, T) of the nats
-    (not their mean): the noise at (b, t) is weighted by the differences of the targets it can move
-    only, t' >= t for the gates (an LSTM's a_t reaches no earlier output) and t' = t for the logits
-    (`gates` = L*4H of the S pre-activations are gates). The dropped products have mean zero
-    exactly (E[d_t' z_t] = dnll_t'/da_t = 0 for t' < t), so the estimate keeps its expectation
-    and loses their variance: the reward-to-go of policy gradients (Williams 1992), along time."""
+def credit(coeffs, causal: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The weights (K, B, T) float64 of each pair's noise at each position in zeta: for the gates,
+    for the logits. coeffs (K, B) rows' differences: 1/(K B) c_(k,b) everywhere. causal, coeffs
+    (K, B, T) every target's differences d_(k,b,t) of its nats (not their mean): the gates' noise
+    at t weighted by the targets it can move only, 1/(K B T) sum_(t' >= t) d_(k,b,t') (an LSTM's a_t
+    reaches no earlier output), the logits' by its own target's, 1/(K B T) d_(k,b,t). The dropped
+    products have mean zero exactly (E[d_t' z_t] = dnll_t'/da_t = 0 for t' < t), so the estimate
+    keeps its expectation and loses their variance: the reward-to-go of policy gradients
+    (Williams 1992), along time."""
+    coeffs = np.asarray(coeffs, np.float64)
+    if not causal:
+        K, B = coeffs.shape
+        return coeffs[..., None] / (K * B), coeffs[..., None] / (K * B)
     K, B, T = coeffs.shape
-    coeffs = np.asarray(coeffs, np.float64) / (K * B * T)  # the batch loss is the mean over B T targets
-    to_go = np.flip(np.cumsum(np.flip(coeffs, -1), -1), -1)  # sum over t' >= t
+    own = coeffs / (K * B * T)  # the batch loss is the mean over its B T targets
+    return np.flip(np.cumsum(np.flip(own, -1), -1), -1), own
+
+
+def combined(coeffs, Z, causal: bool = False, gates: int = 0) -> np.ndarray:
+    """zeta (B, T, S) float32 = sum_k w_(k,b,t) Z[k, b, t] (Z (K, B, T, S)) with the weights of
+    `credit`: coeffs (K, B), or (K, B, T) when causal; the first `gates` of S take the gates'."""
+    w_gates, w_logits = (np.broadcast_to(w, Z.shape[:3]) for w in credit(coeffs, causal))
     zeta = np.empty(Z.shape[1:], np.float32)
-    zeta[..., :gates] = np.einsum("kbt,kbts->bts", to_go, Z[..., :gates], optimize=True)
-    zeta[..., gates:] = np.einsum("kbt,kbts->bts", coeffs, Z[..., gates:], optimize=True)
+    zeta[..., :gates] = np.einsum("kbt,kbts->bts", w_gates, Z[..., :gates])
+    zeta[..., gates:] = np.einsum("kbt,kbts->bts", w_logits, Z[..., gates:])
     return zeta
 
 

@@ -91,7 +91,7 @@ class ActivityLocal(Activity):
 class ActivityCausal(Activity):
     """Activity perturbation with each target's own difference (P B T scalars): the noise on a
     position's gates is weighted by the differences of that position's and later targets, the
-    noise on its logits by its own target's only (node_perturbation.causal): the same expectation,
+    noise on its logits by its own target's only (node_perturbation.credit): the same expectation,
     less variance. The scalars sum to a row's, so the shaping scales them as it scales Activity's."""
 
     name = "activity-causal"

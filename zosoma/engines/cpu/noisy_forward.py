@@ -9,34 +9,44 @@ R = 2K*B rows (row (2i + s)*B + b: pair i's member s, s = 0 plus, 1 minus, on ba
 GEMM is R rows tall, against a dense population's K separate B-row forwards. Layer 0's input
 projection is the same for every member, computed once for the B rows. The noise enters as
 +/- scale * Z[i, b, t] on each layer's gates before the cell and on the logits before the
-softmax. The gate and softmax math is libm's (math.exp, math.tanh), as the reference's.
+softmax; the cell and the softmax are the fast forward's vectorised ones (lstm_cell_rows,
+output_rows: rational tanh, a polynomial exp).
 """
 
 from __future__ import annotations
-
-import math
 
 import numba
 import numpy as np
 
 from zosoma.config import VOCAB
+from zosoma.engines.cpu import threads
+from zosoma.engines.cpu.forward import lstm_cell_rows, output_rows
 from zosoma.model import noise
 from zosoma.model.node_perturbation import width
 from zosoma.model.params import Layout
 
-_jit = numba.njit(cache=True, error_model="numpy", nogil=True)
+_jit = numba.njit(cache=True, error_model="numpy", nogil=True)  # nogil: run on zosoma.engines.cpu.threads
+_CHUNK = 8  # pairs per work item: 16 B rows per GEMM
 
 
 @_jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + math.exp(-x))
+def _add_noise(rows, Z, t, lo, hi, scale, B):
+    """rows (R, hi - lo) += +/- scale * Z[i, b, t, lo:hi] for row r = (2i + s) B + b (s = 1: minus)."""
+    for r in range(rows.shape[0]):
+        i, s, b = r // (2 * B), (r // B) % 2, r % B
+        sign = scale if s == 0 else -scale
+        y = rows[r]
+        z = Z[i, b, t, lo:hi]
+        for j in range(hi - lo):
+            y[j] += sign * z[j]
 
 
 @_jit
 def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, plus, minus):
-    """plus[i, b, t], minus[i, b, t] = nats of row b's target t under theta with its pre-activations
-    +scale*Z[i, b] and -scale*Z[i, b] (S = L*G: no noise on the logits). offsets: embed, (w_ih, w_hh, bias) per layer, out.w, out.b;
-    tokens, targets (B, T) uint8; Z (K, B, T, S) float32."""
+    """plus[i, b, t], minus[i, b, t] = nats of row b's target t under theta with its
+    pre-activations +scale*Z[i, b] and -scale*Z[i, b] (S = L*G: no noise on the logits). offsets:
+    embed, (w_ih, w_hh, bias) per layer, out.w, out.b; tokens, targets (B, T) uint8; Z (K, B, T, S)
+    float32. The gate and softmax math is zosoma.engines.cpu.forward's (lstm_cell_rows, output_rows)."""
     K, B, T, S = Z.shape
     G = 4 * H
     R = 2 * K * B
@@ -46,68 +56,83 @@ def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, plus, min
         for t in range(T):
             x0[b * T + t] = embed[tokens[b, t]]
     hs = np.empty((T, R, H), np.float32)  # this layer's outputs, the next one's inputs
-    xproj = np.empty((T, R, G), np.float32)
-    h = np.empty((R, H), np.float32)
+    xproj = np.empty((T * R, G), np.float32)
+    zeros = np.zeros((R, H), np.float32)
     c = np.empty((R, H), np.float32)
     gates = np.empty((R, G), np.float32)
+    rows = np.empty(R, np.int64)
     for layer in range(L):
         o = offsets[1 + 3 * layer]
-        w_ih = theta[o:o + (E if layer == 0 else H) * G].reshape((E if layer == 0 else H, G))
+        n_in = E if layer == 0 else H
+        w_ih = theta[o:o + n_in * G].reshape((n_in, G))
         o = offsets[2 + 3 * layer]
         w_hh = theta[o:o + H * G].reshape((H, G))
         o = offsets[3 + 3 * layer]
         bias = theta[o:o + G]
-        if layer == 0:  # the same for every member: B*T rows, broadcast
-            p0 = np.dot(x0, w_ih)
-            for r in range(R):
-                b = r % B
-                for t in range(T):
-                    xproj[t, r] = p0[b * T + t]
+        if layer == 0:  # the same for every member: B*T rows, gathered by lstm_cell_rows
+            xsrc = np.dot(x0, w_ih)
         else:
-            np.dot(hs.reshape((T * R, H)), w_ih, xproj.reshape((T * R, G)))
-        h[:] = 0.0
+            np.dot(hs.reshape((T * R, H)), w_ih, xproj)
+            xsrc = xproj
         c[:] = 0.0
         for t in range(T):
-            np.dot(h, w_hh, gates)
+            np.dot(zeros if t == 0 else hs[t - 1], w_hh, gates)
+            _add_noise(gates, Z, t, layer * G, (layer + 1) * G, scale, B)
             for r in range(R):
-                i, s, b = r // (2 * B), (r // B) % 2, r % B
-                sign = scale if s == 0 else -scale
-                z = Z[i, b, t, layer * G:(layer + 1) * G]
-                a = gates[r]
-                xp = xproj[t, r]
-                for j in range(G):
-                    a[j] += xp[j] + bias[j] + sign * z[j]
-                for j in range(H):
-                    cn = _sigmoid(a[H + j]) * c[r, j] + _sigmoid(a[j]) * math.tanh(a[2 * H + j])
-                    c[r, j] = cn
-                    h[r, j] = _sigmoid(a[3 * H + j]) * math.tanh(cn)
-            hs[t] = h
+                rows[r] = (r % B) * T + t if layer == 0 else t * R + r
+            lstm_cell_rows(gates, xsrc, rows, bias, c, hs[t])
     o = offsets[1 + 3 * L]
     out_w = theta[o:o + H * VOCAB].reshape((H, VOCAB))
     o = offsets[2 + 3 * L]
     out_b = theta[o:o + VOCAB]
     logits = np.empty((R, VOCAB), np.float32)
-    noisy_logits = S > L * G
+    row_targets = np.empty(R, np.uint8)
+    nats = np.empty(R, np.float32)
+    fold = np.empty(VOCAB // 2, np.float32)
     for t in range(T):
         np.dot(hs[t], out_w, logits)
+        if S > L * G:
+            _add_noise(logits, Z, t, L * G, S, scale, B)
+        for r in range(R):
+            row_targets[r] = targets[r % B, t]
+        output_rows(logits, out_b, row_targets, nats, False, fold)
         for r in range(R):
             i, s, b = r // (2 * B), (r // B) % 2, r % B
-            sign = scale if s == 0 else -scale
-            y = logits[r]
-            m = -np.inf
-            for v in range(VOCAB):
-                y[v] += out_b[v]
-                if noisy_logits:
-                    y[v] += sign * Z[i, b, t, L * G + v]
-                m = max(m, y[v])
-            total = 0.0
-            for v in range(VOCAB):
-                total += math.exp(y[v] - m)
-            nats = m + math.log(total) - y[targets[b, t]]
             if s == 0:
-                plus[i, b, t] = nats
+                plus[i, b, t] = nats[r]
             else:
-                minus[i, b, t] = nats
+                minus[i, b, t] = nats[r]
+
+
+@_jit
+def _weighted_noise(w_gates, w_logits, Z, gates, zeta):
+    """zeta[b, t, :gates] = sum_k w_gates[k, b, t] Z[k, b, t, :gates], and the logits' part with
+    w_logits; accumulated in float64 (K, B, T weights; Z (K, B, T, S); zeta (B, T, S) float32)."""
+    K, B, T, S = Z.shape
+    acc = np.empty(S, np.float64)
+    for b in range(B):
+        for t in range(T):
+            acc[:] = 0.0
+            for k in range(K):
+                z = Z[k, b, t]
+                wg, wl = w_gates[k, b, t], w_logits[k, b, t]
+                for j in range(gates):
+                    acc[j] += wg * z[j]
+                for j in range(gates, S):
+                    acc[j] += wl * z[j]
+            for j in range(S):
+                zeta[b, t, j] = acc[j]
+
+
+def weighted_noise(w_gates, w_logits, Z, gates: int) -> np.ndarray:
+    """zeta (B, T, S) float32: each position's noise summed over the K pairs with its weights, the
+    gates' (K, B, T, or broadcast to it) on the first `gates` of S, the logits' on the rest (the update's combination,
+    zosoma.model.node_perturbation.combined and .causal)."""
+    K, B, T, S = Z.shape
+    zeta = np.empty((B, T, S), np.float32)
+    w_gates, w_logits = (np.ascontiguousarray(np.broadcast_to(w, (K, B, T)), np.float64) for w in (w_gates, w_logits))
+    _weighted_noise(w_gates, w_logits, np.ascontiguousarray(Z, np.float32), gates, zeta)
+    return zeta
 
 
 def offsets(layout: Layout) -> np.ndarray:
@@ -129,15 +154,24 @@ def draw(layout: Layout, B: int, T: int, seed: int, expert: int, step: int, memb
 
 def position_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.ndarray, np.ndarray]:
     """(plus, minus), each (K, B, T) float64: the nats of every row's every target with its
-    pre-activations plus and minus scale * Z[k] (K, B, T, S) float32, on the step's (B, T + 1) batch."""
+    pre-activations plus and minus scale * Z[k] (K, B, T, S) float32, on the step's (B, T + 1) batch.
+    Pairs run _CHUNK at a time on the member threads (one-thread BLAS): fixed chunks, so the
+    numbers do not depend on the thread count."""
     cfg = layout.config
     batch = np.ascontiguousarray(batch, np.uint8)
     K, B = Z.shape[:2]
     T = batch.shape[1] - 1
+    theta, Z = np.ascontiguousarray(theta, np.float32), np.ascontiguousarray(Z, np.float32)
+    tokens, targets = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
     plus, minus = np.empty((K, B, T)), np.empty((K, B, T))
-    _position_nats(np.ascontiguousarray(theta, np.float32), offsets(layout), cfg.embed, cfg.hidden, cfg.layers,
-              np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:]),
-              np.ascontiguousarray(Z, np.float32), np.float32(scale), plus, minus)
+    chunks = [slice(k, min(K, k + _CHUNK)) for k in range(0, K, _CHUNK)]
+
+    def work(item, _):
+        at = chunks[item]
+        _position_nats(theta, offsets(layout), cfg.embed, cfg.hidden, cfg.layers, tokens, targets, Z[at],
+                       np.float32(scale), plus[at], minus[at])
+
+    threads.run_items(work, len(chunks))
     return plus, minus
 
 
