@@ -188,3 +188,15 @@ def test_extra_flops_count_the_update():
     forwards = 2 * 32 * 8 * 32 * model.flops_per_token()
     assert Activity.extra_flops(model, cfg) / forwards == pytest.approx(0.0554, abs=1e-3)
     assert ActivityLocal.extra_flops(model, cfg) / forwards == pytest.approx(0.0390, abs=1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_engines_noise_combination_is_the_references(causal):
+    """zeta on the engine (a Numba loop, float64 sums) equals node_perturbation.combined (einsum),
+    rows' weights broadcast over time or every target's causal ones."""
+    rng = np.random.default_rng(0)
+    Z = rng.standard_normal((5, 3, 4, 30)).astype(np.float32)
+    coeffs = rng.standard_normal((5, 3, 4) if causal else (5, 3))
+    want = npert.combined(coeffs, Z, causal, 12)
+    assert_close(noisy_forward.weighted_noise(*npert.credit(coeffs, causal), Z, 12), want, atol=1e-7, rtol=1e-6,
+                 name="zeta")
