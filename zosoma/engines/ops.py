@@ -44,6 +44,7 @@ import numpy as np
 
 from zosoma.engines.cpu import forward, lowrank, noise_kernels
 from zosoma.engines.cpu import noisy_forward
+from zosoma.errors import ConfigError
 from zosoma.model import noise
 from zosoma.model import node_perturbation
 from zosoma.model.population import Population
@@ -197,6 +198,8 @@ class Ops:
         the nats of every target. Here one
         forward over the 2 len(pairs) B rows on the host (zosoma.engines.cpu.noisy_forward); the
         noise is kept for activity_estimate of the same population."""
+        if self.precision != "fp32" or self.device != "cpu" or type(self).population_loss is not Ops.population_loss:
+            raise ConfigError(f"activity perturbation runs on the CPU engine's fp32 forward only, not on {self.name}")
         pairs = range(pop.P) if pairs is None else pairs
         timings = {} if timings is None else timings
         batch = np.asarray(batch)
