@@ -128,9 +128,13 @@ def test_the_cpu_engines_noisy_forward_matches_the_reference(config, kind, reado
     assert_close(plus, ref_plus, atol=2e-6, rtol=0, name="plus rows")
     assert_close(minus, ref_minus, atol=2e-6, rtol=0, name="minus rows")
     assert_close(plus - minus, ref_plus - ref_minus, atol=1e-6, rtol=1e-3, name="differences")
+    plus, minus = noisy_forward.position_losses(theta, layout, batch, 0.01, Z[:4], onesided=True)
+    want = npert.onesided_losses(theta.astype(np.float64), layout, batch, 0.01, Z[:4].astype(np.float64))
+    assert_close(np.stack([plus, minus], axis=1).reshape(want.shape), want, atol=3e-6, rtol=0, name="one-sided")
 
 
-@pytest.mark.parametrize("name", ["activity", "activity-local", "activity-causal", "activity-local-causal"])
+@pytest.mark.parametrize("name", ["activity", "activity-local", "activity-causal", "activity-local-causal",
+                                  "activity-onesided"])
 def test_the_strategys_step_is_the_references_estimate(name):
     """One step of the strategy on the CPU engine: its losses are each row's (P, B), its scalars
     c = (L+ - L-) / 2eps pair-major, and with no shaping, no decay and rate 1 it moves theta by
@@ -147,10 +151,15 @@ def test_the_strategys_step_is_the_references_estimate(name):
     plus, minus = strategy.losses(ops, theta, layout, batch, pop, {})
     assert plus.shape == minus.shape == ((4, 3, 7) if strategy.causal else (4, 3))
     coeffs, loss = strategy.coefficients(plus, minus)
-    assert_close(coeffs, ((plus - minus) / 2e-2).ravel(), rtol=1e-12, name="scalars")
+    J = 8 if strategy.onesided else 4  # the noises: one per member, or one per pair
+    if strategy.onesided:  # member 2k + s: plus (s = 0) or minus (s = 1) of pair k, against the members' mean
+        nats = np.stack([plus, minus], axis=1).reshape(8, 3, 7)
+        assert_close(coeffs, ((nats - nats.mean(axis=0)) / 1e-2).ravel(), rtol=1e-12, name="scalars")
+    else:
+        assert_close(coeffs, ((plus - minus) / 2e-2).ravel(), rtol=1e-12, name="scalars")
     new, _ = strategy.update(ops, layout, theta, {}, coeffs, pop, 1.0)
-    Z = np.stack([npert.member_noise(layout, 3, 7, 0, 1, 9, k, readout=readout) for k in range(4)])
-    zeta = npert.combined(coeffs.reshape((4, 3, 7) if strategy.causal else (4, 3)), Z, strategy.causal, 20)
+    Z = np.stack([npert.member_noise(layout, 3, 7, 0, 1, 9, k, readout=readout) for k in range(J)])
+    zeta = npert.combined(coeffs.reshape((J, 3, 7) if strategy.causal else (J, 3)), Z, strategy.causal, 20)
     want = theta - npert.estimate(theta, layout, batch, zeta)
     assert_close(new, want, atol=1e-6, rtol=1e-5, name="step")
 

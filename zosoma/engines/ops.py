@@ -190,12 +190,13 @@ class Ops:
     # --- activity (node) perturbation: zosoma.model.node_perturbation --------------------------
 
     def activity_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
-                        timings: dict | None = None, readout: str = "perturb",
-                        positions: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                        timings: dict | None = None, readout: str = "perturb", positions: bool = False,
+                        onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(plus, minus), each (len(pairs), B) float64: every batch row's mean nats/byte with its
         pre-activations +/- pop.scale * z_k, z_k the noise of pair k's counters (member k; readout
         "local": on the gates only, node_perturbation.width); `positions`: each (len(pairs), B, T),
-        the nats of every target. Here one
+        the nats of every target; `onesided` (with positions): pair k's members are
+        +pop.scale * z_2k and +pop.scale * z_2k+1, each its own noise. Here one
         forward over the 2 len(pairs) B rows on the host (zosoma.engines.cpu.noisy_forward); the
         noise is kept for activity_estimate of the same population."""
         if self.precision != "fp32" or self.device != "cpu" or type(self).population_loss is not Ops.population_loss:
@@ -205,10 +206,14 @@ class Ops:
         batch = np.asarray(batch)
         B, T = batch.shape[0], batch.shape[1] - 1
         t0 = time.perf_counter()
-        Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, pairs, pop.kind, readout)
+        members = range(2 * pairs.start, 2 * pairs.stop) if onesided else pairs
+        Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, members, pop.kind, readout)
         t1 = time.perf_counter()
-        losses = noisy_forward.position_losses if positions else noisy_forward.row_losses
-        plus, minus = losses(self.to_numpy(theta), layout, batch, pop.scale, Z)
+        if onesided:
+            plus, minus = noisy_forward.position_losses(self.to_numpy(theta), layout, batch, pop.scale, Z, True)
+        else:
+            losses = noisy_forward.position_losses if positions else noisy_forward.row_losses
+            plus, minus = losses(self.to_numpy(theta), layout, batch, pop.scale, Z)
         self._activity_kept = (pop, pairs, Z)
         timings["noise"] = timings.get("noise", 0.0) + t1 - t0
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
@@ -217,22 +222,22 @@ class Ops:
     _activity_kept = None  # (Population, pairs, (K, B, T, S) float32): the noise activity_losses drew
 
     def activity_estimate(self, theta, layout: Layout, batch, coeffs, pop: Population, readout: str = "perturb",
-                          causal: bool = False):
+                          causal: bool = False, onesided: bool = False):
         """(d,) float32 engine array: the outer products of zeta = 1/(P B) sum_k coeffs[k, b] z_k
         (coeffs (P, B)) with a clean forward's inputs at theta (node_perturbation.estimate), the
         noise kept from activity_losses or regenerated from the counters; readout "local": the
         readout's exact gradient from the same clean forward; causal: coeffs (P, B, T) are every
         target's differences, each position's noise weighted by those it can move
-        (node_perturbation.credit)."""
+        (node_perturbation.credit); onesided (with causal): coeffs (2P, B, T), one per member."""
         batch = np.asarray(batch)
         B, T = batch.shape[0], batch.shape[1] - 1
         kept = self._activity_kept
-        S = node_perturbation.width(layout, readout)
-        if kept is not None and kept[0] == pop and kept[1] == range(pop.P) and kept[2].shape[-1] == S:
+        S, J = node_perturbation.width(layout, readout), pop.P * (2 if onesided else 1)
+        if kept is not None and kept[0] == pop and kept[1] == range(pop.P) and kept[2].shape[::3] == (J, S):
             Z = kept[2]
         else:
-            Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(pop.P), pop.kind, readout)
-        coeffs = np.asarray(coeffs, np.float64).reshape((pop.P, B, T) if causal else (pop.P, B))
+            Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(J), pop.kind, readout)
+        coeffs = np.asarray(coeffs, np.float64).reshape((J, B, T) if causal else (J, B))
         gates = 4 * layout.config.hidden * layout.config.layers
         zeta = noisy_forward.weighted_noise(*node_perturbation.credit(coeffs, causal), Z, gates)
         return self.asarray(node_perturbation.estimate(self.to_numpy(theta), layout, batch, zeta))

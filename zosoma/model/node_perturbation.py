@@ -87,6 +87,13 @@ def position_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.n
     return nats[:K], nats[K:]
 
 
+def onesided_losses(theta, layout: Layout, batch, scale: float, Z) -> np.ndarray:
+    """(J, B, T) float64: the nats of every row's every target with its pre-activations plus
+    scale * Z[j] (J, B, T, S), each member its own noise (no antithetic twin)."""
+    Z = np.asarray(Z)
+    return noisy_nll(theta, layout, batch, Z * np.asarray(scale, Z.dtype)).astype(np.float64)
+
+
 def row_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.ndarray, np.ndarray]:
     """(plus, minus), each (K, B) float64: every row's mean nats/byte (position_losses' mean)."""
     plus, minus = position_losses(theta, layout, batch, scale, Z)

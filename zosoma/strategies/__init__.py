@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
-from zosoma.strategies.activity import Activity, ActivityCausal, ActivityLocal, ActivityLocalCausal
+from zosoma.strategies.activity import Activity, ActivityCausal, ActivityLocal, ActivityLocalCausal, ActivityOneSided
 from zosoma.strategies.base import Strategy, check_options
 from zosoma.strategies.eggroll import Eggroll
 from zosoma.strategies.es import OpenES
@@ -32,6 +32,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "activity-local": ActivityLocal,
     "activity-causal": ActivityCausal,
     "activity-local-causal": ActivityLocalCausal,
+    "activity-onesided": ActivityOneSided,
 }
 
 

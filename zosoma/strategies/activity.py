@@ -39,14 +39,15 @@ class Activity(Strategy):
 
     readout = "perturb"  # the output layer: noise on its logits ("local": its exact delta rule)
     causal = False  # True: each target's own difference, credited to the noise that can move it
+    onesided = False  # True: 2P members, each its own noise, against the members' mean
     _step = None  # (pop, batch): the step whose losses ran, for its update
 
     @classmethod
     def extra_flops(cls, model: ModelConfig, cfg: TrainConfig) -> float:
         """FLOPs a step spends beyond its members' 2P B T forward bytes: the update's clean forward,
         outer products and noise combination (node_perturbation.update_flops per predicted byte)."""
-        return float(cfg.batch * cfg.seq_len * node_perturbation.update_flops(Layout(model), cfg.perturbations,
-                                                                             cls.readout))
+        members = cfg.perturbations * (2 if cls.onesided else 1)  # the noises the update combines
+        return float(cfg.batch * cfg.seq_len * node_perturbation.update_flops(Layout(model), members, cls.readout))
 
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg
@@ -56,7 +57,7 @@ class Activity(Strategy):
                timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(plus, minus), each (|pairs|, B): every row's loss under pair k's two members."""
         self._step = (pop, np.asarray(batch))
-        return ops.activity_losses(theta, layout, batch, pop, pairs, timings, self.readout, self.causal)
+        return ops.activity_losses(theta, layout, batch, pop, pairs, timings, self.readout, self.causal, self.onesided)
 
     def coefficients(self, plus, minus):
         """The P B scalars c_(k,b), pair-major (causal: P B T, one per target), and the minibatch
@@ -69,7 +70,7 @@ class Activity(Strategy):
         if kept is None or kept[0] != pop:
             raise RuntimeError(f"--optimizer activity updates step {pop.step} from the batch of its losses, "
                                "which this strategy did not evaluate")
-        ghat = ops.activity_estimate(theta, layout, kept[1], coeffs, pop, self.readout, self.causal)
+        ghat = ops.activity_estimate(theta, layout, kept[1], coeffs, pop, self.readout, self.causal, self.onesided)
         direction, state = self.transforms(ghat, state, pop.step)
         return self.descend(ops, theta, direction, lr), state
 
@@ -103,3 +104,21 @@ class ActivityLocalCausal(ActivityLocal):
 
     name = "activity-local-causal"
     causal = True
+
+
+class ActivityOneSided(ActivityLocalCausal):
+    """activity-local-causal with one-sided members, as --optimizer onesided is to SPSA: pair k's
+    members are a + eps z_2k and a + eps z_2k+1, 2P noises of their own, and each target's scalar is
+    its nats' difference from the 2P members' mean at that target, d_(j,b,t) = (nll_j - mean_i
+    nll_i) / eps: twice the directions for the same forwards. The price: each scalar carries eps/2
+    times the curvature along z_j, which a pair cancels, and the mean includes the member itself
+    (a factor (2P - 1)/2P)."""
+
+    name = "activity-onesided"
+    onesided = True
+
+    def coefficients(self, plus, minus):
+        """The 2P B T scalars d_(j,b,t), member-major (member 2k + s), and the loss estimate."""
+        plus, minus = np.asarray(plus), np.asarray(minus)
+        nats = np.stack([plus, minus], axis=1).reshape((-1,) + plus.shape[1:])  # (2P, B, T), member j at j
+        return ((nats - nats.mean(axis=0)) / self.cfg.eps).ravel(), float(nats.mean())

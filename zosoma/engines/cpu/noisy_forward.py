@@ -30,24 +30,26 @@ _CHUNK = 8  # pairs per work item: 16 B rows per GEMM
 
 
 @_jit
-def _add_noise(rows, Z, t, lo, hi, scale, B):
-    """rows (R, hi - lo) += +/- scale * Z[i, b, t, lo:hi] for row r = (2i + s) B + b (s = 1: minus)."""
+def _add_noise(rows, Z, t, lo, hi, scale, B, onesided):
+    """rows (R, hi - lo) += +/- scale * Z[i, b, t, lo:hi] for row r = (2i + s) B + b (s = 1: minus);
+    onesided: + scale * Z[2i + s, b, t, lo:hi], each member its own noise."""
     for r in range(rows.shape[0]):
         i, s, b = r // (2 * B), (r // B) % 2, r % B
-        sign = scale if s == 0 else -scale
+        sign = scale if s == 0 or onesided else -scale
         y = rows[r]
-        z = Z[i, b, t, lo:hi]
+        z = Z[2 * i + s if onesided else i, b, t, lo:hi]
         for j in range(hi - lo):
             y[j] += sign * z[j]
 
 
 @_jit
-def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, plus, minus):
+def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, onesided, plus, minus):
     """plus[i, b, t], minus[i, b, t] = nats of row b's target t under theta with its
-    pre-activations +scale*Z[i, b] and -scale*Z[i, b] (S = L*G: no noise on the logits). offsets:
+    pre-activations +scale*Z[i, b] and -scale*Z[i, b] (onesided: +scale*Z[2i, b] and
+    +scale*Z[2i + 1, b]; S = L*G: no noise on the logits). offsets:
     embed, (w_ih, w_hh, bias) per layer, out.w, out.b; tokens, targets (B, T) uint8; Z (K, B, T, S)
     float32. The gate and softmax math is zosoma.engines.cpu.forward's (lstm_cell_rows, output_rows)."""
-    K, B, T, S = Z.shape
+    K, B, T, S = plus.shape[0], Z.shape[1], Z.shape[2], Z.shape[3]
     G = 4 * H
     R = 2 * K * B
     embed = theta[offsets[0]:offsets[0] + VOCAB * E].reshape((VOCAB, E))
@@ -77,7 +79,7 @@ def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, plus, min
         c[:] = 0.0
         for t in range(T):
             np.dot(zeros if t == 0 else hs[t - 1], w_hh, gates)
-            _add_noise(gates, Z, t, layer * G, (layer + 1) * G, scale, B)
+            _add_noise(gates, Z, t, layer * G, (layer + 1) * G, scale, B, onesided)
             for r in range(R):
                 rows[r] = (r % B) * T + t if layer == 0 else t * R + r
             lstm_cell_rows(gates, xsrc, rows, bias, c, hs[t])
@@ -92,7 +94,7 @@ def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, plus, min
     for t in range(T):
         np.dot(hs[t], out_w, logits)
         if S > L * G:
-            _add_noise(logits, Z, t, L * G, S, scale, B)
+            _add_noise(logits, Z, t, L * G, S, scale, B, onesided)
         for r in range(R):
             row_targets[r] = targets[r % B, t]
         output_rows(logits, out_b, row_targets, nats, False, fold)
@@ -152,14 +154,16 @@ def draw(layout: Layout, B: int, T: int, seed: int, expert: int, step: int, memb
     return out
 
 
-def position_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.ndarray, np.ndarray]:
+def position_losses(theta, layout: Layout, batch, scale: float, Z, onesided: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """(plus, minus), each (K, B, T) float64: the nats of every row's every target with its
-    pre-activations plus and minus scale * Z[k] (K, B, T, S) float32, on the step's (B, T + 1) batch.
+    pre-activations plus and minus scale * Z[k] (K, B, T, S) float32, on the step's (B, T + 1) batch;
+    onesided: Z holds 2K members' noise, plus those of members 2k (+ scale * Z[2k]), minus of 2k + 1.
     Pairs run _CHUNK at a time on the member threads (one-thread BLAS): fixed chunks, so the
     numbers do not depend on the thread count."""
     cfg = layout.config
     batch = np.ascontiguousarray(batch, np.uint8)
-    K, B = Z.shape[:2]
+    K, B = Z.shape[0] // (2 if onesided else 1), Z.shape[1]
     T = batch.shape[1] - 1
     theta, Z = np.ascontiguousarray(theta, np.float32), np.ascontiguousarray(Z, np.float32)
     tokens, targets = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
@@ -168,8 +172,9 @@ def position_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.n
 
     def work(item, _):
         at = chunks[item]
-        _position_nats(theta, offsets(layout), cfg.embed, cfg.hidden, cfg.layers, tokens, targets, Z[at],
-                       np.float32(scale), plus[at], minus[at])
+        noise_at = slice(2 * at.start, 2 * at.stop) if onesided else at
+        _position_nats(theta, offsets(layout), cfg.embed, cfg.hidden, cfg.layers, tokens, targets, Z[noise_at],
+                       np.float32(scale), onesided, plus[at], minus[at])
 
     threads.run_items(work, len(chunks))
     return plus, minus
