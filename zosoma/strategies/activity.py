@@ -55,7 +55,8 @@ class Activity(Strategy):
 
     def losses(self, ops, theta, layout: Layout, batch, pop: Population, state: dict, pairs: range | None = None,
                timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(plus, minus), each (|pairs|, B): every row's loss under pair k's two members."""
+        """(plus, minus), each (|pairs|, B): every row's loss under pair k's two members (causal and
+        one-sided: (|pairs|, B, T), every target's nats)."""
         self._step = (pop, np.asarray(batch))
         return ops.activity_losses(theta, layout, batch, pop, pairs, timings, self.readout, self.causal, self.onesided)
 
