@@ -25,11 +25,13 @@ def corpus():
 
 
 def test_the_registry_names_every_strategy():
-    assert set(STRATEGIES) == {"sgd", "momentum", "adam", "eggroll", "es", "onesided", "readout", "rowwise"}
+    assert set(STRATEGIES) == {"sgd", "momentum", "adam", "eggroll", "es", "onesided", "readout", "rowwise", "activity",
+                               "activity-local", "activity-causal", "activity-local-causal", "activity-onesided"}
     for name, cls in STRATEGIES.items():
         strategy = make_strategy(TrainConfig(optimizer=name))
         assert isinstance(strategy, cls) and strategy.name == name
-    with pytest.raises(ConfigError, match="optimizer must be one of sgd, momentum, adam, eggroll, es, onesided, readout, rowwise"):
+    with pytest.raises(ConfigError, match="optimizer must be one of sgd, momentum, adam, eggroll, es, onesided, readout, rowwise, "
+                                         "activity, activity-local, activity-causal, activity-local-causal, activity-onesided"):
         make_strategy(TrainConfig(optimizer="lbfgs"))
 
 

@@ -26,6 +26,9 @@ what it is only through the attributes below, never by its name. The interface:
     updates    noise_sum(coeffs, d, pop)  (1/P) sum_k coeffs[k] delta_k, every delta regenerated
                sgd_update(theta, coeffs, pop, lr, weight_decay)   theta - lr (noise_sum + wd theta)
                lowrank_update(theta, layout, coeffs, pop, lr)     EGGROLL's theta + lr N^-1/2 sum c E
+    activity   activity_losses(theta, layout, batch, pop, pairs)  (plus, minus) (K, B): each row's
+                                        loss with noisy pre-activations (node perturbation)
+               activity_estimate(theta, layout, batch, coeffs, pop)  its estimate from (P, B) scalars
 
 Losses come back as NumPy float64 (they are P scalars); theta and optimizer state stay engine
 arrays between steps, so an engine on a device never sends weights to the host while training.
@@ -40,7 +43,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from zosoma.engines.cpu import forward, lowrank, noise_kernels
+from zosoma.engines.cpu import noisy_forward
+from zosoma.errors import ConfigError
 from zosoma.model import noise
+from zosoma.model import node_perturbation
 from zosoma.model.population import Population
 from zosoma.model.params import Layout
 
@@ -186,6 +192,61 @@ class Ops:
         """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.engines.cpu.lowrank)."""
         return lowrank.eggroll_step(theta, layout, coeffs, lr, pop.scale, pop.rank, pop.seed, pop.expert,
                                     pop.step)
+
+    # --- activity (node) perturbation: zosoma.model.node_perturbation --------------------------
+
+    def activity_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
+                        timings: dict | None = None, readout: str = "perturb", positions: bool = False,
+                        onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(plus, minus), each (len(pairs), B) float64: every batch row's mean nats/byte with its
+        pre-activations +/- pop.scale * z_k, z_k the noise of pair k's counters (member k; readout
+        "local": on the gates only, node_perturbation.width); `positions`: each (len(pairs), B, T),
+        the nats of every target; `onesided` (with positions): pair k's members are
+        +pop.scale * z_2k and +pop.scale * z_2k+1, each its own noise. Here one
+        forward over the 2 len(pairs) B rows on the host (zosoma.engines.cpu.noisy_forward); the
+        noise is kept for activity_estimate of the same population."""
+        if self.precision != "fp32" or self.device != "cpu" or type(self).population_loss is not Ops.population_loss:
+            raise ConfigError(f"activity perturbation runs on the CPU engine's fp32 forward only, not on {self.name}")
+        pairs = range(pop.P) if pairs is None else pairs
+        timings = {} if timings is None else timings
+        batch = np.asarray(batch)
+        B, T = batch.shape[0], batch.shape[1] - 1
+        t0 = time.perf_counter()
+        members = range(2 * pairs.start, 2 * pairs.stop) if onesided else pairs
+        Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, members, pop.kind, readout)
+        t1 = time.perf_counter()
+        if onesided:
+            plus, minus = noisy_forward.position_losses(self.to_numpy(theta), layout, batch, pop.scale, Z, True)
+        else:
+            losses = noisy_forward.position_losses if positions else noisy_forward.row_losses
+            plus, minus = losses(self.to_numpy(theta), layout, batch, pop.scale, Z)
+        self._activity_kept = (pop, pairs, Z)
+        timings["noise"] = timings.get("noise", 0.0) + t1 - t0
+        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
+        return plus, minus
+
+    _activity_kept = None  # (Population, pairs, (K, B, T, S) float32): the noise activity_losses drew
+
+    def activity_estimate(self, theta, layout: Layout, batch, coeffs, pop: Population, readout: str = "perturb",
+                          causal: bool = False, onesided: bool = False):
+        """(d,) float32 engine array: the outer products of zeta = 1/(P B) sum_k coeffs[k, b] z_k
+        (coeffs (P, B)) with a clean forward's inputs at theta (node_perturbation.estimate), the
+        noise kept from activity_losses or regenerated from the counters; readout "local": the
+        readout's exact gradient from the same clean forward; causal: coeffs (P, B, T) are every
+        target's differences, each position's noise weighted by those it can move
+        (node_perturbation.credit); onesided (with causal): coeffs (2P, B, T), one per member."""
+        batch = np.asarray(batch)
+        B, T = batch.shape[0], batch.shape[1] - 1
+        kept = self._activity_kept
+        S, J = node_perturbation.width(layout, readout), pop.P * (2 if onesided else 1)
+        if kept is not None and kept[0] == pop and kept[1] == range(pop.P) and kept[2].shape[::3] == (J, S):
+            Z = kept[2]
+        else:
+            Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(J), pop.kind, readout)
+        coeffs = np.asarray(coeffs, np.float64).reshape((J, B, T) if causal else (J, B))
+        gates = 4 * layout.config.hidden * layout.config.layers
+        zeta = noisy_forward.weighted_noise(*node_perturbation.credit(coeffs, causal), Z, gates)
+        return self.asarray(node_perturbation.estimate(self.to_numpy(theta), layout, batch, zeta))
 
 
 def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray | None = None) -> np.ndarray:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
+from zosoma.strategies.activity import Activity, ActivityCausal, ActivityLocal, ActivityLocalCausal, ActivityOneSided
 from zosoma.strategies.base import Strategy, check_options
 from zosoma.strategies.eggroll import Eggroll
 from zosoma.strategies.es import OpenES
@@ -31,6 +32,11 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "onesided": OneSided,
     "readout": Readout,
     "rowwise": Rowwise,
+    "activity": Activity,
+    "activity-local": ActivityLocal,
+    "activity-causal": ActivityCausal,
+    "activity-local-causal": ActivityLocalCausal,
+    "activity-onesided": ActivityOneSided,
 }
 
 
