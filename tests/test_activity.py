@@ -184,8 +184,9 @@ def test_activity_trains_from_the_command_line(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli, ["train", "--optimizer", "activity-local", "--shaping", "normalize",
                                       "--data", str(text), "--steps", "2"])
     assert result.exit_code == 2 and "--shaping is not used by --optimizer activity-local" in result.output
-    with pytest.raises(ConfigError, match="activity perturbation perturbs an LSTM's pre-activations"):
-        Optimizer(10, optimizer="activity")
+    for name in ("activity", "activity-local", "activity-causal", "activity-local-causal", "activity-onesided"):
+        with pytest.raises(ConfigError, match=f"--optimizer {name} perturbs an LSTM's pre-activations: it needs a model"):
+            Optimizer(10, optimizer=name)
 
 
 def test_extra_flops_count_the_update():

@@ -82,8 +82,9 @@ def test_a_run_that_names_readout_gets_its_tuned_readout_rate():
 def test_readout_is_refused_where_it_cannot_work():
     with pytest.raises(ConfigError, match="--readout-lr is not used by --optimizer onesided"):
         resolve(None, {"optimizer": "onesided", "readout_lr": 2.0})
-    with pytest.raises(ConfigError, match="needs a model"):
-        Optimizer(100, optimizer="readout")
+    for name in ("readout", "rowwise"):
+        with pytest.raises(ConfigError, match=f"--optimizer {name} .* needs a model"):
+            Optimizer(100, optimizer=name)
     with pytest.raises(ConfigError, match="readout_lr must be a finite number"):
         TrainConfig(readout_lr=float("nan"))
     for name in ("readout", "rowwise"):

@@ -12,10 +12,10 @@ from zosoma.model import reference
 from zosoma.config import TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.errors import CheckpointError
-from zosoma.engines.ops import Ops, member_chunks
+from zosoma.engines.ops import Ops
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
-from zosoma.model.population import Population
+from zosoma.model.population import Population, member_chunks
 from zosoma.runs.folder import CHECKPOINT, METRICS, PREVIOUS, CheckpointFallback, RunFolder
 from zosoma.runs.records import Finished, Step
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train

@@ -160,9 +160,6 @@ class Optimizer:
             raise ConfigError("EGGROLL perturbs an LSTM's matrices at low rank: use sgd, momentum, adam or es here")
         if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1:
             raise ConfigError(f"d, the number of parameters, must be a positive integer, got {d!r}")
-        if options.get("optimizer") == "activity":
-            raise ConfigError("activity perturbation perturbs an LSTM's pre-activations, not a vector: use sgd, "
-                              "momentum, adam or es here")
         _, self.cfg = resolve(None, options)
         self.d, self.ops = int(d), Ops()
         self.strategy = make_strategy(self.cfg)

@@ -38,7 +38,7 @@ Shapes: M members, P pairs, B batch, T time, d parameters.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from zosoma.engines.cpu import noisy_forward
 from zosoma.errors import ConfigError
 from zosoma.model import noise
 from zosoma.model import node_perturbation
-from zosoma.model.population import Population
+from zosoma.model.population import Population, member_chunks
 from zosoma.model.params import Layout
 
 
@@ -110,6 +110,11 @@ class Ops:
         host = self.to_numpy(theta)
         return self.materialised_losses(theta, layout, batch, pairs, timings,
                                         lambda chunk, out: perturbed(host, pop, chunk, out))
+
+    def members(self, theta: np.ndarray, pop: Population, pairs: range) -> np.ndarray:
+        """The dense population of `pairs` on the host, (2 |pairs|, d) float32 (perturbed): for a
+        strategy that evaluates its members its own way (rowwise: each on one batch row)."""
+        return perturbed(theta, pop, pairs)
 
     def materialised_losses(self, theta, layout: Layout, batch, pairs: range, timings: dict, build):
         """plus, minus losses of `pairs` run through population_loss on members built on the host:
@@ -274,9 +279,3 @@ def _weights(coeffs) -> np.ndarray:
     return (coeffs / len(coeffs)).astype(np.float32)
 
 
-def member_chunks(pairs: range, d: int, budget_bytes: int = 64 << 20) -> Iterator[range]:
-    """Split `pairs` into chunks whose 2*chunk float32 parameter copies fit the budget: perturbed
-    copies exist only for the chunk being evaluated."""
-    size = max(1, min(len(pairs), budget_bytes // (2 * 4 * d)))
-    for start in range(pairs.start, pairs.stop, size):
-        yield range(start, min(pairs.stop, start + size))

@@ -7,6 +7,7 @@ the strategies and the command line stay light to import.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -36,3 +37,11 @@ class Population:
     def directions(self) -> int:
         """The directions the population measures, as many as the update's scalars."""
         return 2 * self.P if self.onesided else self.P
+
+
+def member_chunks(pairs: range, d: int, budget_bytes: int = 64 << 20) -> Iterator[range]:
+    """Split `pairs` into chunks whose 2*chunk float32 parameter copies fit the budget: perturbed
+    copies exist only for the chunk being evaluated."""
+    size = max(1, min(len(pairs), budget_bytes // (2 * 4 * d)))
+    for start in range(pairs.start, pairs.stop, size):
+        yield range(start, min(pairs.stop, start + size))

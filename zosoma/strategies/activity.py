@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
+from zosoma.errors import ConfigError
 from zosoma.model import node_perturbation
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
@@ -48,6 +49,12 @@ class Activity(Strategy):
         outer products and noise combination (node_perturbation.update_flops per predicted byte)."""
         members = cfg.perturbations * (2 if cls.onesided else 1)  # the noises the update combines
         return float(cfg.batch * cfg.seq_len * node_perturbation.update_flops(Layout(model), members, cls.readout))
+
+    def check(self, layout: Layout) -> None:
+        if layout is None:  # zosoma.Optimizer: a flat vector has no pre-activations to perturb
+            raise ConfigError(f"--optimizer {self.name} perturbs an LSTM's pre-activations: it needs a model "
+                              "(zosoma train), not a flat vector")
+        super().check(layout)
 
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg

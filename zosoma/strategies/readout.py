@@ -90,18 +90,15 @@ class Readout(OneSided):
 
     def builder(self, theta, layout, pop, state, timings=None):
         """Rows 2j, 2j+1: theta + eps delta_{2k}, theta + eps delta_{2k+1} on [0, n0), theta after."""
-        from zosoma.engines.cpu.noise_kernels import antithetic_pair  # Numba: imported where used
-        from zosoma.model.noise import kind_code, stream_key
+        from zosoma.model.noise import add_noise  # Numba: imported where used
 
         n0 = layout["out.w"].offset
-        k0, k1 = stream_key(pop.seed)
-        scale, code, none = np.float32(pop.scale), kind_code(pop.kind), np.empty(0, np.float32)
+        body = np.ascontiguousarray(theta[:n0], np.float32)
 
-        def build(chunk, out):
+        def build(chunk, out):  # the numbers the engines' one-sided members have on [0, n0)
             for j, k in enumerate(chunk):
                 for s in (0, 1):
-                    antithetic_pair(out[2 * j + s, :n0], none, theta[:n0], scale, code, k0, k1, 2 * k + s,
-                                    pop.step, pop.expert, none)
+                    add_noise(out[2 * j + s, :n0], body, pop.scale, pop.seed, pop.expert, pop.step, 2 * k + s, pop.kind)
                     out[2 * j + s, n0:] = theta[n0:]
             return out
         return build

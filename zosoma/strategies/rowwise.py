@@ -31,7 +31,8 @@ import dataclasses
 
 import numpy as np
 
-from zosoma.model.population import Population
+from zosoma.errors import ConfigError
+from zosoma.model.population import Population, member_chunks
 from zosoma.strategies.onesided import OneSided
 
 
@@ -40,19 +41,23 @@ class Rowwise(OneSided):
     options = frozenset({"noise", "weight_decay", "shaping", "clip_at", "normalize_window"})
     unshardable = "evaluates every (member, row) of the step in one population"
 
+    def check(self, layout) -> None:
+        if layout is None:  # zosoma.Optimizer: a flat vector's loss has no batch rows
+            raise ConfigError("--optimizer rowwise scores each batch row of a model's batch: it needs a model "
+                              "(zosoma train), not a flat vector")
+        super().check(layout)
+
     def rows(self, pop: Population) -> Population:
         """The population of single-row members: directions 0..2PB-1, direction i on row i mod B."""
         return dataclasses.replace(pop, P=pop.P * self.cfg.batch)
 
     def losses(self, ops, theta, layout, batch, pop, state, pairs=None, timings=None):
         """(plus, minus), (PB,) each: member i's loss on its row is at 2 (i // 2) + (i % 2)."""
-        from zosoma.engines.ops import member_chunks, perturbed  # Numba: imported where used
-
         rows, host, batch = self.rows(pop), ops.to_numpy(theta), np.asarray(batch)
         L = np.empty(2 * rows.P)
         for chunk in member_chunks(range(rows.P), host.size):
             i = np.arange(2 * chunk.start, 2 * chunk.stop)
-            L[i] = ops.population_loss(ops.asarray(perturbed(host, rows, chunk)), layout,
+            L[i] = ops.population_loss(ops.asarray(ops.members(host, rows, chunk)), layout,
                                        batch[i % batch.shape[0], None])
         return L[0::2], L[1::2]
 
