@@ -31,6 +31,7 @@ from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
+from zosoma.strategies.onesided import one_sided
 from zosoma.strategies.shaping import Chain
 from zosoma.strategies.spsa import central_differences
 
@@ -136,7 +137,7 @@ def port_onesided(kit, layout):
     """The default strategy's own pieces: the engine's one-sided members, OneSided.coefficients and
     the fused update over the 2P directions."""
     f = load(kit, "onesided_step")
-    pop = dataclasses.replace(_pop(f, scale=f["eps"]), onesided=True)
+    pop = one_sided(_pop(f, scale=f["eps"]))
     plus, minus = Ops().perturbed_losses(f["theta"], layout, f["batch"], pop)
     strategy = make_strategy(TrainConfig(optimizer="onesided", eps=float(f["eps"])))
     scalars, loss = strategy.coefficients(plus, minus)

@@ -24,6 +24,7 @@ from zosoma.workers.population_workers import check_shardable
 from zosoma.runs.records import Step
 from zosoma.runs.trainer import Trainer, new_state, train
 from zosoma.strategies import make_strategy
+from zosoma.strategies.onesided import one_sided
 from zosoma.strategies.probes.blocks import blocks
 from zosoma.strategies.settings import resolve
 
@@ -194,7 +195,7 @@ def test_one_sided_members_are_built_inside_the_fused_forward(kind):
     the update when Gaussian."""
     layout, theta = Layout(MODEL), init_params(MODEL, 2)
     batch = BatchSampler(corpus(), 13).batch(0, 0, 0, 3)
-    pop = Population(4, 1e-3, 5, 1, 7, kind, onesided=True)
+    pop = one_sided(Population(4, 1e-3, 5, 1, 7, kind))
     fused = Ops()
     plus, minus = fused.perturbed_losses(theta, layout, batch, pop, range(1, 4))
     members = perturbed(theta, pop, range(1, 4))
@@ -202,7 +203,7 @@ def test_one_sided_members_are_built_inside_the_fused_forward(kind):
     exact = np.array_equal if kind == "rademacher" else lambda a, b: np.allclose(a, b, rtol=1e-6, atol=0)
     assert exact(plus, host[0::2]) and exact(minus, host[1::2])
     fused.perturbed_losses(theta, layout, batch, pop)  # all pairs: Gaussian directions are kept
-    kept = fused._kept_directions(pop, theta.size, pop.directions)
+    kept = fused._kept_directions(pop, theta.size)
     assert (kept is None) == (kind == "rademacher")
     if kept is not None:
         assert all(np.array_equal(kept[j], noise(theta.size, 5, 1, 7, j, kind)) for j in range(8))

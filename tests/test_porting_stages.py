@@ -32,6 +32,7 @@ from zosoma.runs.records import Step
 from zosoma.runs.trainer import RunState, Trainer, train
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
+from zosoma.strategies.onesided import one_sided
 from zosoma.strategies.shaping import Chain
 
 pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
@@ -169,7 +170,7 @@ def wrong_onesided_two_eps(kit, good, layout):
 
 def wrong_onesided_over_p(kit, good, layout):
     f = load(kit, "onesided_step")
-    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]), onesided=True)
+    pop = one_sided(Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"])))
     # noise_sum divides by len(coeffs) = 2P: twice the coefficients give the 1/P reading
     return dict(good["onesided_step"], theta_new=Ops().sgd_update(f["theta"], 2 * f["scalars"], pop, float(f["lr"])))
 

@@ -32,7 +32,7 @@ from zosoma.arrays import to_numpy
 from zosoma.engines.cpu.lowrank import eggroll_step
 from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs, nll_stream, population_loss,
                                              population_nll, spsa_losses)
-from zosoma.engines.cuda.cuda_noise import perturb, spsa_gradient, spsa_update
+from zosoma.engines.cuda.cuda_noise import perturb, plain_rows, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.engines.ops import Ops
 from zosoma.model.noise import KINDS, noise_length, split_factors
@@ -71,8 +71,9 @@ class CudaOps(Ops):
                                              pop.step, len(pairs), first=pairs.start)
             result = losses[0::2], losses[1::2]
         else:
+            rows = pop.rows(pairs)
             result = spsa_losses(theta, layout, batch, pop.P, pop.scale, pop.seed, pop.expert, pop.step,
-                                 pop.kind, pairs=pairs, onesided=pop.onesided)
+                                 pop.kind, pairs=pairs, table=(pop.direction[rows], pop.sign[rows]))
         if timings is not None:  # noise is made inside the device population: all of it is forward
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
         return result
@@ -106,9 +107,11 @@ class CudaOps(Ops):
         return out
 
     def noise_sum(self, coeffs, d: int, pop: Population):
+        pop.check_scalars(coeffs)
         return spsa_gradient(coeffs, d, pop.seed, pop.expert, pop.step, pop.kind)
 
     def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
+        pop.check_scalars(coeffs)
         return spsa_update(theta, coeffs, lr, pop.seed, pop.expert, pop.step, pop.kind, weight_decay)
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
@@ -117,7 +120,7 @@ class CudaOps(Ops):
         r, P = pop.rank, len(coeffs)
         n = noise_length(layout, r)
         z = self.xp.empty((P, n), np.float32)
-        perturb(z, self.xp.zeros(n, np.float32), 1.0, 0, pop.seed, pop.expert, pop.step, 0, P, False,
+        perturb(z, self.xp.zeros(n, np.float32), 1.0, 0, pop.seed, pop.expert, pop.step, *plain_rows(range(P)),
                 KINDS["gaussian"])
         factors = split_factors(z.astype(np.float64), layout, r)
         return eggroll_step(theta, layout, self.xp.asarray(np.asarray(coeffs, np.float64)), lr,
