@@ -206,7 +206,7 @@ def port_train(kit, layout, schedule=True, skip_counts=True, stage="train", shap
     f = load(kit, stage)
     N, P, eps, wd = int(f["steps"]), int(f["P"]), float(f["eps"]), float(f["weight_decay"])
     normalize = stage == "train_normalize"
-    cfg = TrainConfig(steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
+    cfg = TrainConfig(optimizer="sgd", steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
                       warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]),
                       shaping=("normalize",) if normalize else (),
                       normalize_window=int(f["normalize_window"]) if normalize else 50)
@@ -247,7 +247,7 @@ def port_shaping(kit):
                 "normalize": dict(zip(("steps", "sum"), (int(f["normalize_state"][0]),
                                                          float(f["normalize_state"][1]))))}
     for chain in (("clip",), ("normalize",), ("clip", "normalize")):
-        pieces = Chain(TrainConfig(shaping=chain, clip_at=float(f["clip_at"]),
+        pieces = Chain(TrainConfig(optimizer="sgd", shaping=chain, clip_at=float(f["clip_at"]),
                                    normalize_window=int(f["normalize_window"])))
         state = {k: dict(state_in[k]) for k in chain}
         rows, states = [], {p: [] for p in chain}

@@ -712,7 +712,7 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     from zosoma.runs.trainer import Trainer, new_state
 
     model = TINY_MODEL_L2
-    cfg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3)
+    cfg = TrainConfig(optimizer="sgd", steps=2, batch=3, seq_len=12, perturbations=3)
     text = np.frombuffer(b"a forward-only trainer checks its device path " * 20, np.uint8)
     sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)
     cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))

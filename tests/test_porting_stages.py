@@ -92,7 +92,7 @@ def test_the_kits_training_loop_is_the_trainers(kit, layout, tmp_path, monkeypat
     f = load(kit, stage)
     normalize = stage == "train_normalize"
     assert str(f["shaping"]) == ("normalize" if normalize else "none")
-    cfg = TrainConfig(steps=int(f["steps"]), batch=int(f["B"]), seq_len=int(f["T"]), perturbations=int(f["P"]),
+    cfg = TrainConfig(optimizer="sgd", steps=int(f["steps"]), batch=int(f["B"]), seq_len=int(f["T"]), perturbations=int(f["P"]),
                       eps=float(f["eps"]), lr=float(f["lr"]), warmup=int(f["warmup"]),
                       weight_decay=float(f["weight_decay"]), seed=int(f["seed"]), checkpoint_every=1000,
                       shaping=("normalize",) if normalize else (),  # as the stage's settings say

@@ -39,7 +39,7 @@ LOSS_ATOL, HELDOUT_ATOL = 2e-3, 0.006
 def run_config() -> tuple[ModelConfig, TrainConfig]:
     """The run stage's run: the paper's estimator at the tiny preset (`zosoma train --optimizer
     sgd`, TrainConfig's defaults) with RUN_STEPS steps."""
-    return PRESETS["tiny"][0], TrainConfig(steps=RUN_STEPS)
+    return PRESETS["tiny"][0], TrainConfig(optimizer="sgd", steps=RUN_STEPS)
 
 
 def train_reference(run_dir, **options) -> dict:

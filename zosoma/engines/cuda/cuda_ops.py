@@ -42,8 +42,8 @@ from zosoma.model.population import Population
 
 class CudaOps(Ops):
     """Ops on an NVIDIA GPU: CuPy arrays, the kernels and forwards above. theta and optimizer
-    state live on the device between steps; only losses (P scalars) and the coefficients of an
-    update cross to and from the host. Forwards and updates agree with the CPU engine within
+    state live on the device between steps; only the losses and the step's scalars
+    (docs/architecture.md) cross to and from the host. Forwards and updates agree with the CPU engine within
     float32 rounding (Rademacher noise and the dense updates bit for bit)."""
 
     name = "cuda"
