@@ -96,7 +96,7 @@ def main():
         model = ModelConfig(embed=16, hidden=20, layers=1)
         theta, where = init_params(model, 0), "seed 0's initialisation"
     layout = Layout(model)
-    cfg = TrainConfig(perturbations=args.P, eps=args.eps, shaping=(), schedule="constant", warmup=0)
+    cfg = TrainConfig(optimizer="sgd", perturbations=args.P, eps=args.eps, shaping=(), schedule="constant", warmup=0)
     batch = BatchSampler(load_corpus(), cfg.seq_len + 1).batch(1234, 0, 0, cfg.batch)
     g = true_gradient(theta, layout, batch)
     ops = get_ops("cpu")

@@ -5,7 +5,7 @@
 The default run (`zosoma train --engine onnxruntime --seed 4`, plain SPSA) took its largest step
 of the ten engine-agreement seeds at step 1,148: one sequence on a loss cliff, the scalars' sd 64
 times the steps' before (results/engine-replay.txt). This trains that run again to the step before,
-recording every step's P scalars, and then, for plain SPSA and each shaping (its state replayed
+recording the step's scalars of every step, and then, for plain SPSA and each shaping (its state replayed
 from the same scalars, as if it had shaped them all along without changing the run):
 
 - how large the cliff-step is: the norm of lr * ghat against the median of the 100 steps before,
@@ -40,7 +40,7 @@ SHAPINGS = {"plain SPSA": (), "clip": ("clip",), "normalize": ("normalize",), "c
 
 
 def to_step(run: Path, cfg: TrainConfig, step: int) -> list[np.ndarray]:
-    """Train `cfg` in `run` to `step` steps (a checkpoint there); every step's P scalars."""
+    """Train `cfg` in `run` to `step` steps (a checkpoint there); the step's scalars of every step."""
     scalars, original = [], Ops.perturbed_losses
 
     def recording(ops, theta, layout, batch, pop, pairs=None, timings=None):

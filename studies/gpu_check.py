@@ -65,6 +65,7 @@ from zosoma.model import reference  # noqa: E402
 from zosoma.model.noise import noise  # noqa: E402
 from zosoma.model.params import Layout, init_params  # noqa: E402
 from zosoma.model.population import Population  # noqa: E402
+from zosoma.strategies.onesided import one_sided  # noqa: E402
 
 NO_DEVICE = 2
 PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10
@@ -289,7 +290,8 @@ def validate_fused(cp, checks: Checks, rng):
     soma = Layout(ModelConfig(embed=16, hidden=20, layers=1))
     thetas = np.stack([init_params(soma.config, 0, n) for n in range(3)])
     batches = rng.integers(0, VOCAB, (3, 8, 33), dtype=np.uint8)
-    pops = [Population(8, 1e-2, 2**33 + n, n, 7 + n, "rademacher", onesided=n == 1) for n in range(3)]
+    pops = [Population(8, 1e-2, 2**33 + n, n, 7 + n, "rademacher") for n in range(3)]
+    pops[1] = one_sided(pops[1])  # one expert of one-sided SPSA: its own member table
     plus, minus = fused_forward.spsa_losses(thetas[0], soma, batches[0], pops[0])
     want = Ops().perturbed_losses(thetas[0], soma, batches[0], pops[0])
     checks.compare("fused spsa_losses E=16 H=20 P=8 B=8 T=32 vs numba", np.concatenate([plus, minus]),

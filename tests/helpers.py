@@ -179,3 +179,15 @@ def users_files(folder) -> dict:
     (folder / "mine" / "data.bin").write_bytes(np.random.default_rng(0).bytes(1000))
     (folder / "mine" / "deeper" / "forward.npz").write_bytes(b"the user's, not the kit's")
     return snapshot(folder)
+
+
+def mixed_members(pop, extra: int = 0):
+    """pop (a Population) with a member table mixing what a strategy may build: antithetic pairs
+    with either sign first, one direction twice with one sign, and pairs of two directions with a
+    minus-signed member; D = P + 1 + extra directions (direction P is every fourth pair's second;
+    `extra` directions no member measures)."""
+    dirs, signs = [], []
+    for k in range(pop.P):
+        dirs += [k, k] if k % 4 < 3 else [k, pop.P]
+        signs += [(1, -1), (-1, 1), (1, 1), (-1, 1)][k % 4]
+    return pop.with_members(dirs, signs, pop.P + 1 + extra)

@@ -31,6 +31,7 @@ from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
+from zosoma.strategies.onesided import one_sided
 from zosoma.strategies.shaping import Chain
 from zosoma.strategies.spsa import central_differences
 
@@ -136,7 +137,7 @@ def port_onesided(kit, layout):
     """The default strategy's own pieces: the engine's one-sided members, OneSided.coefficients and
     the fused update over the 2P directions."""
     f = load(kit, "onesided_step")
-    pop = dataclasses.replace(_pop(f, scale=f["eps"]), onesided=True)
+    pop = one_sided(_pop(f, scale=f["eps"]))
     plus, minus = Ops().perturbed_losses(f["theta"], layout, f["batch"], pop)
     strategy = make_strategy(TrainConfig(optimizer="onesided", eps=float(f["eps"])))
     scalars, loss = strategy.coefficients(plus, minus)
@@ -205,7 +206,7 @@ def port_train(kit, layout, schedule=True, skip_counts=True, stage="train", shap
     f = load(kit, stage)
     N, P, eps, wd = int(f["steps"]), int(f["P"]), float(f["eps"]), float(f["weight_decay"])
     normalize = stage == "train_normalize"
-    cfg = TrainConfig(steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
+    cfg = TrainConfig(optimizer="sgd", steps=N, batch=int(f["B"]), seq_len=int(f["T"]), perturbations=P, eps=eps, lr=float(f["lr"]),
                       warmup=int(f["warmup"]), weight_decay=wd, seed=int(f["seed"]),
                       shaping=("normalize",) if normalize else (),
                       normalize_window=int(f["normalize_window"]) if normalize else 50)
@@ -246,7 +247,7 @@ def port_shaping(kit):
                 "normalize": dict(zip(("steps", "sum"), (int(f["normalize_state"][0]),
                                                          float(f["normalize_state"][1]))))}
     for chain in (("clip",), ("normalize",), ("clip", "normalize")):
-        pieces = Chain(TrainConfig(shaping=chain, clip_at=float(f["clip_at"]),
+        pieces = Chain(TrainConfig(optimizer="sgd", shaping=chain, clip_at=float(f["clip_at"]),
                                    normalize_window=int(f["normalize_window"])))
         state = {k: dict(state_in[k]) for k in chain}
         rows, states = [], {p: [] for p in chain}

@@ -194,7 +194,7 @@ def test_extra_flops_count_the_update():
     members' forwards at E=16 H=20, P=32, B=8, T=32 (perturbed logits), 3.9% with a local readout."""
     from zosoma.strategies.activity import Activity, ActivityLocal
 
-    model, cfg = ModelConfig(embed=16, hidden=20, layers=1), TrainConfig(perturbations=32)
+    model, cfg = ModelConfig(embed=16, hidden=20, layers=1), TrainConfig(optimizer="activity", perturbations=32)
     forwards = 2 * 32 * 8 * 32 * model.flops_per_token()
     assert Activity.extra_flops(model, cfg) / forwards == pytest.approx(0.0554, abs=1e-3)
     assert ActivityLocal.extra_flops(model, cfg) / forwards == pytest.approx(0.0390, abs=1e-3)

@@ -17,7 +17,7 @@ from zosoma.workers.population_workers import exchange_bytes
 from zosoma.runs.records import Clusters, Evaluated, Step
 from zosoma.training.soma import resume_soma, start_soma
 
-CFG = TrainConfig(steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
+CFG = TrainConfig(optimizer="sgd", steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
 
 
 def records_of(gen):
@@ -58,7 +58,7 @@ def test_trained_experts_learn_and_specialise(tmp_path, two_domains):
     words = [b"river", b"stone", b"light", b"green", b"house", b"quiet"]
     (tmp_path / "prose.txt").write_bytes(b" ".join(words[i] for i in rng.integers(0, 6, 400)))
     (tmp_path / "digits.txt").write_bytes(b",".join(b"%d" % v for v in rng.integers(0, 10**6, 400)))
-    cfg = TrainConfig(steps=300, batch=4, seq_len=16, perturbations=8, lr=0.5, checkpoint_every=300)
+    cfg = TrainConfig(optimizer="sgd", steps=300, batch=4, seq_len=16, perturbations=8, lr=0.5, checkpoint_every=300)
     records = soma_run(tmp_path / "run", two_domains, cfg=cfg,
                        heldout_paths=[str(tmp_path / "prose.txt"), str(tmp_path / "digits.txt")])
     report = next(r for r in records if isinstance(r, Clusters)).report
@@ -141,7 +141,7 @@ def test_the_last_expert_takes_the_freed_core_with_the_same_bits(tmp_path, two_d
     """Three experts over two worker processes, two of them already trained: the third spreads its
     population over both cores from its next checkpoint to its end (its steps exchange scalars
     between two workers), and every expert ends with the bits of the in-process run."""
-    cfg = TrainConfig(steps=60, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+    cfg = TrainConfig(optimizer="sgd", steps=60, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
     soma_run(tmp_path / "serial", two_domains, n_experts=3, cfg=cfg, executor=Inline())
     stopped = []  # expert 2 stopped at step 4, experts 0 and 1 done
     for r in start_soma(tmp_path / "pool", MODEL, cfg, n_experts=3, chunk_size=256, executor=Inline(),

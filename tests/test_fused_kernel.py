@@ -21,6 +21,7 @@ from zosoma.engines.ops import Ops
 from zosoma.model import reference
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
+from zosoma.strategies.onesided import one_sided
 
 
 @pytest.mark.parametrize("embed, hidden, layers, B, T", [(8, 16, 1, 3, 5), (12, 8, 2, 2, 13), (6, 10, 3, 1, 7)])
@@ -46,10 +47,12 @@ def test_fused_members_are_the_perturbed_population(rt, kind, onesided):
     same kernel with sign 0. And the losses match the CPU engine's step."""
     theta, layout = _model(8, 12, 1, scale=1.0)
     batch = _bytes(4, (3, 9))
-    pop = Population(5, 1e-2, 2**40 + 7, 3, 2, kind, onesided=onesided)
+    pop = Population(5, 1e-2, 2**40 + 7, 3, 2, kind)
+    pop = one_sided(pop) if onesided else pop
     pairs = range(1, 5)
     plus, minus = fused_forward.spsa_losses(theta, layout, batch, pop, pairs)
-    members = cuda_noise.perturbed(theta, pop.scale, pairs, pop.seed, pop.expert, pop.step, kind, onesided=onesided)
+    members = cuda_noise.perturbed(theta, pop.scale, pairs, pop.seed, pop.expert, pop.step, kind,
+                                   table=(pop.direction[pop.rows(pairs)], pop.sign[pop.rows(pairs)]))
     materialised = fused_forward.population_loss(members, layout, batch)
     np.testing.assert_array_equal(plus, materialised[0::2])
     np.testing.assert_array_equal(minus, materialised[1::2])
@@ -65,7 +68,8 @@ def test_experts_in_one_launch_equal_separate_launches(rt, monkeypatch):
     N, B, T = 3, 2, 6
     thetas = _population(theta, N, seed=5)
     batches = _bytes(6, (N, B, T + 1))
-    pops = [Population(2 + n, 1e-2 * (n + 1), 11 * n, n, 5 - n, "rademacher", onesided=n == 1) for n in range(N)]
+    pops = [Population(2 + n, 1e-2 * (n + 1), 11 * n, n, 5 - n, "rademacher") for n in range(N)]
+    pops[1] = one_sided(pops[1])
     launches = []
     real = custom_kernels.launch_blocks
     monkeypatch.setattr(custom_kernels, "launch_blocks", lambda *a: launches.append(a[0]) or real(*a))
@@ -245,7 +249,8 @@ def test_the_engine_evaluates_n_experts_in_one_launch(rt, monkeypatch):
     N = 3
     thetas = _population(theta, N, seed=9)
     batches = _bytes(7, (N, 2, 7))
-    pops = [Population(3, 1e-2, 5, n, 4 + n, "gaussian", onesided=n == 2) for n in range(N)]
+    pops = [Population(3, 1e-2, 5, n, 4 + n, "gaussian") for n in range(N)]
+    pops[2] = one_sided(pops[2])
     names = []
     real = custom_kernels.launch_blocks
     monkeypatch.setattr(custom_kernels, "launch_blocks", lambda *a: names.append(a[0]) or real(*a))

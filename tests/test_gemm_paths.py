@@ -64,7 +64,7 @@ def test_a_full_step_gives_the_same_update_on_both_paths(tmp_path, monkeypatch):
     bits by 2 eps); and from the same coefficients, the same update bit for bit (the update
     regenerates the directions from the counters, whichever path ran the forwards)."""
     model = ModelConfig(embed=16, hidden=20, layers=1)
-    cfg = TrainConfig(steps=2, batch=8, seq_len=32, perturbations=16, lr=0.15, checkpoint_every=100)
+    cfg = TrainConfig(optimizer="sgd", steps=2, batch=8, seq_len=32, perturbations=16, lr=0.15, checkpoint_every=100)
     steps = {}
     for path in PATHS:
         monkeypatch.setenv(forward.GEMM_ENV, path)
@@ -85,7 +85,7 @@ def test_a_full_step_gives_the_same_update_on_both_paths(tmp_path, monkeypatch):
 def test_a_resumed_run_on_the_loops_path_equals_the_uninterrupted_one(tmp_path, monkeypatch):
     monkeypatch.setenv(forward.GEMM_ENV, "loops")
     model = ModelConfig(embed=16, hidden=20, layers=1)
-    cfg = TrainConfig(steps=8, batch=4, seq_len=16, perturbations=4, lr=0.15, checkpoint_every=3)
+    cfg = TrainConfig(optimizer="sgd", steps=8, batch=4, seq_len=16, perturbations=4, lr=0.15, checkpoint_every=3)
     full = _trainer(tmp_path, "full", model, cfg)
     list(train(full, lambda: False))
     part = _trainer(tmp_path, "part", model, cfg)
@@ -118,7 +118,7 @@ def test_a_bad_gemm_setting_is_refused_before_a_run_starts(tmp_path, monkeypatch
     assert one_line_error(result) == "Error: ZOSOMA_CPU_GEMM must be one of blas, loops, got 'fast'"
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="ZOSOMA_CPU_GEMM"):
-        _trainer(tmp_path, "api", ModelConfig(embed=4, hidden=6), TrainConfig(steps=1))
+        _trainer(tmp_path, "api", ModelConfig(embed=4, hidden=6), TrainConfig(optimizer="sgd", steps=1))
 
 
 def test_a_steps_losses_do_not_depend_on_how_its_pairs_are_grouped(monkeypatch):

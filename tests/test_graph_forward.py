@@ -14,6 +14,8 @@ from helpers import assert_close
 from test_kernels import _bytes, _model, emulated_libs, rt  # noqa: F401 (fixtures)
 from zosoma.engines.cuda import cuda_forward, graph_forward
 from zosoma.engines.cuda.launches import Launches
+from zosoma.model.population import Population
+from zosoma.strategies.onesided import one_sided
 
 GRAPH_RTOL = 1e-12  # float64 sums of the same float32 nll in two orders
 
@@ -33,10 +35,12 @@ def test_a_replayed_step_gives_the_bits_of_an_uncaptured_one(rt, layers, oneside
     for step in range(3):  # step 0 captures, 1 and 2 replay with new counters and batches
         batch = _bytes(10 + step, (3, 9))
         args = (theta, layout, batch, 5, 1e-2, 7, 1, step, "rademacher")
+        pop = Population(*args[3:5], *args[6:])
+        pop = one_sided(pop) if onesided else pop
         with cuda_forward.forced_path("kernels"):
-            want = cuda_forward.spsa_losses(*args, onesided=onesided)
+            want = cuda_forward.spsa_losses(*args, table=(pop.direction, pop.sign))
         with cuda_forward.forced_path("graph"), Launches(rt.xp) as n:
-            got = cuda_forward.spsa_losses(*args, onesided=onesided)
+            got = cuda_forward.spsa_losses(*args, table=(pop.direction, pop.sign))
         assert_same(rt, got, want)
         if step:  # a replayed step: perturb, then the graph
             assert (n.kernels, n.gemms, n.graphs) == (1, 0, 1)

@@ -68,7 +68,7 @@ def corpus():
 def test_a_diverging_run_stops_with_a_checkpoint_and_a_resume_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(g, "WINDOW", 20)
     monkeypatch.setattr(g, "WARMUP", 5)
-    cfg = TrainConfig(steps=400, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
+    cfg = TrainConfig(optimizer="sgd", steps=400, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
                       on_divergence="stop")
     sampler = BatchSampler(corpus(), cfg.seq_len + 1)
     trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
@@ -88,7 +88,7 @@ def test_a_diverging_run_stops_with_a_checkpoint_and_a_resume_goes_on(tmp_path, 
 def test_on_divergence_continue_trains_to_the_end(tmp_path, monkeypatch, action):
     monkeypatch.setattr(g, "WINDOW", 20)
     monkeypatch.setattr(g, "WARMUP", 5)
-    cfg = TrainConfig(steps=120, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, on_divergence=action)
+    cfg = TrainConfig(optimizer="sgd", steps=120, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, on_divergence=action)
     trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), 9), new_state(MODEL, cfg))
     records = list(train(trainer))
     assert isinstance(records[-1], Finished) and trainer.state.step == 120
@@ -114,7 +114,7 @@ def test_a_loss_still_rising_at_the_end_of_the_budget_is_a_verdict():
 def test_a_run_whose_budget_ends_mid_divergence_is_judged_as_a_verdict_is(tmp_path, action, record):
     """40 steps at lr 500: the loss runs away from step ~10, but 40 steps end before the guard
     judges any (its warm-up is 50): before issue 45 the run Finished, its divergence null."""
-    cfg = TrainConfig(steps=40, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
+    cfg = TrainConfig(optimizer="sgd", steps=40, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
                       on_divergence=action, shaping=())
     sampler = BatchSampler(corpus(), cfg.seq_len + 1)
     trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
@@ -133,7 +133,7 @@ def test_a_run_whose_budget_ends_mid_divergence_is_judged_as_a_verdict_is(tmp_pa
 
 
 def test_a_healthy_run_ends_as_before(tmp_path):
-    cfg = TrainConfig(steps=40, batch=2, seq_len=8, perturbations=2, lr=0.2, warmup=1, checkpoint_every=1000,
+    cfg = TrainConfig(optimizer="sgd", steps=40, batch=2, seq_len=8, perturbations=2, lr=0.2, warmup=1, checkpoint_every=1000,
                       shaping=())
     trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg))
     assert [r for r in train(trainer) if not isinstance(r, Step)] == [Finished(0, 40)]

@@ -50,7 +50,7 @@ def test_a_step_larger_than_this_machine_is_refused_before_any_folder(text, opti
 
 
 def test_the_memory_rule_compares_a_steps_lower_bound_with_what_is_free(monkeypatch):
-    model, cfg = ModelConfig(), TrainConfig()
+    model, cfg = ModelConfig(), TrainConfig(optimizer="sgd")
     check_memory(model, cfg, available=10**9)  # about 2 MB at the defaults
     with pytest.raises(ConfigError, match=r"more than the 0.0 GB available here: lower --hidden"):
         check_memory(model, cfg, available=1000)
@@ -175,7 +175,7 @@ def test_options_read_under_their_setting_are_accepted_and_old_checkpoints_still
     _, cfg = resolve("tiny", {"shaping": ("clip",), "clip_at": 3.0, "max_restarts": 1})
     assert cfg.clip_at == 3.0 and cfg.max_restarts == 1 and cfg.on_divergence == "restart"
     # a configuration stored before the rule (clip_at set, clip not used) is not refused
-    make_strategy(TrainConfig(shaping=(), clip_at=3.0, on_divergence="stop", max_restarts=7))
+    make_strategy(TrainConfig(optimizer="sgd", shaping=(), clip_at=3.0, on_divergence="stop", max_restarts=7))
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_close, streamed_in_halves
+from helpers import assert_close, mixed_members, streamed_in_halves
 from world import PHILOX_KAT, TINY_MODEL, TINY_MODEL_L2
 from zosoma.engines.cuda import backend
 from zosoma.engines.cpu import lowrank as eggroll
@@ -41,6 +41,7 @@ from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops, perturbed
 from zosoma.model.population import Population
 from zosoma.model.params import Layout, init_params
+from zosoma.strategies.onesided import one_sided
 from zosoma.mixture.routing import Ensemble, Router, cut_segments, evaluate_routed, run_selected
 from zosoma.mixture.sample import sample
 
@@ -283,14 +284,21 @@ def test_add_noise_rejects_bad_arguments(rt):
         cuda_noise.add_noise(out, out, 1.0, -1, 0, 0, 0)
 
 
-@pytest.mark.parametrize("onesided", [False, True])
+# member tables every engine evaluates (zosoma.model.population): the strategies' and a mix of the rest
+TABLES = {"antithetic": lambda pop: pop, "onesided": one_sided, "mixed": mixed_members}
+
+
+@pytest.mark.parametrize("table", list(TABLES))
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
-def test_perturbed_population_matches_cpu(rt, kind, onesided):
+def test_perturbed_population_matches_cpu(rt, kind, table):
     theta = np.random.default_rng(1).standard_normal(777).astype(np.float32)
     members = range(3, 10)
-    want = perturbed(theta, Population(10, 1e-3, 2**35 + 9, 2, 11, kind, onesided=onesided), members)
+    pop = TABLES[table](Population(10, 1e-3, 2**35 + 9, 2, 11, kind))
+    want = perturbed(theta, pop, members)
     out = _poisoned(rt, want.shape)
-    got = _host(cuda_noise.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out, onesided=onesided))
+    rows = pop.rows(members)
+    got = _host(cuda_noise.perturbed(theta, 1e-3, members, 2**35 + 9, 2, 11, kind, out=out,
+                                     table=(pop.direction[rows], pop.sign[rows])))
     if kind == "rademacher":
         np.testing.assert_array_equal(got, want)
     else:
@@ -463,12 +471,18 @@ def test_population_loss_in_member_chunks(rt):
 def test_spsa_losses_match_cpu(rt):
     theta, layout = _model(8, 12, 1, scale=1.0)
     batch = _bytes(4, (3, 9))
-    for kind, onesided in [("rademacher", False), ("gaussian", False), ("rademacher", True), ("gaussian", True)]:
-        want = Ops().perturbed_losses(theta, layout, batch, Population(5, 1e-2, 7, 1, 2, kind, onesided=onesided))
-        got = cuda_forward.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1,
-                                       pairs=range(1, 5), onesided=onesided)
-        for g, w in zip(got, want):
-            assert_close(g, w[1:], rtol=LOSS_RTOL, name=f"spsa losses {kind}{' one-sided' * onesided}")
+    for kind in ("rademacher", "gaussian"):
+        for table, build in TABLES.items():
+            pop = build(Population(5, 1e-2, 7, 1, 2, kind))
+            want = Ops().perturbed_losses(theta, layout, batch, pop)
+            rows = pop.rows(range(1, 5))
+            got = cuda_forward.spsa_losses(theta, layout, batch, 5, 1e-2, 7, 1, 2, kind, workspace_bytes=1,
+                                           pairs=range(1, 5), table=(pop.direction[rows], pop.sign[rows]))
+            for g, w in zip(got, want):
+                assert_close(g, w[1:], rtol=LOSS_RTOL, name=f"spsa losses {kind} {table}")
+            got = cuda_ops.CudaOps().perturbed_losses(theta, layout, batch, pop, range(1, 5))
+            for g, w in zip(got, want):
+                assert_close(g, w[1:], rtol=LOSS_RTOL, name=f"CudaOps losses {kind} {table}")
 
 
 def test_nll_stream_carries_state_and_log_probs_match(rt):
@@ -535,7 +549,8 @@ def test_eggroll_factors_are_the_cpu_slices(rt):
     r, pairs = 2, 3
     n = noise_length(layout, r)
     z = _poisoned(rt, (pairs, n))
-    cuda_noise.perturb(z, rt.xp.zeros(n, np.float32), 1.0, 0, 11, 1, 4, 0, pairs, False, KINDS["gaussian"])
+    cuda_noise.perturb(z, rt.xp.zeros(n, np.float32), 1.0, 0, 11, 1, 4, *cuda_noise.plain_rows(range(pairs)),
+                       KINDS["gaussian"])
     low = cuda_forward._LowRank(custom_kernels.to_device(theta), layout, z, 0.5, r)
     want = population_factors(layout, r, 11, 1, 4, pairs, np.float64)
     for e in layout.entries:
@@ -775,7 +790,7 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     from zosoma.runs.trainer import Trainer, new_state
 
     model = TINY_MODEL_L2
-    cfg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3)
+    cfg = TrainConfig(optimizer="sgd", steps=2, batch=3, seq_len=12, perturbations=3)
     text = np.frombuffer(b"a forward-only trainer checks its device path " * 20, np.uint8)
     sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)
     cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))
@@ -793,7 +808,7 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
                  name="eval")
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "eggroll", "es"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "eggroll", "es", "onesided"])
 def test_a_device_resident_run_matches_the_cpu_run(rt, tmp_path, monkeypatch, optimizer):
     """--device cuda keeps theta and the optimizer state on the device: a few training steps of the
     same seed end within float tolerance of the CPU run (sgd: the fused update kernel), and theta

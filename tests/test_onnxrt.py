@@ -39,7 +39,7 @@ def test_first_steps_agree_with_the_numba_engine(corpus, tmp_path, optimizer):
     """The default tiny preset, same seed: ONNX Runtime (fed perturbed weights, reading back only
     losses) and the Numba engine take the same first steps within float32 rounding."""
     model = ModelConfig(embed=32, hidden=64, layers=1)
-    extra = {"optimizer": "eggroll", "eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {}
+    extra = {"optimizer": "eggroll", "eps": 0.01, "lr": 1.0} if optimizer == "eggroll" else {"optimizer": "sgd"}
     runs = {}
     for engine in ("native", "onnxruntime"):
         cfg = TrainConfig(steps=4, engine=engine, checkpoint_every=100, **extra)
@@ -56,7 +56,7 @@ def test_a_short_run_ends_where_the_numba_engines_does(corpus, tmp_path):
     model = ModelConfig(embed=16, hidden=32, layers=1)
     ends = {}
     for engine in ("native", "onnxruntime"):
-        cfg = TrainConfig(steps=150, perturbations=8, batch=4, seq_len=16, lr=0.3, engine=engine, checkpoint_every=150)
+        cfg = TrainConfig(optimizer="sgd", steps=150, perturbations=8, batch=4, seq_len=16, lr=0.3, engine=engine, checkpoint_every=150)
         trainer, losses = _train(corpus, tmp_path / engine, model, cfg)
         ends[engine] = (losses[-20:].mean(), trainer)
     assert ends["native"][0] < 4.5  # it trained
@@ -92,7 +92,7 @@ def test_engine_names():
         with pytest.raises(ConfigError):
             get_ops(**{"device": "cpu", **bad})
     with pytest.raises(ConfigError, match="forward precision"):
-        TrainConfig(forward_precision="fp8")
+        TrainConfig(optimizer="sgd", forward_precision="fp8")
 
 
 # --- the command line ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from zosoma.runs.records import Step
 from zosoma.training.single import start_run
 from zosoma.training.soma import start_soma
 
-CFG = TrainConfig(steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+CFG = TrainConfig(optimizer="sgd", steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
 TINY = tiny_args(2, 4)
 
 
@@ -172,11 +172,13 @@ def test_train_command_shards_a_population(tmp_path, two_domains):
     assert result.exit_code == 0, result.output
     import json
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["comm_bytes"] for r in records] == [exchange_bytes(4, 2)] * 4
+    assert [r["comm_bytes"] for r in records] == [exchange_bytes(4, 2, 8)] * 4  # the default run: 2P scalars
 
 
 def test_bench_comm_table():
     tiny = next(r for r in cli_json(["bench", "comm", "-W", "8"], "bench-comm")["results"] if r["preset"] == "tiny")
     d = tiny["d"]
-    assert (d, tiny["P"], tiny["soma"], tiny["population"]) == (49_664, 32, 0, exchange_bytes(32, 8))
+    # the default run's step sends its 2P one-sided scalars to each worker
+    assert (d, tiny["P"], tiny["D"], tiny["soma"], tiny["population"]) == (49_664, 32, 64, 0, exchange_bytes(32, 8, 64))
+    assert exchange_bytes(32, 8, 64) == 8 * (2 * 32 + 8 * 64)
     assert tiny["allreduce_per_worker"] == round(2 * 7 / 8 * 4 * d)  # ring all-reduce of fp32 gradients

@@ -32,6 +32,7 @@ from zosoma.runs.records import Step
 from zosoma.runs.trainer import RunState, Trainer, train
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
+from zosoma.strategies.onesided import one_sided
 from zosoma.strategies.shaping import Chain
 
 pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
@@ -91,7 +92,7 @@ def test_the_kits_training_loop_is_the_trainers(kit, layout, tmp_path, monkeypat
     f = load(kit, stage)
     normalize = stage == "train_normalize"
     assert str(f["shaping"]) == ("normalize" if normalize else "none")
-    cfg = TrainConfig(steps=int(f["steps"]), batch=int(f["B"]), seq_len=int(f["T"]), perturbations=int(f["P"]),
+    cfg = TrainConfig(optimizer="sgd", steps=int(f["steps"]), batch=int(f["B"]), seq_len=int(f["T"]), perturbations=int(f["P"]),
                       eps=float(f["eps"]), lr=float(f["lr"]), warmup=int(f["warmup"]),
                       weight_decay=float(f["weight_decay"]), seed=int(f["seed"]), checkpoint_every=1000,
                       shaping=("normalize",) if normalize else (),  # as the stage's settings say
@@ -169,7 +170,7 @@ def wrong_onesided_two_eps(kit, good, layout):
 
 def wrong_onesided_over_p(kit, good, layout):
     f = load(kit, "onesided_step")
-    pop = Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"]), onesided=True)
+    pop = one_sided(Population(int(f["P"]), float(f["eps"]), int(f["seed"]), int(f["expert"]), int(f["step"])))
     # noise_sum divides by len(coeffs) = 2P: twice the coefficients give the 1/P reading
     return dict(good["onesided_step"], theta_new=Ops().sgd_update(f["theta"], 2 * f["scalars"], pop, float(f["lr"])))
 

@@ -46,7 +46,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 # Ray workers cannot import this module (tests/ is no package): send the test's units by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CFG = TrainConfig(steps=12, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
+CFG = TrainConfig(optimizer="sgd", steps=12, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
 TINY = tiny_args(2)
 
 

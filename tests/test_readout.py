@@ -86,7 +86,7 @@ def test_readout_is_refused_where_it_cannot_work():
         with pytest.raises(ConfigError, match=f"--optimizer {name} .* needs a model"):
             Optimizer(100, optimizer=name)
     with pytest.raises(ConfigError, match="readout_lr must be a finite number"):
-        TrainConfig(readout_lr=float("nan"))
+        TrainConfig(optimizer="readout", readout_lr=float("nan"))
     for name in ("readout", "rowwise"):
         with pytest.raises(ConfigError, match=f"--optimizer {name} .* not sharded over --population-workers"):
             check_shardable(TrainConfig(optimizer=name), 2)

@@ -26,7 +26,7 @@ from zosoma.strategies.shaping import Chain, spread
 from zosoma.strategies.shaping.clip import WARMUP
 from zosoma.strategies.shaping.normalize import WARMUP as NORMALIZE_WARMUP
 
-CFG = TrainConfig(steps=120, batch=4, seq_len=16, perturbations=4, lr=0.2, checkpoint_every=20)
+CFG = TrainConfig(optimizer="sgd", steps=120, batch=4, seq_len=16, perturbations=4, lr=0.2, checkpoint_every=20)
 
 
 # --- shaping ---------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def shaped(cfg, steps):
 
 def test_normalize_holds_every_step_to_the_mean_spread_so_far():
     rng = np.random.default_rng(0)
-    cfg = TrainConfig(shaping=("normalize",), normalize_window=20)
+    cfg = TrainConfig(optimizer="sgd", shaping=("normalize",), normalize_window=20)
     growing = [g * (1 + t / 10) for t, g in enumerate(scalars(rng, 100))]  # a run whose scalars grow
     out, state = shaped(cfg, growing)
     raw = [spread(g) for g in growing]  # never twice the mean before: every one enters as it is
@@ -64,7 +64,7 @@ def test_a_climb_inside_the_window_is_held_to_the_steps_before():
     steps = scalars(rng, 100)
     for t in range(41, 50):  # steps 42-50: the scalars' spread doubles every step
         steps[t] = steps[t] * 2.0 ** (t - 40)
-    out, state = shaped(TrainConfig(shaping=("normalize",), normalize_window=50), steps)
+    out, state = shaped(TrainConfig(optimizer="sgd", shaping=("normalize",), normalize_window=50), steps)
     typical = np.mean([spread(g) for g in steps[:41]])
     assert spread(steps[49]) > 100 * typical
     assert max(spread(g) for g, _ in out[41:50]) < 1.3 * typical  # the blow-up is scaled down
@@ -76,7 +76,7 @@ def test_a_window_within_the_warmup_is_the_mean_of_its_steps_as_before():
     """W <= WARMUP: the first W steps as they are, then their plain mean (the rule before the hold)."""
     rng = np.random.default_rng(5)
     steps = [g * (5.0 if t == 3 else 1.0) for t, g in enumerate(scalars(rng, 30))]
-    out, _ = shaped(TrainConfig(shaping=("normalize",), normalize_window=NORMALIZE_WARMUP), steps)
+    out, _ = shaped(TrainConfig(optimizer="sgd", shaping=("normalize",), normalize_window=NORMALIZE_WARMUP), steps)
     raw = [spread(g) for g in steps]
     assert all(np.array_equal(g, r) for (g, _), r in zip(out[:NORMALIZE_WARMUP], steps))
     scale = [info["normalize_scale"] for _, info in out[NORMALIZE_WARMUP:]]
@@ -89,7 +89,7 @@ def test_clip_bounds_a_cliff_step():
     cliff = steps[40].copy()
     cliff[7] = 500.0  # one sequence on a loss cliff: one scalar hundreds of times the others
     steps[40] = cliff
-    out, _ = shaped(TrainConfig(shaping=("clip",), clip_at=5.0), steps)
+    out, _ = shaped(TrainConfig(optimizer="sgd", shaping=("clip",), clip_at=5.0), steps)
     g, info = out[40]
     median = np.median(np.abs(np.concatenate(steps[:40])))
     assert info["clip_count"] >= 1 and abs(g[7]) < 5 * 1.5 * median  # bounded near 5 running medians
@@ -104,14 +104,14 @@ def test_shaping_bounds_the_step_on_a_constructed_cliff(pieces):
     steps = scalars(rng, 80)
     steps[70] = steps[70].copy()
     steps[70][3] = 1000.0
-    out, _ = shaped(TrainConfig(shaping=pieces, normalize_window=20), steps)
+    out, _ = shaped(TrainConfig(optimizer="sgd", shaping=pieces, normalize_window=20), steps)
     typical = np.median([spread(g) for g, _ in out[20:70]])
     assert spread(steps[70]) > 30 * typical
     assert spread(out[70][0]) < 3 * typical
 
 
 def test_shaping_passes_a_skipped_step_through():
-    cfg = TrainConfig(shaping=("clip", "normalize"))
+    cfg = TrainConfig(optimizer="sgd", shaping=("clip", "normalize"))
     chain = Chain(cfg)
     state = chain.init()
     bad = np.array([1.0, np.nan, 2.0])
@@ -127,12 +127,12 @@ def test_shaping_is_an_spsa_option_and_its_names_are_checked():
     es = make_strategy(TrainConfig(optimizer="es", eps=0.02, lr=0.005))  # the SPSA default: not its option
     assert "shaping" not in es.options and not es.shaping.pieces
     with pytest.raises(ConfigError, match="unknown shaping 'rank'"):
-        make_strategy(TrainConfig(shaping=("rank",)))
-    cfg = TrainConfig(shaping=["clip", "normalize"])  # as JSON or TOML give it
+        make_strategy(TrainConfig(optimizer="sgd", shaping=("rank",)))
+    cfg = TrainConfig(optimizer="sgd", shaping=["clip", "normalize"])  # as JSON or TOML give it
     assert cfg.shaping == ("clip", "normalize") and from_json(to_json(cfg))["TrainConfig"] == cfg
-    assert TrainConfig(shaping="none").shaping == () and TrainConfig().shaping == ("normalize",)
+    assert TrainConfig(optimizer="sgd", shaping="none").shaping == () and TrainConfig(optimizer="sgd").shaping == ("normalize",)
     with pytest.raises(ConfigError, match="shaping none is plain SPSA: it takes no other piece"):
-        TrainConfig(shaping=("none", "clip"))
+        TrainConfig(optimizer="sgd", shaping=("none", "clip"))
 
 
 def test_plain_spsa_is_named_on_the_command_line(tmp_path):

@@ -293,7 +293,7 @@ def fake_run(tmp_path, clustering, n):
     for i in range(n):
         theta = init_params(TINY, seed=0, expert=i)
         (run / f"expert{i}").mkdir()
-        RunFolder(run / f"expert{i}").write_checkpoint(Checkpoint(TINY, TrainConfig(steps=1), theta, step=1))
+        RunFolder(run / f"expert{i}").write_checkpoint(Checkpoint(TINY, TrainConfig(optimizer="sgd", steps=1), theta, step=1))
         thetas.append(theta)
     return run, thetas
 

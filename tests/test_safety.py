@@ -366,7 +366,7 @@ def test_a_signal_cannot_fall_between_the_renames(tmp_path, monkeypatch):
     model = ModelConfig(embed=4, hidden=4, layers=1)
     folder = RunFolder(tmp_path)
     folder.make()
-    folder.write_checkpoint(Checkpoint(model, TrainConfig(), init_params(model, 0), 1))
+    folder.write_checkpoint(Checkpoint(model, TrainConfig(optimizer="sgd"), init_params(model, 0), 1))
     replace = os.replace
 
     def replace_then_interrupt(a, b):
@@ -377,7 +377,7 @@ def test_a_signal_cannot_fall_between_the_renames(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", replace_then_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # not a handler a CliRunner test left behind
     with pytest.raises(KeyboardInterrupt):
-        folder.write_checkpoint(Checkpoint(model, TrainConfig(), init_params(model, 0), 2))
+        folder.write_checkpoint(Checkpoint(model, TrainConfig(optimizer="sgd"), init_params(model, 0), 2))
     monkeypatch.undo()
     assert (tmp_path / CHECKPOINT).exists() and (tmp_path / PREVIOUS).exists() and not (tmp_path / NEXT).exists()
     assert folder.read_checkpoint().step == 2
@@ -471,7 +471,7 @@ def test_a_resume_keeps_the_placement_and_can_extend_the_run(text, tmp_path):
     assert "extending" in result.output and "from 4 to 8 steps" in result.output
     records = [json.loads(line) for line in (run / METRICS).read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
-    assert {r["comm_bytes"] for r in records} == {exchange_bytes(4, 2)}  # sharded before and after
+    assert {r["comm_bytes"] for r in records} == {exchange_bytes(4, 2, 8)}  # sharded before and after (2P scalars)
     assert RunFolder(run).read_checkpoint().train.steps == 8
     assert "extend a run, not shorten it" in last_line(invoke(["train", "--resume", run, "--steps", "6"]))
 
@@ -689,7 +689,7 @@ def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(tex
     from zosoma.runs.folder import StillTraining
     from zosoma.training.soma import create_soma
     run = tmp_path / "run"
-    create_soma(run, TINY_MODEL, TrainConfig(steps=5, batch=4, seq_len=16,
+    create_soma(run, TINY_MODEL, TrainConfig(optimizer="sgd", steps=5, batch=4, seq_len=16,
                 perturbations=2), 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])
     holder = hold_lock(run)
     try:
@@ -742,10 +742,10 @@ def test_a_run_that_checkpoints_every_step_keeps_a_bounded_chain_to_roll_back_to
     from zosoma.config import TrainConfig
     from zosoma.formats.checkpoint import load_checkpoint
     from zosoma.runs.trainer import MAX_KEPT, retention
-    restart = TrainConfig(checkpoint_every=1, on_divergence="restart")
+    restart = TrainConfig(optimizer="sgd", checkpoint_every=1, on_divergence="restart")
     assert retention(restart, 200) == (202, 25) and retention(restart, 50) == (52, 7)
-    assert retention(TrainConfig(checkpoint_every=500, on_divergence="restart"), 200) == (3, None)  # as it was
-    assert retention(TrainConfig(checkpoint_every=1, on_divergence="stop"), 200) == (2, None)
+    assert retention(TrainConfig(optimizer="sgd", checkpoint_every=500, on_divergence="restart"), 200) == (3, None)  # as it was
+    assert retention(TrainConfig(optimizer="sgd", checkpoint_every=1, on_divergence="stop"), 200) == (2, None)
     run = tmp_path / "run"
     result = invoke(train_args(text, run, 400, "--lr", "40", "--checkpoint-every", "1", "--max-restarts", "1",
                                "--quiet"))

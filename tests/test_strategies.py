@@ -69,6 +69,25 @@ def test_resolve_takes_the_preset_then_the_strategys_defaults_then_what_was_give
         resolve(None, {"hiddn": 3})
 
 
+def test_resolve_holds_the_one_default_optimizer():
+    """TrainConfig names no optimizer of its own: resolve's default is the default run's (one-sided
+    SPSA at its rate and steps); a stored configuration written before the field existed reads as
+    the paper's sgd, what it trained."""
+    import json
+
+    from zosoma.config import from_json, to_json
+    from zosoma.strategies.settings import DEFAULT_OPTIMIZER, resolve
+
+    with pytest.raises(TypeError, match="optimizer"):
+        TrainConfig()
+    cfg = resolve("tiny")[1]
+    assert (cfg.optimizer, cfg.steps, cfg.lr) == (DEFAULT_OPTIMIZER, 3540, 0.15 * 1.4142) and cfg.optimizer == "onesided"
+    assert resolve(None, {"optimizer": "sgd"})[1] == TrainConfig(optimizer="sgd")  # the paper's: the other defaults
+    stored = json.loads(to_json(TrainConfig(optimizer="sgd")))
+    del stored["TrainConfig"]["optimizer"]
+    assert from_json(json.dumps(stored))["TrainConfig"] == TrainConfig(optimizer="sgd")
+
+
 def test_centered_ranks():
     r = centered_ranks([3.0, -1.0, 10.0, 0.5])
     assert r.tolist() == pytest.approx([1 / 6, -0.5, 0.5, -1 / 6], abs=1e-15)
@@ -112,7 +131,7 @@ def test_es_trains(tmp_path):
 
 
 def test_summed_wrapper_shares_spsa_scalars_and_refuses_shaped_fitness():
-    cfgs = [TrainConfig(eps=0.01), TrainConfig(eps=0.01)]
+    cfgs = [TrainConfig(optimizer="sgd", eps=0.01), TrainConfig(optimizer="sgd", eps=0.01)]
     summed = Summed([make_strategy(c) for c in cfgs])
     losses = [(np.array([1.0, 2.0]), np.array([0.5, 2.5])), (np.array([3.0, 1.0]), np.array([1.0, 1.0]))]
     shared, per_expert = summed.coefficients(losses)

@@ -126,7 +126,7 @@ def test_training_lowers_the_loss(tmp_path):
 
 def test_resume_from_an_older_checkpoint_drops_later_metrics(tmp_path):
     """A run killed between checkpoints resumes from the last one and redoes the later steps."""
-    cfg = TrainConfig(steps=8, batch=4, seq_len=16, perturbations=2, checkpoint_every=5)
+    cfg = TrainConfig(optimizer="sgd", steps=8, batch=4, seq_len=16, perturbations=2, checkpoint_every=5)
     full, _ = run_steps(tmp_path / "full", cfg)
     sampler = BatchSampler(small_corpus(), 17)
     state = new_state(MODEL, cfg)
@@ -169,7 +169,7 @@ class Poisoned(Ops):
 
 
 def test_non_finite_loss_skips_the_step(tmp_path):
-    cfg = TrainConfig(steps=3, batch=2, seq_len=8, perturbations=2)
+    cfg = TrainConfig(optimizer="sgd", steps=3, batch=2, seq_len=8, perturbations=2)
     state = new_state(MODEL, cfg)
     theta0 = state.theta.copy()
     state, records = run_steps(tmp_path, cfg, state=state, ops=Poisoned())
@@ -179,7 +179,7 @@ def test_non_finite_loss_skips_the_step(tmp_path):
 
 
 def test_checkpoint_rotation_keeps_the_previous_and_survives_a_damaged_latest(tmp_path):
-    cfg = TrainConfig(steps=6, batch=2, seq_len=8, perturbations=2, checkpoint_every=3)
+    cfg = TrainConfig(optimizer="sgd", steps=6, batch=2, seq_len=8, perturbations=2, checkpoint_every=3)
     run_steps(tmp_path, cfg)
     folder = RunFolder(tmp_path)
     assert folder.read_checkpoint().step == 6

@@ -265,7 +265,7 @@ def test_eval_prints_the_yardsticks_beside_its_table(small_shipped, tmp_path):
 
     model = TINY_MODEL
     ckpt = tmp_path / "model.h5"
-    save_checkpoint(ckpt, Checkpoint(model=model, train=TrainConfig(), theta=init_params(model, seed=0), step=0))
+    save_checkpoint(ckpt, Checkpoint(model=model, train=TrainConfig(optimizer="sgd"), theta=init_params(model, seed=0), step=0))
     held = tmp_path / "held"
     held.mkdir()
     (held / "prose.txt").write_bytes(HELD)

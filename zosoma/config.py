@@ -73,11 +73,13 @@ class TrainConfig:
     noise: str = "rademacher"  # "rademacher" or "gaussian"
     # The strategy (zosoma.strategies): "sgd", "momentum", "adam" (SPSA with ZO-SGD, ZO-momentum,
     # ZO-Adam), "eggroll" (low-rank ES), "es" (OpenAI-ES) or "onesided" (SPSA's forward differences,
-    # 2P directions a step). These fields' defaults are the paper's estimator, ZO-SGD as in MeZO
-    # (ZO-Adam's per-coordinate normalisation amplifies the estimate's noise in the many coordinates
-    # whose true gradient is small, and learned far slower here); a run that names no optimizer
-    # trains one-sided SPSA (zosoma.strategies.settings.DEFAULT_OPTIMIZER).
-    optimizer: str = "sgd"
+    # 2P directions a step). No default here: a run that names no optimizer trains one-sided SPSA
+    # at its own rate and steps, which zosoma.strategies.settings.resolve (DEFAULT_OPTIMIZER)
+    # decides, so a configuration is built there, or names its strategy. The other fields'
+    # defaults are the paper's estimator's, ZO-SGD as in MeZO (ZO-Adam's per-coordinate
+    # normalisation amplifies the estimate's noise in the many coordinates whose true gradient is
+    # small, and learned far slower here).
+    optimizer: str = dataclasses.field(kw_only=True)
     rank: int = 1  # EGGROLL's r
     # The estimate's norm grows like sqrt(d / P), so the largest stable rate falls roughly like 1/d:
     # 0.15 suits the tiny preset's 50k parameters (0.3 diverged there).
@@ -94,7 +96,7 @@ class TrainConfig:
     engine: str = "native"  # ENGINES: the device's kernels, or ONNX Runtime (an inference-only runtime)
     forward_precision: str = "fp32"  # PRECISIONS: bf16, fp16 and int8 are emulated on the CPU
     # Coefficient shaping (zosoma.strategies.shaping; SPSA's update rules): pieces applied in
-    # order to each step's P scalars before the update, e.g. ("clip", "normalize"). The default
+    # order to the step's scalars before the update, e.g. ("clip", "normalize"). The default
     # normalises every step to the first steps' spread: over seeds 0-9 of the default run it ended
     # at 2.859 +- 0.013 held-out nats/byte against plain SPSA's 2.918 +- 0.033 (clip 2.886, both
     # 2.863; results/defaults-single, measured when the reference was the window's mean), and it
@@ -222,7 +224,7 @@ def from_json(text: str) -> dict:
 RETIRED = {"TrainConfig": ("eval_every",)}
 # What a field means in a checkpoint written before it existed: the behaviour of that version,
 # whatever today's default, so a resumed old run trains on exactly as it would have.
-ABSENT = {"TrainConfig": {"shaping": (), "on_divergence": "stop"}}
+ABSENT = {"TrainConfig": {"shaping": (), "on_divergence": "stop", "optimizer": "sgd"}}
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def bench_eggroll_cmd(embed, hidden, layers, batch, seq_len, pairs, rank, repeat
 @json_option
 def bench_comm_cmd(workers, as_json):
     """Bytes exchanged per training step for each preset: SOMA's experts (none while training),
-    one model's population sharded over W workers (its P scalars) and data-parallel backprop's
+    one model's population sharded over W workers (the step's scalars) and data-parallel backprop's
     gradient all-reduce (about 2 x 4d per worker), side by side."""
     from zosoma.benchmarks.bench_comm import bench_comm, format_comm
     show("comm", bench_comm(workers), format_comm)

@@ -17,22 +17,23 @@ what it is only through the attributes below, never by its name. The interface:
                to_numpy(x)              an engine array as a NumPy array (checkpoints, evaluation)
     forwards   population_loss(thetas, layout, batch)           (M,) mean nats/byte of M models
                perturbed_losses(theta, layout, batch, pop, pairs)
-                                        (plus, minus): losses of a Population's members, made
-                                        from their counters (dense SPSA/ES, one-sided or
-                                        EGGROLL low-rank)
+                                        (plus, minus): losses of a Population's members 2k and
+                                        2k+1, made from their counters as its member table says
+                                        (dense, any table; or EGGROLL low-rank)
                nll_stream(theta, layout, tokens, targets, state)  per-byte nats, state carried
                log_probs(theta, layout, tokens, state)             next-byte log-probabilities
                models_nll(models, rows)  per-byte nats of several models, each on its own rows
-    updates    noise_sum(coeffs, d, pop)  (1/P) sum_k coeffs[k] delta_k, every delta regenerated
+    updates    noise_sum(coeffs, d, pop)  (1/D) sum_j coeffs[j] delta_j over the population's D
+                                        directions, every delta regenerated
                sgd_update(theta, coeffs, pop, lr, weight_decay)   theta - lr (noise_sum + wd theta)
                lowrank_update(theta, layout, coeffs, pop, lr)     EGGROLL's theta + lr N^-1/2 sum c E
     activity   activity_losses(theta, layout, batch, pop, pairs)  (plus, minus) (K, B): each row's
                                         loss with noisy pre-activations (node perturbation)
                activity_estimate(theta, layout, batch, coeffs, pop)  its estimate from (P, B) scalars
 
-Losses come back as NumPy float64 (they are P scalars); theta and optimizer state stay engine
+Losses come back as NumPy float64 (a few scalars per step); theta and optimizer state stay engine
 arrays between steps, so an engine on a device never sends weights to the host while training.
-Shapes: M members, P pairs, B batch, T time, d parameters.
+Shapes: M members, P pairs, D directions, B batch, T time, d parameters.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class Ops:
 
     def perturbed_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
                          timings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Losses of the members theta + perturbation_k ("plus") and theta - perturbation_k
-        ("minus") for k in `pairs` (default all P) on the step's shared (B, T+1) batch; each
+        """Losses of pair k's members 2k ("plus") and 2k+1 ("minus"), theta + sign_m *
+        perturbation_{direction_m} as pop's member table says (antithetic pairs: theta +/-
+        perturbation_k), for k in `pairs` (default all P) on the step's shared (B, T+1) batch; each
         (len(pairs),) float64. `timings`, if given, accumulates seconds of "noise" (building
         perturbed weights outside the forward) and "forward" (here the CPU forward builds each
         pair's members from the counters itself, so its noise is forward time)."""
@@ -99,10 +101,12 @@ class Ops:
         if type(self).population_loss is Ops.population_loss:  # the CPU forward builds its own members
             t0 = time.perf_counter()
             deltas = None
-            if pop.kind == "gaussian" and len(pairs) == pop.P and pop.directions * theta.size * 4 <= _KEEP_BYTES:
+            if (pop.kind == "gaussian" and len(pairs) == pop.P and pop.complete
+                    and pop.directions * theta.size * 4 <= _KEEP_BYTES):
                 deltas = np.empty((pop.directions, theta.size), np.float32)
+            rows = pop.rows(pairs)
             plus, minus = forward.perturbed_sums(theta, layout, batch, pop.scale, pop.seed, pop.expert, pop.step,
-                                                 pop.kind, pairs, deltas, pop.onesided)
+                                                 pop.kind, pairs, deltas, (pop.direction[rows], pop.sign[rows]))
             self._kept = (pop, theta.size, deltas) if deltas is not None else None
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
             return plus, minus
@@ -165,33 +169,34 @@ class Ops:
     # --- updates ----------------------------------------------------------------------------
 
     def noise_sum(self, coeffs, d: int, pop: Population) -> np.ndarray:
-        """(d,) float32 (1/P) * sum_k coeffs[k] * delta_k, regenerating each delta_k of the
-        dense Population in turn (P = len(coeffs)): SPSA's estimate from its P scalars. Here in
-        one pass over the parameters, split over threads; Gaussian directions that
-        perturbed_losses kept for this population are read instead (the same numbers)."""
-        return noise_kernels.weighted_sum(d, _weights(coeffs), pop.seed, pop.expert, pop.step, pop.kind,
-                                          self._kept_directions(pop, d, len(coeffs)))
+        """(d,) float32 (1/D) * sum_j coeffs[j] * delta_j, regenerating each direction j =
+        0..D-1 of the dense Population in turn (D = pop.directions = len(coeffs)): SPSA's estimate
+        from its scalars. Here in one pass over the parameters, split over threads; Gaussian
+        directions that perturbed_losses kept for this population are read instead (the same
+        numbers)."""
+        return noise_kernels.weighted_sum(d, _weights(coeffs, pop), pop.seed, pop.expert, pop.step, pop.kind,
+                                          self._kept_directions(pop, d))
 
     def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
         """theta - lr * noise_sum(coeffs) - lr * weight_decay * theta, a new array (the inputs are
         left untouched, so an interruption never leaves a half-applied step). Here in one pass
         over theta, the same float32 numbers as the formula (unless noise_sum is overridden)."""
         if type(self).noise_sum is Ops.noise_sum:
-            return noise_kernels.apply_weighted_sum(theta, _weights(coeffs), lr,
+            return noise_kernels.apply_weighted_sum(theta, _weights(coeffs, pop), lr,
                                                     lr * weight_decay if weight_decay else None,
                                                     pop.seed, pop.expert, pop.step, pop.kind,
-                                                    self._kept_directions(pop, theta.size, len(coeffs)))
+                                                    self._kept_directions(pop, theta.size))
         new = theta - np.float32(lr) * self.noise_sum(coeffs, theta.size, pop)
         if weight_decay:
             new -= np.float32(lr * weight_decay) * theta
         return new.astype(np.float32)
 
-    _kept = None  # (Population, d, (P, d) float32): the dense Gaussian directions last evaluated
+    _kept = None  # (Population, d, (D, d) float32): the dense Gaussian directions last evaluated
 
-    def _kept_directions(self, pop: Population, d: int, P: int):
+    def _kept_directions(self, pop: Population, d: int):
         """The directions perturbed_losses kept for this population, or None (regenerate)."""
         kept = self._kept
-        return kept[2] if kept is not None and kept[0] == pop and kept[1] == d and P == pop.directions else None
+        return kept[2] if kept is not None and kept[0] == pop and kept[1] == d else None
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
         """EGGROLL's theta + lr * (2P)^(-1/2) * sum_k coeffs[k] E_k (zosoma.engines.cpu.lowrank)."""
@@ -255,26 +260,30 @@ class Ops:
 
 
 def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray | None = None) -> np.ndarray:
-    """The dense population for `pairs`: rows 2j and 2j+1 are theta + scale*delta_k and
-    theta - scale*delta_k for k = pairs[j] (one-sided: theta + scale*delta_2k and
-    theta + scale*delta_2k+1). Returns (2*len(pairs), d) float32."""
+    """The dense population for `pairs`, as its member table says: rows 2j and 2j+1 are members
+    2k and 2k+1 for k = pairs[j], member m = theta + sign_m * scale * delta_{direction_m}
+    (antithetic pairs: theta + scale*delta_k and theta - scale*delta_k). Returns
+    (2*len(pairs), d) float32."""
     out = np.empty((2 * len(pairs), theta.size), np.float32) if out is None else out
     k0, k1 = noise.stream_key(pop.seed)
     theta = np.ascontiguousarray(theta, np.float32)
     scale, code, none = np.float32(pop.scale), noise.kind_code(pop.kind), np.empty(0, np.float32)
+    dirs, signs = pop.member_directions, pop.member_signs
     for j, k in enumerate(pairs):
-        if pop.onesided:
-            for i in (0, 1):
-                noise_kernels.antithetic_pair(out[2 * j + i], none, theta, scale, code, k0, k1, 2 * k + i, pop.step,
-                                              pop.expert, none)
+        a, b = dirs[2 * k], dirs[2 * k + 1]
+        if a == b and signs[2 * k] == -signs[2 * k + 1]:  # antithetic: one generation for both
+            noise_kernels.antithetic_pair(out[2 * j], out[2 * j + 1], theta, signs[2 * k] * scale, code, k0, k1, a,
+                                          pop.step, pop.expert, none)
         else:
-            noise_kernels.antithetic_pair(out[2 * j], out[2 * j + 1], theta, scale, code, k0, k1, k, pop.step,
-                                          pop.expert, none)
+            for i, m in ((0, a), (1, b)):
+                noise_kernels.antithetic_pair(out[2 * j + i], none, theta, signs[2 * k + i] * scale, code, k0, k1, m,
+                                              pop.step, pop.expert, none)
     return out
 
 
-def _weights(coeffs) -> np.ndarray:
-    """The float32 weights coeffs[k] / P of the P directions in SPSA's estimate."""
+def _weights(coeffs, pop: Population) -> np.ndarray:
+    """The float32 weights coeffs[j] / D of the population's D directions in SPSA's estimate."""
+    pop.check_scalars(coeffs)
     coeffs = np.asarray(coeffs, np.float64)
     return (coeffs / len(coeffs)).astype(np.float32)
 

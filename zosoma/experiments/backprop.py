@@ -55,8 +55,8 @@ def resolve_backprop(model: ModelConfig, given: Mapping, shared: Mapping = {}) -
     unread = sorted(set(given) - KEYS)
     if unread:
         raise ConfigError(f"a backprop method reads only {', '.join(sorted(KEYS))}; not {', '.join(unread)}")
-    cfg = dataclasses.replace(TrainConfig(), **{**DEFAULTS, **{k: v for k, v in shared.items() if k in KEYS},
-                                                **given})
+    cfg = dataclasses.replace(TrainConfig(optimizer=BACKPROP),
+                              **{**DEFAULTS, **{k: v for k, v in shared.items() if k in KEYS}, **given})
     if cfg.schedule not in ("constant", "cosine"):
         raise ConfigError(f"schedule must be constant or cosine, got {cfg.schedule!r}")
     return cfg

@@ -55,7 +55,7 @@ def estimates(name: str, theta: np.ndarray, layout: Layout, batch: np.ndarray, d
     counters (expert 0). options: TrainConfig fields (perturbations, eps, noise, ...)."""
     from zosoma.strategies import make_strategy
 
-    cfg = dataclasses.replace(TrainConfig(), optimizer=name, batch=batch.shape[0], seq_len=batch.shape[1] - 1,
+    cfg = dataclasses.replace(TrainConfig(optimizer=name), batch=batch.shape[0], seq_len=batch.shape[1] - 1,
                               steps=draws, **{**PLAIN, **options})
     strategy = make_strategy(cfg)
     strategy.check(layout)

@@ -80,7 +80,7 @@ def _from_result(result: dict, keys) -> dict:
     zosoma.config.ABSENT, else today's default)."""
     def config(cls, fields):
         retired = RETIRED.get(cls.__name__, ())
-        return {**dataclasses.asdict(cls()), **ABSENT.get(cls.__name__, {}),
+        return {**dataclasses.asdict(cls(**ABSENT.get(cls.__name__, {}))),
                 **{k: v for k, v in fields.items() if k not in retired}}
     classes = {"model": ModelConfig, "train": TrainConfig}
     return {k: config(classes[k], result[k]) if k in classes else result[k] for k in keys if k in result}

@@ -42,7 +42,7 @@ def train_stage(theta, layout: Layout, seed: int, shaping: str = "none") -> Stag
     shaped scalars and normalize's state are outputs too."""
     normalize = shaping == "normalize"
     c = dict(LOOP_NORMALIZE if normalize else LOOP, seed=2**33 + 11 + seed)
-    pieces = Chain(TrainConfig(shaping=("normalize",), normalize_window=LOOP_NORMALIZE["normalize_window"]))
+    pieces = Chain(TrainConfig(optimizer="sgd", shaping=("normalize",), normalize_window=LOOP_NORMALIZE["normalize_window"]))
     state = {"normalize": pieces.init()["normalize"]} if normalize else {}
     shaped_rows, states = [], []
     corpus = small_corpus()
@@ -215,7 +215,7 @@ def shaping_stage(rng) -> Stage:
 
 
 def _shape(chain, scalars, clip_at, window) -> tuple:
-    cfg = TrainConfig(shaping=chain, clip_at=clip_at, normalize_window=window)
+    cfg = TrainConfig(optimizer="sgd", shaping=chain, clip_at=clip_at, normalize_window=window)
     pieces = Chain(cfg)
     state = {k: dict(v) for k, v in STATE_IN.items() if k in chain}
     shaped, states = [], {p: [] for p in chain}

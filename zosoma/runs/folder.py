@@ -12,7 +12,7 @@ A single model's run (or one SOMA expert's folder):
                              (checkpoint_steps): a run that went on since is seen to (RunFolder.stale)
     RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
     RUN/scalars.jsonl        a population sharded over workers (zosoma.workers.population_workers): each
-                             step's P update scalars, so a lost worker is rebuilt by replay
+                             step's scalars, so a lost worker is rebuilt by replay
 
 A SOMA run:
 
@@ -531,12 +531,12 @@ class RunFolder:
     # --- populations sharded over workers and runs on a cluster ------------------------------
 
     def append_scalars(self, step: int, coeffs) -> None:
-        """Log step `step`'s P update scalars (JSON floats round-trip float64 exactly)."""
+        """Log step `step`'s scalars (JSON floats round-trip float64 exactly)."""
         append_line(self.path / SCALARS, json.dumps({"step": step, "coeffs": [float(c) for c in coeffs]}),
                     "scalars")
 
     def read_scalars(self, start: int = 0) -> dict[int, list[float]]:
-        """{step: P scalars} for the logged steps >= start (a line cut short by a kill ends the log)."""
+        """{step: the step's scalars} for the logged steps >= start (a line cut short by a kill ends the log)."""
         path, out = self.path / SCALARS, {}
         for line in (path.read_text().splitlines() if path.exists() else []):
             try:

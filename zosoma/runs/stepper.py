@@ -5,7 +5,7 @@ One step of a model, from its counters (zosoma.strategies.base):
     pop          = stepper.ask(step)                                  which 2P_t members
     plus, minus  = stepper.losses(theta, state, pop, pairs, timings)  batch(seed, stream, step); forward
                                                                       passes only, over `pairs` (all)
-    coeffs       = the strategy's P scalars, shaped                   (the trainer's: Strategy.shape)
+    coeffs       = the step's scalars, shaped                         (the trainer's: Strategy.shape)
     theta, state, lr, skipped = stepper.apply(theta, state, coeffs, pop)   Strategy.apply, at the rate
                                                                       after `restarts` restarts
 

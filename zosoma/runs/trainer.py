@@ -6,7 +6,7 @@ One step (zosoma.strategies.base), its pieces a Stepper's (zosoma.runs.stepper):
     plus, minus  = stepper.losses(theta, state, pop)                  batch(seed, stream, step), a pure
                                                                       function of the counters; forward
                                                                       passes only
-    coeffs, loss = strategy.coefficients(plus, minus)                 P scalars
+    coeffs, loss = strategy.coefficients(plus, minus)                 the step's scalars (docs/architecture.md)
     coeffs       = strategy.shape(coeffs, shaping)                    raw spread recorded; the default
                                                                       run normalizes them
     theta, state = stepper.apply(theta, state, coeffs, pop)           Strategy.apply:
@@ -139,11 +139,11 @@ class Trainer:
         return self.stepper.losses(self.state.theta, self.state.optimizer, self._pop, timings=self.timings)
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
-        """The strategy's P scalars and the minibatch loss estimate at theta."""
+        """The step's scalars and the minibatch loss estimate at theta."""
         return self.strategy.coefficients(plus, minus)
 
     def update(self, coeffs: np.ndarray, loss: float) -> Step:
-        """Shape the P scalars (zosoma.strategies.shaping) and apply the strategy's update from
+        """Shape the step's scalars (zosoma.strategies.shaping) and apply the strategy's update from
         them (Strategy.shape, then self.apply); a non-finite scalar skips the step (a NaN would
         poison theta and the optimizer state). Returns the step's record."""
         t0 = time.perf_counter()

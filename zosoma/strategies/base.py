@@ -8,7 +8,7 @@ only. Per step and expert:
     plus, minus    = strategy.losses(ops, theta, layout, batch, pop, state)   the engine's forwards along
                                                                  the counters' directions, or a probe
                                                                  design's (zosoma.strategies.probes)
-    coeffs, loss   = strategy.coefficients(plus, minus)          P scalars (NaN: skip this step)
+    coeffs, loss   = strategy.coefficients(plus, minus)          the step's scalars (NaN: skip it)
     told           = strategy.tell(ops, layout, theta, state, shaping, coeffs, pop, restarts)
         shape:  spread = rms(coeffs), recorded raw; coeffs, shaping = the shaping chain (the
                 default run: normalize, zosoma.strategies.shaping)
@@ -23,7 +23,8 @@ shapes fitness, then calls the strategy's `_tell`); a subclass writes only the m
 coefficients, update). Every place that steps calls it: the training loop (shape, then apply,
 through its zosoma.runs.stepper.Stepper), a population worker (apply, through a Stepper of its own,
 on scalars the driver shaped) and zosoma.Optimizer (tell), so their bit-exact
-agreement holds by construction. The P scalars are all that a step needs to agree on an update:
+agreement holds by construction. The step's scalars (docs/architecture.md: P, or 2P one-sided)
+are all that a step needs to agree on an update:
 any engine or machine regenerates the directions from the counters. Optimizer state is a dict of
 arrays (checkpointed as is, kept on the engine between steps). Each strategy declares the
 TrainConfig fields it reads beyond the common ones; `check_options` makes any other field that is
@@ -158,7 +159,7 @@ class Strategy:
         raise NotImplementedError
 
     def update(self, ops, layout: Layout, theta, state: dict, coeffs: np.ndarray, pop: Population, lr: float):
-        """(new theta, new state) from the P scalars; the inputs are left untouched. A dense
+        """(new theta, new state) from the step's scalars; the inputs are left untouched. A dense
         strategy's: the estimate, its update transforms, a step down the result; with neither a
         probe design nor a transform, the engine's fused regenerate-and-apply step (the paper's)."""
         if self.probes is None and not self.transforms:
@@ -244,7 +245,8 @@ def check_options(strategy: Strategy, cfg: TrainConfig, given=(), shared=()) -> 
     a table several methods share), that only another setting makes read (READ_ONLY_WITH:
     --clip-at without clip shaping). The latter never for a stored configuration (neither given
     nor shared), so that a checkpoint written before that rule still resumes."""
-    plain, own = TrainConfig(), dataclasses.replace(TrainConfig(), **strategy.defaults)
+    plain = TrainConfig(optimizer=cfg.optimizer)
+    own = dataclasses.replace(plain, **strategy.defaults)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
         if f.name not in COMMON | strategy.options and (

@@ -14,17 +14,14 @@ minibatch: docs/cut-price.md's constant-P sweep) the error of ghat is about d/(2
 against d/P for the antithetic pairs at the same forwards. The price: each g_j carries eps/2 times
 the curvature along delta_j, which a pair cancels; with eps = 1e-3 it is far below the signal.
 
-Pair k of the population is the members of directions 2k and 2k+1 (Population.onesided): the
-engines build them from the counters as they build antithetic pairs (the CPU forward inside its
-fused pair loop, the CUDA perturb kernel's plain rows), so pair-wise forwards, workers' pair
+All of it is this file's: the population's member table (`one_sided`: member j along direction
+j with sign +1, 2P directions) is what the engines evaluate, as they evaluate any table (the CPU
+forward inside its fused pair loop, the CUDA perturb kernel), so pair-wise forwards, workers' pair
 ranges and zosoma.Optimizer carry it unchanged. The update is SPSA's with 2P scalars: the
-engine's fused regenerate-and-apply step over directions 0..2P-1 (Ops.noise_sum takes P =
-len(coeffs)).
+engine's fused regenerate-and-apply step over the table's directions 0..2P-1.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
@@ -45,9 +42,16 @@ class OneSided(SPSA):
     defaults = {"steps": 3540}
 
     def ask(self, expert: int, step: int) -> Population:
-        return dataclasses.replace(super().ask(expert, step), onesided=True)
+        return one_sided(super().ask(expert, step))
 
     def coefficients(self, plus, minus):
         L = np.stack([plus, minus], axis=1).ravel()  # direction j's loss at index j
         loss = float(np.mean(L))
         return (L - loss) / self.cfg.eps, loss
+
+
+def one_sided(pop: Population) -> Population:
+    """pop with one-sided members: member j is theta + scale * delta_j, j = 0..2P-1, each along a
+    direction of its own (pair k: directions 2k and 2k+1)."""
+    n = 2 * pop.P
+    return pop.with_members(range(n), (1,) * n, n)

@@ -27,13 +27,11 @@ matrix-vector product where a batch's is a matrix product: the same FLOPs at a l
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from zosoma.errors import ConfigError
 from zosoma.model.population import Population, member_chunks
-from zosoma.strategies.onesided import OneSided
+from zosoma.strategies.onesided import OneSided, one_sided
 
 
 class Rowwise(OneSided):
@@ -49,7 +47,7 @@ class Rowwise(OneSided):
 
     def rows(self, pop: Population) -> Population:
         """The population of single-row members: directions 0..2PB-1, direction i on row i mod B."""
-        return dataclasses.replace(pop, P=pop.P * self.cfg.batch)
+        return one_sided(Population(pop.P * self.cfg.batch, pop.scale, pop.seed, pop.expert, pop.step, pop.kind))
 
     def losses(self, ops, theta, layout, batch, pop, state, pairs=None, timings=None):
         """(plus, minus), (PB,) each: member i's loss on its row is at 2 (i // 2) + (i % 2)."""

@@ -25,9 +25,10 @@ TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 # at its own defaults (1.4142 times the preset's rate, 3,540 steps: the paper estimator's 4,000
 # at equal wall). Over seeds 0-2 `zosoma train --experts 4` ended at 2.565 +- 0.003 routed held-out
 # nats/byte with it against 2.637 with the paper's estimator, `zosoma train` at 2.782 +- 0.018
-# against 2.861 (results/default-run-soma4, results/default-run). TrainConfig's own field
-# defaults stay the paper's estimator (SPSA, ZO-SGD, rate 0.15, 4,000 steps), named by
-# --optimizer sgd; so does the summed-loss ablation, whose scalars must add up across experts.
+# against 2.861 (results/default-run-soma4, results/default-run). The only default optimizer:
+# TrainConfig has none (its other fields' defaults are the paper's estimator's, SPSA with ZO-SGD at
+# rate 0.15 for 4,000 steps, --optimizer sgd); the summed-loss ablation, whose scalars must add
+# up across experts, defaults to sgd.
 DEFAULT_OPTIMIZER = "onesided"
 
 
@@ -56,8 +57,8 @@ def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {}
     model = dataclasses.replace(base_model, **{k: v for k, v in merged.items() if k in MODEL_KEYS})
     coupled = {"on_divergence": "stop"} if loss == "summed" else {}
     rate = {"lr": base_train.get("lr", TrainConfig.lr) * strategy.rate_factor}  # the preset's, scaled
-    cfg = dataclasses.replace(TrainConfig(), **{**base_train, **rate, **strategy.defaults, **coupled, "optimizer": name,
-                                                **{k: v for k, v in merged.items() if k in TRAIN_KEYS}})
+    cfg = dataclasses.replace(TrainConfig(optimizer=name), **{**base_train, **rate, **strategy.defaults, **coupled,
+                                                              **{k: v for k, v in merged.items() if k in TRAIN_KEYS}})
     # its own checks (the pieces named) now rather than when training starts; then what it reads
     check_options(strategy(cfg), cfg, given=[k for k in given if k in TRAIN_KEYS],
                   shared=[k for k in shared if k in TRAIN_KEYS and k not in given])

@@ -4,7 +4,7 @@ The step's P pairs are split into W contiguous shares. Each worker holds theta a
 state (read from the run's checkpoint) and a Stepper opened from it (zosoma.runs.stepper), draws
 the step's batch itself (a pure function of the counters), evaluates its share and returns only its
 members' losses. The driver gathers them in
-pair order, turns them into the P update scalars (the strategy's coefficients), logs them in the
+pair order, turns them into the step's scalars (the strategy's coefficients), logs them in the
 run folder (scalars.jsonl) and sends them to every worker; every worker applies the identical
 update. No parameters travel while training: theta comes to the driver for checkpoints only.
 
@@ -35,7 +35,8 @@ call(method, *args) -> ticket (never blocks), result(ticket) (blocks; tickets ar
 order; WorkerLost when the worker died) and close().
 
 Bytes exchanged per step, recorded as each step's comm_bytes: the 2P float64 losses gathered and
-the P float64 scalars sent to each of the model's W workers, 8 (2P + W P) (exchange_bytes).
+the step's D float64 scalars (docs/architecture.md#the-steps-scalars) sent to each of the model's
+W workers, 8 (2P + W D) (exchange_bytes).
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ class WorkerLost(Exception):
     """A population worker died (its process, actor or node); the driver rebuilds it."""
 
 
-def exchange_bytes(P: int, W: int) -> int:
-    """Payload bytes per step of one model sharded over W workers: 2P float64 losses gathered, P
-    float64 scalars sent to each worker."""
-    return 8 * (2 * P + W * P)
+def exchange_bytes(P: int, W: int, scalars: int | None = None) -> int:
+    """Payload bytes per step of one model sharded over W workers: 2P float64 losses gathered, the
+    step's float64 scalars sent to each worker (`scalars`, default P: the update's directions,
+    docs/architecture.md#the-steps-scalars)."""
+    return 8 * (2 * P + W * (P if scalars is None else scalars))
 
 
 def shard_pairs(P: int, W: int) -> list[range]:
@@ -125,7 +127,7 @@ class Shard:
         self.update_s = 0.0  # the last update's seconds, reported with the next losses
 
     def apply(self, coeffs) -> None:
-        """The step's update from its P scalars (shaped by the driver), as Trainer.update applies
+        """The step's update from its scalars (shaped by the driver), as Trainer.update applies
         it (Stepper.apply)."""
         t0 = time.perf_counter()
         coeffs, pop = np.asarray(coeffs, np.float64), self.stepper.ask(self.step)
@@ -352,14 +354,19 @@ class ShardedTrainer(Trainer):
                  group: Group, members: Sequence[int], expert: int = 0, extra: dict | None = None):
         super().__init__(folder, model, cfg, sampler, state, expert=expert, extra=extra)
         self.group, self.members = group, list(members)
-        self.comm_bytes = exchange_bytes(cfg.perturbations, len(self.members))
+        self.comm_bytes = self._exchanged(self.stepper.ask(state.step))
         self.synced = state.step  # the driver's theta is the workers' at this step
         self.folder.cut_scalars(state.step)  # scalars past the checkpoint belong to an abandoned session
+
+    def _exchanged(self, pop) -> int:
+        """The bytes a step of population `pop` exchanges: its losses, and its scalars to each worker."""
+        return exchange_bytes(pop.P, len(self.members), pop.directions)
 
     def losses(self):
         t0 = time.perf_counter()
         step = self.state.step
         self._pop = self.stepper.ask(step)
+        self.comm_bytes = self._exchanged(self._pop)
         every = self.group.losses(step)
         mine = [every[m] for m in self.members]
         wall = time.perf_counter() - t0

@@ -34,9 +34,10 @@ one-thread BLAS; the kernels themselves are serial (Numba's parallel=True gate k
 BLAS threads ran 10-40x slower there). A single member's batch rows are split over the threads
 instead.
 
-SPSA's population (`perturbed_sums`) is never materialised: each thread builds a pair's two
-members theta +/- scale * delta_k from the counters (zosoma.model.noise) into its own two buffers
-right before their forwards, one noise pass for both (a one-sided pair's members, one pass each).
+A dense population (`perturbed_sums`) is never materialised: each thread builds a pair's two
+members theta + sign_m * scale * delta_{direction_m}, as the population's member table says, from
+the counters (zosoma.model.noise) into its own two buffers right before their forwards, one noise
+pass for an antithetic pair's two members, one pass each otherwise.
 
 Everything here stays valid Python, so the suite can run with NUMBA_DISABLE_JIT=1.
 `lstm_cell_rows` and `output_rows` are public: zosoma.engines.cpu.lowrank's population forward reuses them.
@@ -452,12 +453,12 @@ def _members_sums(thetas, members, rows, offsets, E, H, L, batches, sums, ws):
 
 
 @njit(**_NOGIL)
-def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step, ks, onesided, plus, minus,
+def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step, direction, sign, plus, minus,
                bufs, deltas, ws):
-    """plus[i], minus[i] = summed nll of theta + scale*delta_k and theta - scale*delta_k, k = ks[i]
-    (onesided: of theta + scale*delta_2k and theta + scale*delta_2k+1), both built from the
-    counters into bufs (2, d) right before their forwards. batch (B, T+1) uint8; deltas keeps
-    each direction (rows i, or 2i and 2i+1 when onesided), or is empty; ws: _workspace."""
+    """plus[i], minus[i] = summed nll of members 2i and 2i+1 of a member table (direction int32,
+    sign float32, (2n,)): theta + sign_m * scale * delta_{direction_m}, both built from the
+    counters into bufs (2, d) right before their forwards (as zosoma.engines.ops.perturbed builds them).
+    batch (B, T+1) uint8; deltas (D, d) keeps each direction at its row, or is empty; ws: _workspace."""
     B, T1 = batch.shape
     T = T1 - 1
     tokens = np.ascontiguousarray(batch[:, :T])
@@ -467,15 +468,16 @@ def _pair_sums(theta, offsets, E, H, L, batch, scale, kind, k0, k1, expert, step
     none2 = np.empty((0, 0), np.float32)
     none3 = np.empty((0, 0, VOCAB), np.float32)
     none = deltas[0:0, 0]
-    for i in range(ks.shape[0]):
-        if onesided:
-            for s in range(2):
-                delta = deltas[2 * i + s] if deltas.shape[0] else none
-                noise_kernels.antithetic_pair(bufs[s], none, theta, scale, kind, k0, k1, 2 * ks[i] + s, step, expert,
-                                              delta)
+    for i in range(plus.shape[0]):
+        a, b = direction[2 * i], direction[2 * i + 1]
+        if a == b and sign[2 * i] == -sign[2 * i + 1]:  # antithetic: one generation for both
+            noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, sign[2 * i] * scale, kind, k0, k1, a, step, expert,
+                                          deltas[a] if deltas.shape[0] else none)
         else:
-            delta = deltas[i] if deltas.shape[0] else none
-            noise_kernels.antithetic_pair(bufs[0], bufs[1], theta, scale, kind, k0, k1, ks[i], step, expert, delta)
+            noise_kernels.antithetic_pair(bufs[0], none, theta, sign[2 * i] * scale, kind, k0, k1, a, step, expert,
+                                          deltas[a] if deltas.shape[0] else none)
+            noise_kernels.antithetic_pair(bufs[1], none, theta, sign[2 * i + 1] * scale, kind, k0, k1, b, step,
+                                          expert, deltas[b] if deltas.shape[0] else none)
         for s in range(2):
             h[:] = 0.0
             c[:] = 0.0
@@ -596,20 +598,30 @@ def population_loss(thetas, layout: Layout, batch) -> np.ndarray:
 
 def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert: int, step: int,
                    kind: str, pairs: range, deltas: np.ndarray | None = None,
-                   onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Mean nats per predicted byte of the SPSA members theta + scale*delta_k ("plus") and
-    theta - scale*delta_k ("minus"), delta_k = noise(seed, expert, step, k, kind), for k in
-    `pairs`; each (len(pairs),) float64. onesided: pair k's members are theta + scale*delta_2k
-    and theta + scale*delta_2k+1 instead. theta (d,) float32; batch (B, T+1) uint8. The members
-    are built from the counters inside the forward (two buffers per thread), never all at once;
-    deltas (len(pairs), d) float32 (onesided: (2 len(pairs), d)), if given, receives the directions."""
+                   table: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Mean nats per predicted byte of the members of pairs `pairs` of a member table
+    (zosoma.model.population): "plus" of member 2k, "minus" of member 2k+1, member m = theta +
+    sign_m * scale * delta_{direction_m}, delta_j = noise(seed, expert, step, j, kind); each
+    (len(pairs),) float64. table: (direction int32, sign float32) of the pairs' 2 len(pairs)
+    members, or None for antithetic pairs (member 2k = (k, +1), 2k+1 = (k, -1)). theta (d,)
+    float32; batch (B, T+1) uint8. The members are built from the counters inside the forward
+    (two buffers per thread), never all at once; deltas (D, d) float32, if given, receives each
+    direction at its row."""
     theta = _check_theta(theta, layout, 1)
     batch = _check_batch(batch, None)[0]
     cfg = layout.config
     k0, k1 = noise.stream_key(seed)
     code = noise.kind_code(kind)
-    ks = np.arange(pairs.start, pairs.stop, dtype=np.int64)
-    plus, minus = np.empty(ks.size), np.empty(ks.size)
+    n = len(pairs)
+    if table is None:
+        direction = np.repeat(np.arange(pairs.start, pairs.stop, dtype=np.int32), 2)
+        sign = np.tile(np.array([1, -1], np.float32), n)
+    else:
+        direction, sign = np.array(table[0], np.int32), np.array(table[1], np.float32)  # writable: one Numba type
+        if direction.shape != (2 * n,) or sign.shape != (2 * n,):
+            raise ValueError(f"the member table of {n} pairs must hold 2 x {n} directions and signs, "
+                             f"got {direction.shape} and {sign.shape}")
+    plus, minus = np.empty(n), np.empty(n)
     offsets = _offsets(layout)
 
     kept = np.empty((0, theta.size), np.float32) if deltas is None else deltas
@@ -622,17 +634,15 @@ def perturbed_sums(theta, layout: Layout, batch, scale: float, seed: int, expert
 
     # a few pairs per work item: a call into _pair_sums costs about 10 us of dispatch, 5% of a
     # small model's pair; at least 4 items per thread keep the threads evenly loaded
-    per_item = max(1, min(_PAIRS_PER_ITEM, ks.size // (4 * threads.n_threads())))
-
-    rows = 2 if onesided else 1  # rows of deltas per pair
+    per_item = max(1, min(_PAIRS_PER_ITEM, n // (4 * threads.n_threads())))
 
     def work(item, state):
-        i, j = item * per_item, min(ks.size, (item + 1) * per_item)
+        i, j = item * per_item, min(n, (item + 1) * per_item)
         _pair_sums(theta, offsets, cfg.embed, cfg.hidden, cfg.layers, batch, np.float32(scale), code, k0, k1,
-                   expert, step, ks[i:j], onesided, plus[i:j], minus[i:j], state[0],
-                   kept[rows * i:rows * j] if kept.shape[0] else kept, state[1])
+                   expert, step, direction[2 * i:2 * j], sign[2 * i:2 * j], plus[i:j], minus[i:j], state[0],
+                   kept, state[1])
 
-    threads.run_items(work, -(-ks.size // per_item), buffers)
+    threads.run_items(work, -(-n // per_item), buffers)
     return plus / (B * T), minus / (B * T)
 
 

@@ -1,10 +1,10 @@
 """The CPU engine's noise kernels: SPSA's members and update straight from the counters.
 
 The same numbers as zosoma.model.noise.add_noise (the specification and its reference
-generator), float32 op for op: `antithetic_pair` builds both members of a pair from one
-generation (or one member of a one-sided pair); `weighted_sum` / `apply_weighted_sum` regenerate
-SPSA's P directions block by block in one pass over the parameters (the update), split over
-threads (zosoma.engines.cpu.threads).
+generator), float32 op for op: `antithetic_pair` builds both members of one direction from one
+generation (an antithetic pair of a population's member table), or a single member;
+`weighted_sum` / `apply_weighted_sum` regenerate the update's D directions block by block in one
+pass over the parameters, split over threads (zosoma.engines.cpu.threads).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def antithetic_pair(plus, minus, base, scale, kind, k0, k1, member, step, expert
     """plus = base + scale * delta and minus = base - scale * delta, delta = the noise of
     (member, step, expert) under key (k0, k1) and kind code `kind`, from one generation; all
     float32 (d,), scale float32. The same numbers as add_noise with +scale and -scale. minus
-    empty: plus alone (a one-sided population's member). delta: (d,) to keep the direction in,
-    or empty."""
+    empty: plus alone (a member without an antithetic twin). delta: (d,) to keep the direction
+    in, or empty."""
     n = base.shape[0]
     s = np.float32(scale)
     ns = -s

@@ -39,7 +39,7 @@ import numpy as np
 from zosoma.arrays import to_numpy
 from zosoma.config import VOCAB
 from zosoma.engines.cuda import custom_kernels, fused_forward, graph_forward
-from zosoma.engines.cuda.cuda_noise import perturb, perturbed
+from zosoma.engines.cuda.cuda_noise import antithetic, perturb, perturbed, plain_rows
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
@@ -294,24 +294,25 @@ def population_nll(thetas, layout: Layout, tokens, targets,
 
 
 def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, expert: int, step: int,
-                kind: str, workspace_bytes: int = WORKSPACE_BYTES, pairs: range | None = None,
-                onesided: bool = False):
-    """L(theta + eps*delta_k) and L(theta - eps*delta_k) for k in `pairs` (default range(P)) on one
-    shared batch (B, T+1) (onesided: L(theta + eps*delta_2k) and L(theta + eps*delta_2k+1)), as
-    Ops.perturbed_losses: the perturbed population is built on the device, chunk by chunk, and
-    never leaves it (a small model's: in one fused launch, step_path). Returns (plus, minus), each
-    (len(pairs),) float64 NumPy."""
+                kind: str, workspace_bytes: int = WORKSPACE_BYTES, pairs: range | None = None, table=None):
+    """L of members 2k ("plus") and 2k+1 ("minus") for k in `pairs` (default range(P)) on one
+    shared batch (B, T+1), member m = theta + sign_m * eps * delta_{direction_m} as `table` says
+    ((direction, sign) of the 2 len(pairs) members; None: antithetic pairs, L(theta + eps*delta_k)
+    and L(theta - eps*delta_k)), as Ops.perturbed_losses: the perturbed population is built on the
+    device, chunk by chunk, and never leaves it (a small model's: in one fused launch, step_path).
+    Returns (plus, minus), each (len(pairs),) float64 NumPy."""
     theta = _check_thetas(theta, layout, 1)
     batch = _check_bytes(batch, "batch", 2)
     pairs = range(P) if pairs is None else pairs
+    direction, sign = antithetic(pairs) if table is None else table
     B, T = batch.shape[0], batch.shape[1] - 1
     path = step_path(layout, B)
     if path == "fused":
-        return fused_forward.table_losses(theta, layout, batch, eps, seed, expert, step, kind,
-                                          *fused_forward.pair_table(pairs, onesided))
+        return fused_forward.table_losses(theta, layout, batch, eps, seed, expert, step, kind, direction, sign)
 
     def build(chunk: range, out=None):  # the members of a chunk of pairs, on the device
-        return perturbed(theta, eps, chunk, seed, expert, step, kind, out=out, onesided=onesided)
+        rows = slice(2 * (chunk.start - pairs.start), 2 * (chunk.stop - pairs.start))
+        return perturbed(theta, eps, chunk, seed, expert, step, kind, out=out, table=(direction[rows], sign[rows]))
 
     per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
     size = max(1, min(len(pairs), workspace_bytes // per_direction))
@@ -358,7 +359,7 @@ def eggroll_population_loss(theta, layout: Layout, batch, sigma: float, r: int, 
                                                    - layout.size)
     for p0, p1 in _member_chunks(n_pairs, 2 * per_member + 4 * n, workspace_bytes):
         z = xp.empty((p1 - p0, n), np.float32)
-        perturb(z, zeros, 1.0, 0, seed, expert, step, first + p0, p1 - p0, False, KINDS["gaussian"])
+        perturb(z, zeros, 1.0, 0, seed, expert, step, *plain_rows(range(first + p0, first + p1)), KINDS["gaussian"])
         nll = _nll(_LowRank(theta, layout, z, sigma, r), layout, batch[None, :, :-1], batch[None, :, 1:])
         sums[2 * p0:2 * p1] = to_numpy(nll.sum(axis=(1, 2), dtype=np.float64))
     return sums / (B * T)

@@ -34,22 +34,40 @@ def add_noise(out, base, scale: float, seed: int, expert: int, step: int, member
     base = to_device(base)
     if base.shape != (n,):
         raise ValueError(f"base has shape {base.shape}, out has {(n,)}")
-    perturb(out, base, scale, start, seed, expert, step, member, 1, False, code)
+    member = np.array([member & _U32], np.uint32).view(np.int32)  # the kernel reads the counter's 32 bits
+    perturb(out, base, scale, start, seed, expert, step, member, [1], code)
     return out
 
 
-def perturb(out, base, scale: float, start: int, seed: int, expert: int, step: int, member0: int,
-            count: int, antithetic: bool, code: int) -> None:
-    """The perturb kernel over `count` directions from member0: out rows = base + scale * delta
-    (antithetic: row pairs base +/- scale * delta). base (n,) device; start a multiple of 4."""
+def perturb(out, base, scale: float, start: int, seed: int, expert: int, step: int, direction, sign,
+            code: int) -> None:
+    """The perturb kernel over a member table's rows: out row j = base + sign[j] * scale *
+    delta_{direction[j]}. direction (rows,) int32 and sign (rows,) float32, host or device
+    (zosoma.model.population.Population's); base (n,) device; start a multiple of 4."""
     k0, k1 = stream_key(seed)
     n = base.shape[0]
+    direction, sign = to_device(direction, np.int32), to_device(sign, np.float32)
+    if direction.shape != sign.shape or direction.ndim != 1:
+        raise ValueError(f"a member table needs one direction and one sign per row, got {direction.shape} and "
+                         f"{sign.shape}")
+    rows = direction.shape[0]
     custom_kernels.launch("perturb", -(-n // 4), out, base, n, scale, start // 4, k0, k1, expert & _U32, step & _U32,
-                          member0 & _U32, count, int(antithetic), code, rows=count)
+                          direction, sign, rows, code, rows=-(-rows // 2))
+
+
+def antithetic(pairs: range) -> tuple[np.ndarray, np.ndarray]:
+    """The member table (direction, sign) of antithetic `pairs`: members k+ and k- of each."""
+    return (np.repeat(np.arange(pairs.start, pairs.stop, dtype=np.int32), 2),
+            np.tile(np.array([1, -1], np.float32), len(pairs)))
+
+
+def plain_rows(directions: range) -> tuple[np.ndarray, np.ndarray]:
+    """The member table (direction, sign) of one row per direction, sign +1 (raw noise, factors)."""
+    return np.arange(directions.start, directions.stop, dtype=np.int32), np.ones(len(directions), np.float32)
 
 
 def _member_range(members) -> tuple[int, int]:
-    """(first, count) of consecutive directions, e.g. a range with step 1."""
+    """(first, count) of consecutive pairs, e.g. a range with step 1."""
     members = [int(k) for k in members]
     first = members[0] if members else 0
     if members != list(range(first, first + len(members))):
@@ -58,20 +76,19 @@ def _member_range(members) -> tuple[int, int]:
 
 
 def perturbed(theta, eps: float, members: range, seed: int, expert: int, step: int, kind: str,
-              out=None, onesided: bool = False):
+              out=None, table=None):
     """The population of pairs `members`, as zosoma.engines.ops.perturbed: rows 2j and 2j+1 are
-    theta + eps*delta_k and theta - eps*delta_k for k = members[j] (onesided: theta + eps*delta_2k
-    and theta + eps*delta_2k+1, the perturb kernel's plain rows over directions 2k, 2k+1, ...).
-    theta (d,); returns a device (2*len(members), d) float32 array (out, when given)."""
+    the pair's two members, theta + sign * eps * delta_direction as `table` says ((direction,
+    sign) of the 2 len(members) members; None: antithetic pairs, theta + eps*delta_k and theta -
+    eps*delta_k for k = members[j]). theta (d,); returns a device (2*len(members), d) float32
+    array (out, when given)."""
     theta = to_device(theta)
     d = theta.size
     member0, count = _member_range(members)
-    code = kind_code(kind)
     out = runtime().xp.empty((2 * count, d), np.float32) if out is None else check_out(out, (2 * count, d))
-    if count and onesided:
-        perturb(out, theta, eps, 0, seed, expert, step, 2 * member0, 2 * count, False, code)
-    elif count:
-        perturb(out, theta, eps, 0, seed, expert, step, member0, count, True, code)
+    if count:
+        direction, sign = antithetic(range(member0, member0 + count)) if table is None else table
+        perturb(out, theta, eps, 0, seed, expert, step, direction, sign, kind_code(kind))
     return out
 
 

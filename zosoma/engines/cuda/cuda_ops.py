@@ -33,7 +33,7 @@ from zosoma.arrays import to_numpy
 from zosoma.engines.cpu.lowrank import eggroll_step
 from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs, nll_stream, population_loss,
                                              population_nll, spsa_losses, step_path)
-from zosoma.engines.cuda.cuda_noise import perturb, spsa_gradient, spsa_update
+from zosoma.engines.cuda.cuda_noise import perturb, plain_rows, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.engines.cuda.fused_forward import experts_losses
 from zosoma.engines.cuda.grouped import grouped_nll
@@ -46,8 +46,8 @@ from zosoma.model.population import Population
 
 class CudaOps(Ops):
     """Ops on an NVIDIA GPU: CuPy arrays, the kernels and forwards above. theta and optimizer
-    state live on the device between steps; only losses (P scalars) and the coefficients of an
-    update cross to and from the host. Forwards and updates agree with the CPU engine within
+    state live on the device between steps; only the losses and the step's scalars
+    (docs/architecture.md) cross to and from the host. Forwards and updates agree with the CPU engine within
     float32 rounding (Rademacher noise and the dense updates bit for bit)."""
 
     name = "cuda"
@@ -78,8 +78,9 @@ class CudaOps(Ops):
                                              pop.step, len(pairs), first=pairs.start)
             result = losses[0::2], losses[1::2]
         else:
+            rows = pop.rows(pairs)
             result = spsa_losses(theta, layout, batch, pop.P, pop.scale, pop.seed, pop.expert, pop.step,
-                                 pop.kind, pairs=pairs, onesided=pop.onesided)
+                                 pop.kind, pairs=pairs, table=(pop.direction[rows], pop.sign[rows]))
         if timings is not None:  # noise is made inside the device population: all of it is forward
             timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
         return result
@@ -115,9 +116,11 @@ class CudaOps(Ops):
         return out
 
     def noise_sum(self, coeffs, d: int, pop: Population):
+        pop.check_scalars(coeffs)
         return spsa_gradient(coeffs, d, pop.seed, pop.expert, pop.step, pop.kind)
 
     def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
+        pop.check_scalars(coeffs)
         return spsa_update(theta, coeffs, lr, pop.seed, pop.expert, pop.step, pop.kind, weight_decay)
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
@@ -126,7 +129,7 @@ class CudaOps(Ops):
         r, P = pop.rank, len(coeffs)
         n = noise_length(layout, r)
         z = self.xp.empty((P, n), np.float32)
-        perturb(z, self.xp.zeros(n, np.float32), 1.0, 0, pop.seed, pop.expert, pop.step, 0, P, False,
+        perturb(z, self.xp.zeros(n, np.float32), 1.0, 0, pop.seed, pop.expert, pop.step, *plain_rows(range(P)),
                 KINDS["gaussian"])
         factors = split_factors(z.astype(np.float64), layout, r)
         return eggroll_step(theta, layout, self.xp.asarray(np.asarray(coeffs, np.float64)), lr,

@@ -57,19 +57,9 @@ class Members:
     batch: np.ndarray  # int32: which (B, T+1) batch
 
 
-def pair_table(pairs: range, onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(direction int32, sign float32) of the 2 len(pairs) members of `pairs` in the order of
-    zosoma.engines.ops.perturbed: member 2j is theta + eps delta_k, 2j+1 theta - eps delta_k
-    (k = pairs[j]); one-sided, theta + eps delta_2k and theta + eps delta_2k+1."""
-    k = np.repeat(np.arange(pairs.start, pairs.stop, dtype=np.int64), 2)
-    if onesided:
-        return (2 * k + np.tile([0, 1], len(pairs))).astype(np.int32), np.ones(k.size, np.float32)
-    return k.astype(np.int32), np.tile(np.float32([1.0, -1.0]), len(pairs))
-
-
 def population_members(pop: Population, pairs: range, expert: int = 0, batch: int = 0) -> Members:
-    """The members of `pairs` of a dense Population (pair_table), all of one expert and batch."""
-    direction, sign = pair_table(pairs, pop.onesided)
+    """The members of `pairs` of a dense Population (its member table), all of one expert and batch."""
+    direction, sign = pop.direction[pop.rows(pairs)], pop.sign[pop.rows(pairs)]
     return Members(direction, sign, np.full(sign.size, expert, np.int32), np.full(sign.size, batch, np.int32))
 
 
@@ -132,7 +122,7 @@ def spsa_losses(theta, layout: Layout, batch, pop: Population, pairs: range | No
     shared (B, T+1) batch, in one launch. Returns (plus, minus), each (len(pairs),) float64."""
     pairs = range(pop.P) if pairs is None else pairs
     return table_losses(theta, layout, batch, pop.scale, pop.seed, pop.expert, pop.step, pop.kind,
-                        *pair_table(pairs, pop.onesided))
+                        pop.direction[pop.rows(pairs)], pop.sign[pop.rows(pairs)])
 
 
 def experts_losses(thetas, layout: Layout, batches, pops: list[Population], pairs: list[range] | None = None):

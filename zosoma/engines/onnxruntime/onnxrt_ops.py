@@ -3,7 +3,7 @@
 Every forward runs in ONNX Runtime on zosoma.formats.onnx's training graph, the standard LSTM
 operator with the flat parameters as an input: for each member of a step's population the host
 feeds theta +/- eps * delta_k (made from counters, ForwardOnlyOps) and the batch, and reads back
-the per-byte losses, summed in float64 like the CPU engine's. The P scalars and the update stay on
+the per-byte losses, summed in float64 like the CPU engine's. The step's scalars and the update stay on
 the host. The runtime never sees a gradient, an optimizer or a perturbation: only weights in,
 losses out, which is all an inference-only accelerator offers. Evaluation (nll_stream) runs in
 the runtime too, state carried; sampling (log_probs) stays on the host's CPU engine.

@@ -1,4 +1,5 @@
-"""Coefficient shaping: small transforms chained onto an SPSA-family estimator's P scalars.
+"""Coefficient shaping: small transforms chained onto the step's scalars of an SPSA-family
+estimator.
 
 After optax's `chain` and evosax's `fitness_shaping`: each piece maps one step's scalars g (P,)
 and its own state (a dict of floats, checkpointed with the run) to new scalars and a new state,

@@ -1,4 +1,4 @@
-"""Clipping: each of a step's P scalars bounded at `clip_at` times a running scale of the
+"""Clipping: each of the step's scalars bounded at `clip_at` times a running scale of the
 scalars, so that one sequence sitting on a loss cliff cannot throw the weights (evotorch's ClipUp
 bounds the update's norm; here the bound is per scalar, before the update rule).
 

@@ -1,4 +1,4 @@
-"""Normalisation: every step's P scalars rescaled to one reference spread (after FZOO, which
+"""Normalisation: the step's scalars of every step rescaled to one reference spread (after FZOO, which
 divides each step by the spread of the batch's losses).
 
     s_t  = rms(g_t)                                   this step's spread

@@ -3,7 +3,7 @@
 After optax's `chain`: each piece maps the estimate (or the previous piece's output) g (d,) and
 its own state arrays to a new direction and new state; the step then descends along the last one:
 
-    ghat            = estimate(P scalars)            the strategy's (SPSA, ES; any probe design)
+    ghat            = estimate(scalars)              the strategy's (SPSA, ES; any probe design)
     g, state        = momentum(ghat, state)          heavy ball
     g, state        = adam(g, state)                 bias-corrected moments
     theta           = theta - lr g - lr wd theta     Strategy.descend

@@ -15,7 +15,7 @@
 // through emulate.h.
 //
 // Launch (zosoma/engines/cuda/custom_kernels.py): block = (256, 1, 1); grid.x = min(ceil(groups / 256), cap);
-// perturb also uses grid.y over members (grid-stride as well).
+// perturb also uses grid.y over pairs of rows (grid-stride as well).
 //
 // Rounding: out = base + scale*delta with the product and the sum rounded separately
 // (__fmul_rn/__fadd_rn are never fused into an FMA), exactly as the CPU code rounds, so Rademacher
@@ -101,33 +101,39 @@ extern "C" __global__ void philox_blocks(const unsigned int* counters, unsigned 
     }
 }
 
-// Perturbed copies of base. CPU: zosoma.model.noise.add_noise (members = 1, antithetic = 0) and
-// zosoma.engines.ops.perturbed (antithetic = 1; a one-sided population: antithetic = 0, 2P rows).
-//   out   (rows, n): antithetic: rows 2j, 2j+1 = base +/- scale * delta_{member0 + j}
-//                    else:       row j        = base + scale * delta_{member0 + j}
-//   base  (n,); may alias out when there is a single row (in-place update)
-//   g0    first group's index in the whole vector: the slice starts at parameter 4 * g0
-// grid.x over the ceil(n / 4) groups, grid.y over the members; each thread draws one group's noise
-// once and writes it to every row of its member.
+// Perturbed copies of base, one row per member of a member table (zosoma/model/population.py).
+// CPU: zosoma.model.noise.add_noise (one row, sign +1) and zosoma.engines.ops.perturbed.
+//   out        (rows, n): row j = base + (sign[j] * scale) * delta_{direction[j]}
+//   base       (n,); may alias out when there is a single row (in-place update)
+//   direction  (rows,) int32: each row's direction, the noise's member counter
+//   sign       (rows,) float32: +1 or -1 (sign * scale is exact)
+//   g0         first group's index in the whole vector: the slice starts at parameter 4 * g0
+// grid.x over the ceil(n / 4) groups, grid.y over pairs of rows (2p, 2p+1); each thread draws one
+// group's noise once per pair when both rows share a direction (an antithetic pair), else once
+// per row, and writes it to the pair's rows.
 extern "C" __global__ void perturb(float* out, const float* base, long long n, float scale,
                                    long long g0, unsigned int k0, unsigned int k1, unsigned int expert,
-                                   unsigned int step, unsigned int member0, int members,
-                                   int antithetic, int kind) {
+                                   unsigned int step, const int* direction, const float* sign, int rows,
+                                   int kind) {
     const long long groups = (n + 3) / 4;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (int j = blockIdx.y; j < members; j += gridDim.y) {
-        float* plus = out + (long long)(antithetic ? 2 * j : j) * n;
-        float* minus = plus + n;
+    for (int p = blockIdx.y; 2 * p < rows; p += gridDim.y) {
+        const int a = 2 * p, b = 2 * p + 1;
+        const bool second = b < rows, shared = second && direction[b] == direction[a];
+        const float scale_a = sign[a] * scale, scale_b = second ? sign[b] * scale : 0.0f;
         for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
             float delta[4];
-            noise4((unsigned long long)(g0 + g), kind, k0, k1, member0 + (unsigned int)j, step, expert, delta);
+            noise4((unsigned long long)(g0 + g), kind, k0, k1, (unsigned int)direction[a], step, expert, delta);
             for (int q = 0; q < 4; ++q) {
                 const long long i = 4 * g + q;
-                if (i < n) {
-                    const float b = base[i];
-                    plus[i] = __fadd_rn(b, __fmul_rn(scale, delta[q]));
-                    if (antithetic) minus[i] = __fadd_rn(b, __fmul_rn(-scale, delta[q]));
-                }
+                if (i < n) out[(long long)a * n + i] = __fadd_rn(base[i], __fmul_rn(scale_a, delta[q]));
+            }
+            if (!second) continue;
+            if (!shared) noise4((unsigned long long)(g0 + g), kind, k0, k1, (unsigned int)direction[b], step, expert,
+                                delta);
+            for (int q = 0; q < 4; ++q) {
+                const long long i = 4 * g + q;
+                if (i < n) out[(long long)b * n + i] = __fadd_rn(base[i], __fmul_rn(scale_b, delta[q]));
             }
         }
     }
