@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 
@@ -43,7 +44,10 @@ def text_array(text: str) -> np.ndarray:
 
 def dataset_text(ds, limit: int) -> str:
     """The text of a dataset written from text_array (or a version-1 variable-length string),
-    refusing one that claims more than `limit` bytes (a damaged shape)."""
+    refusing one that claims more than `limit` bytes (a damaged shape) or is no dataset at all (a
+    damaged object header can read back as a named datatype)."""
+    if not isinstance(ds, h5py.Dataset):
+        raise TypeError(f"{ds.name} is a {type(ds).__name__}, not a text dataset")
     if ds.dtype == np.uint8:
         if ds.ndim != 1 or ds.size > limit:
             raise ValueError(f"text dataset {ds.name} claims {ds.shape} bytes")
