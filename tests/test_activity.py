@@ -18,6 +18,7 @@ from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.model.reference import forward, nll
 from zosoma.strategies import make_strategy
+from zosoma.strategies.onesided import one_sided
 
 TINY = ModelConfig(embed=3, hidden=2, layers=2)
 
@@ -123,14 +124,19 @@ def test_the_cpu_engines_noisy_forward_matches_the_reference(config, kind, reado
     Z = noisy_forward.draw(layout, 4, 8, 11, 2, 7, range(3, 8), kind, readout)
     want = np.stack([npert.member_noise(layout, 4, 8, 11, 2, 7, k, kind, readout) for k in range(3, 8)])
     assert np.array_equal(Z, want)
-    plus, minus = noisy_forward.row_losses(theta, layout, batch, 0.01, Z)
+    pop = Population(5, 0.01, 0, 0, 0)  # antithetic pairs: members 2k, 2k + 1 on noise k, signs + and -
+    rows = noisy_forward.member_losses(theta, layout, batch, 0.01, Z, pop.direction, pop.sign).mean(axis=-1)
+    plus, minus = rows[0::2], rows[1::2]
     ref_plus, ref_minus = npert.row_losses(theta.astype(np.float64), layout, batch, 0.01, Z.astype(np.float64))
     assert_close(plus, ref_plus, atol=2e-6, rtol=0, name="plus rows")
     assert_close(minus, ref_minus, atol=2e-6, rtol=0, name="minus rows")
     assert_close(plus - minus, ref_plus - ref_minus, atol=1e-6, rtol=1e-3, name="differences")
-    plus, minus = noisy_forward.position_losses(theta, layout, batch, 0.01, Z[:4], onesided=True)
-    want = npert.onesided_losses(theta.astype(np.float64), layout, batch, 0.01, Z[:4].astype(np.float64))
-    assert_close(np.stack([plus, minus], axis=1).reshape(want.shape), want, atol=3e-6, rtol=0, name="one-sided")
+    pairs = Population(2, 0.01, 0, 0, 0)
+    for pop in (pairs, one_sided(pairs), pairs.with_members((4, 0, 0, 2), (-1, 1, -1, 1), 5)):  # any table
+        got = noisy_forward.member_losses(theta, layout, batch, 0.01, Z, pop.direction, pop.sign)
+        want = npert.member_losses(theta.astype(np.float64), layout, batch, 0.01, Z.astype(np.float64),
+                                   pop.direction, pop.sign)
+        assert_close(got, want, atol=3e-6, rtol=0, name=f"members {pop.member_directions}")
 
 
 @pytest.mark.parametrize("name", ["activity", "activity-local", "activity-causal", "activity-local-causal",
@@ -147,11 +153,13 @@ def test_the_strategys_step_is_the_references_estimate(name):
     strategy, ops = make_strategy(cfg), Ops()
     readout = strategy.readout
     pop = strategy.ask(1, 9)
-    assert pop == Population(4, 1e-2, 0, 1, 9, "rademacher")
+    pairs = Population(4, 1e-2, 0, 1, 9, "rademacher")
+    assert pop == (one_sided(pairs) if strategy.onesided else pairs)  # the estimator's member table
     plus, minus = strategy.losses(ops, theta, layout, batch, pop, {})
     assert plus.shape == minus.shape == ((4, 3, 7) if strategy.causal else (4, 3))
     coeffs, loss = strategy.coefficients(plus, minus)
-    J = 8 if strategy.onesided else 4  # the noises: one per member, or one per pair
+    J = pop.directions  # the noises: 8, one per member, or 4, one per pair
+    assert J == (8 if strategy.onesided else 4)
     if strategy.onesided:  # member 2k + s: plus (s = 0) or minus (s = 1) of pair k, against the members' mean
         nats = np.stack([plus, minus], axis=1).reshape(8, 3, 7)
         assert_close(coeffs, ((nats - nats.mean(axis=0)) / 1e-2).ravel(), rtol=1e-12, name="scalars")

@@ -28,8 +28,9 @@ what it is only through the attributes below, never by its name. The interface:
                sgd_update(theta, coeffs, pop, lr, weight_decay)   theta - lr (noise_sum + wd theta)
                lowrank_update(theta, layout, coeffs, pop, lr)     EGGROLL's theta + lr N^-1/2 sum c E
     activity   activity_losses(theta, layout, batch, pop, pairs)  (plus, minus) (K, B): each row's
-                                        loss with noisy pre-activations (node perturbation)
-               activity_estimate(theta, layout, batch, coeffs, pop)  its estimate from (P, B) scalars
+                                        loss with noisy pre-activations (node perturbation), the
+                                        noise as the member table says
+               activity_estimate(theta, layout, batch, coeffs, pop)  its estimate from (D, B) scalars
 
 Losses come back as NumPy float64 (a few scalars per step); theta and optimizer state stay engine
 arrays between steps, so an engine on a device never sends weights to the host while training.
@@ -206,15 +207,15 @@ class Ops:
     # --- activity (node) perturbation: zosoma.model.node_perturbation --------------------------
 
     def activity_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
-                        timings: dict | None = None, readout: str = "perturb", positions: bool = False,
-                        onesided: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(plus, minus), each (len(pairs), B) float64: every batch row's mean nats/byte with its
-        pre-activations +/- pop.scale * z_k, z_k the noise of pair k's counters (member k; readout
-        "local": on the gates only, node_perturbation.width); `positions`: each (len(pairs), B, T),
-        the nats of every target; `onesided` (with positions): pair k's members are
-        +pop.scale * z_2k and +pop.scale * z_2k+1, each its own noise. Here one
-        forward over the 2 len(pairs) B rows on the host (zosoma.engines.cpu.noisy_forward); the
-        noise is kept for activity_estimate of the same population."""
+                        timings: dict | None = None, readout: str = "perturb", positions: bool = False
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """(plus, minus), each (len(pairs), B) float64: every batch row's mean nats/byte under pair
+        k's members 2k and 2k + 1, member m's pre-activations plus pop.sign[m] * pop.scale *
+        z_(pop.direction[m]), z_j the noise of direction j's counters (readout "local": on the gates
+        only, node_perturbation.width); `positions`: each (len(pairs), B, T), the nats of every
+        target. Here one forward over the 2 len(pairs) B rows on the host
+        (zosoma.engines.cpu.noisy_forward); the noise is kept for activity_estimate of the same
+        population."""
         if self.precision != "fp32" or self.device != "cpu" or type(self).population_loss is not Ops.population_loss:
             raise ConfigError(f"activity perturbation runs on the CPU engine's fp32 forward only, not on {self.name}")
         pairs = range(pop.P) if pairs is None else pairs
@@ -222,34 +223,36 @@ class Ops:
         batch = np.asarray(batch)
         B, T = batch.shape[0], batch.shape[1] - 1
         t0 = time.perf_counter()
-        members = range(2 * pairs.start, 2 * pairs.stop) if onesided else pairs
-        Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, members, pop.kind, readout)
+        table = pop.direction[pop.rows(pairs)]
+        directions = sorted(set(table.tolist()))  # each noise drawn once: a pair's two members may share it
+        Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, directions, pop.kind, readout)
         t1 = time.perf_counter()
-        if onesided:
-            plus, minus = noisy_forward.position_losses(self.to_numpy(theta), layout, batch, pop.scale, Z, True)
-        else:
-            losses = noisy_forward.position_losses if positions else noisy_forward.row_losses
-            plus, minus = losses(self.to_numpy(theta), layout, batch, pop.scale, Z)
-        self._activity_kept = (pop, pairs, Z)
+        index = np.searchsorted(directions, table)
+        nats = noisy_forward.member_losses(self.to_numpy(theta), layout, batch, pop.scale, Z, index,
+                                           pop.sign[pop.rows(pairs)])
+        plus, minus = np.ascontiguousarray(nats[0::2]), np.ascontiguousarray(nats[1::2])
+        if not positions:
+            plus, minus = plus.mean(axis=-1), minus.mean(axis=-1)
+        self._activity_kept = (pop, directions, Z)
         timings["noise"] = timings.get("noise", 0.0) + t1 - t0
         timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t1
         return plus, minus
 
-    _activity_kept = None  # (Population, pairs, (K, B, T, S) float32): the noise activity_losses drew
+    _activity_kept = None  # (Population, directions, (J, B, T, S) float32): the noise activity_losses drew
 
     def activity_estimate(self, theta, layout: Layout, batch, coeffs, pop: Population, readout: str = "perturb",
-                          causal: bool = False, onesided: bool = False):
-        """(d,) float32 engine array: the outer products of zeta = 1/(P B) sum_k coeffs[k, b] z_k
-        (coeffs (P, B)) with a clean forward's inputs at theta (node_perturbation.estimate), the
-        noise kept from activity_losses or regenerated from the counters; readout "local": the
-        readout's exact gradient from the same clean forward; causal: coeffs (P, B, T) are every
-        target's differences, each position's noise weighted by those it can move
-        (node_perturbation.credit); onesided (with causal): coeffs (2P, B, T), one per member."""
+                          causal: bool = False):
+        """(d,) float32 engine array: the outer products of zeta = 1/(D B) sum_j coeffs[j, b] z_j
+        over the population's D directions (coeffs (D, B)) with a clean forward's inputs at theta
+        (node_perturbation.estimate), the noise kept from activity_losses or regenerated from the
+        counters; readout "local": the readout's exact gradient from the same clean forward; causal:
+        coeffs (D, B, T) are every target's differences, each position's noise weighted by those it
+        can move (node_perturbation.credit)."""
         batch = np.asarray(batch)
         B, T = batch.shape[0], batch.shape[1] - 1
         kept = self._activity_kept
-        S, J = node_perturbation.width(layout, readout), pop.P * (2 if onesided else 1)
-        if kept is not None and kept[0] == pop and kept[1] == range(pop.P) and kept[2].shape[::3] == (J, S):
+        S, J = node_perturbation.width(layout, readout), pop.directions
+        if kept is not None and kept[0] == pop and kept[1] == list(range(J)) and kept[2].shape[3] == S:
             Z = kept[2]
         else:
             Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(J), pop.kind, readout)

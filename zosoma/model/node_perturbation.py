@@ -77,21 +77,21 @@ def noisy_nll(theta, layout: Layout, tokens, Z) -> np.ndarray:
     return nll(logits, np.tile(tokens[:, 1:], (M, 1))).reshape(M, B, T)
 
 
+def member_losses(theta, layout: Layout, batch, scale: float, Z, direction, sign) -> np.ndarray:
+    """(M, B, T) float64: the nats of every row's every target under member m, its pre-activations
+    plus sign[m] * scale * Z[direction[m]] (Z (J, B, T, S); direction (M,), sign (M,): a member
+    table, as a Population's), on the step's (B, T + 1) batch."""
+    Z = np.asarray(Z)
+    signs = np.asarray(sign, Z.dtype)[:, None, None, None] * np.asarray(scale, Z.dtype)
+    return noisy_nll(theta, layout, batch, Z[np.asarray(direction)] * signs).astype(np.float64)
+
+
 def position_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.ndarray, np.ndarray]:
     """(plus, minus), each (K, B, T) float64: the nats of every row's every target with its
-    pre-activations plus and minus scale * Z[k] (K, B, T, S), on the step's (B, T + 1) batch."""
-    Z = np.asarray(Z)
-    K = Z.shape[0]
-    signed = np.concatenate([Z, -Z]) * np.asarray(scale, Z.dtype)
-    nats = noisy_nll(theta, layout, batch, signed).astype(np.float64)
-    return nats[:K], nats[K:]
-
-
-def onesided_losses(theta, layout: Layout, batch, scale: float, Z) -> np.ndarray:
-    """(J, B, T) float64: the nats of every row's every target with its pre-activations plus
-    scale * Z[j] (J, B, T, S), each member its own noise (no antithetic twin)."""
-    Z = np.asarray(Z)
-    return noisy_nll(theta, layout, batch, Z * np.asarray(scale, Z.dtype)).astype(np.float64)
+    pre-activations plus and minus scale * Z[k] (K, B, T, S): member_losses of K antithetic pairs."""
+    K = np.shape(Z)[0]
+    nats = member_losses(theta, layout, batch, scale, Z, np.repeat(np.arange(K), 2), np.tile([1, -1], K))
+    return nats[0::2], nats[1::2]
 
 
 def row_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,7 @@ from zosoma.model import node_perturbation
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.strategies.base import Strategy
+from zosoma.strategies.onesided import one_sided
 
 
 class Activity(Strategy):
@@ -40,7 +41,7 @@ class Activity(Strategy):
 
     readout = "perturb"  # the output layer: noise on its logits ("local": its exact delta rule)
     causal = False  # True: each target's own difference, credited to the noise that can move it
-    onesided = False  # True: 2P members, each its own noise, against the members' mean
+    onesided = False  # True: 2P members, each its own noise, against the members' mean (its ask's table)
     _step = None  # (pop, batch): the step whose losses ran, for its update
 
     @classmethod
@@ -65,7 +66,7 @@ class Activity(Strategy):
         """(plus, minus), each (|pairs|, B): every row's loss under pair k's two members (causal and
         one-sided: (|pairs|, B, T), every target's nats)."""
         self._step = (pop, np.asarray(batch))
-        return ops.activity_losses(theta, layout, batch, pop, pairs, timings, self.readout, self.causal, self.onesided)
+        return ops.activity_losses(theta, layout, batch, pop, pairs, timings, self.readout, self.causal)
 
     def coefficients(self, plus, minus):
         """The P B scalars c_(k,b), pair-major (causal: P B T, one per target), and the minibatch
@@ -78,7 +79,7 @@ class Activity(Strategy):
         if kept is None or kept[0] != pop:
             raise RuntimeError(f"--optimizer activity updates step {pop.step} from the batch of its losses, "
                                "which this strategy did not evaluate")
-        ghat = ops.activity_estimate(theta, layout, kept[1], coeffs, pop, self.readout, self.causal, self.onesided)
+        ghat = ops.activity_estimate(theta, layout, kept[1], coeffs, pop, self.readout, self.causal)
         direction, state = self.transforms(ghat, state, pop.step)
         return self.descend(ops, theta, direction, lr), state
 
@@ -124,6 +125,9 @@ class ActivityOneSided(ActivityLocalCausal):
 
     name = "activity-onesided"
     onesided = True
+
+    def ask(self, expert: int, step: int) -> Population:
+        return one_sided(super().ask(expert, step))
 
     def coefficients(self, plus, minus):
         """The 2P B T scalars d_(j,b,t), member-major (member 2k + s), and the loss estimate."""

@@ -5,11 +5,11 @@ estimate). Shapes: K pairs, B batch, T time, E embedding, H hidden, G = 4H, L la
 S = L*G + V.
 
 The members of activity perturbation share theta, so a step's 2K members are one forward over
-R = 2K*B rows (row (2i + s)*B + b: pair i's member s, s = 0 plus, 1 minus, on batch row b): every
-GEMM is R rows tall, against a dense population's K separate B-row forwards. Layer 0's input
-projection is the same for every member, computed once for the B rows. The noise enters as
-+/- scale * Z[i, b, t] on each layer's gates before the cell and on the logits before the
-softmax; the cell and the softmax are the fast forward's vectorised ones (lstm_cell_rows,
+R = 2K*B rows (row m*B + b: member m on batch row b): every GEMM is R rows tall, against a dense
+population's K separate B-row forwards. Layer 0's input projection is the same for every member,
+computed once for the B rows. Member m's noise is what the member table says, sign[m] * scale *
+Z[index[m], b, t] (antithetic pairs share a noise with signs +/-, one-sided members have one each),
+on each layer's gates before the cell and on the logits before the softmax; the cell and the softmax are the fast forward's vectorised ones (lstm_cell_rows,
 output_rows: rational tanh, a polynomial exp).
 """
 
@@ -30,28 +30,27 @@ _CHUNK = 8  # pairs per work item: 16 B rows per GEMM
 
 
 @_jit
-def _add_noise(rows, Z, t, lo, hi, scale, B, onesided):
-    """rows (R, hi - lo) += +/- scale * Z[i, b, t, lo:hi] for row r = (2i + s) B + b (s = 1: minus);
-    onesided: + scale * Z[2i + s, b, t, lo:hi], each member its own noise."""
+def _add_noise(rows, Z, t, lo, hi, scale, B, index, sign):
+    """rows (R, hi - lo) += sign[m] * scale * Z[index[m], b, t, lo:hi] for row r = m B + b: member
+    m's noise as the member table says (index into Z, sign +1 or -1)."""
     for r in range(rows.shape[0]):
-        i, s, b = r // (2 * B), (r // B) % 2, r % B
-        sign = scale if s == 0 or onesided else -scale
+        m, b = r // B, r % B
         y = rows[r]
-        z = Z[2 * i + s if onesided else i, b, t, lo:hi]
+        z = Z[index[m], b, t, lo:hi]
+        s = sign[m] * scale
         for j in range(hi - lo):
-            y[j] += sign * z[j]
+            y[j] += s * z[j]
 
 
 @_jit
-def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, onesided, plus, minus):
-    """plus[i, b, t], minus[i, b, t] = nats of row b's target t under theta with its
-    pre-activations +scale*Z[i, b] and -scale*Z[i, b] (onesided: +scale*Z[2i, b] and
-    +scale*Z[2i + 1, b]; S = L*G: no noise on the logits). offsets:
+def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, index, sign, nats_out):
+    """nats_out[m, b, t] = nats of row b's target t under theta with its pre-activations
+    + sign[m] * scale * Z[index[m], b] (S = L*G: no noise on the logits). offsets:
     embed, (w_ih, w_hh, bias) per layer, out.w, out.b; tokens, targets (B, T) uint8; Z (K, B, T, S)
     float32. The gate and softmax math is zosoma.engines.cpu.forward's (lstm_cell_rows, output_rows)."""
-    K, B, T, S = plus.shape[0], Z.shape[1], Z.shape[2], Z.shape[3]
+    M, B, T, S = index.shape[0], Z.shape[1], Z.shape[2], Z.shape[3]
     G = 4 * H
-    R = 2 * K * B
+    R = M * B
     embed = theta[offsets[0]:offsets[0] + VOCAB * E].reshape((VOCAB, E))
     x0 = np.empty((B * T, E), np.float32)
     for b in range(B):
@@ -79,7 +78,7 @@ def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, onesided,
         c[:] = 0.0
         for t in range(T):
             np.dot(zeros if t == 0 else hs[t - 1], w_hh, gates)
-            _add_noise(gates, Z, t, layer * G, (layer + 1) * G, scale, B, onesided)
+            _add_noise(gates, Z, t, layer * G, (layer + 1) * G, scale, B, index, sign)
             for r in range(R):
                 rows[r] = (r % B) * T + t if layer == 0 else t * R + r
             lstm_cell_rows(gates, xsrc, rows, bias, c, hs[t])
@@ -94,16 +93,12 @@ def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, onesided,
     for t in range(T):
         np.dot(hs[t], out_w, logits)
         if S > L * G:
-            _add_noise(logits, Z, t, L * G, S, scale, B, onesided)
+            _add_noise(logits, Z, t, L * G, S, scale, B, index, sign)
         for r in range(R):
             row_targets[r] = targets[r % B, t]
         output_rows(logits, out_b, row_targets, nats, False, fold)
         for r in range(R):
-            i, s, b = r // (2 * B), (r // B) % 2, r % B
-            if s == 0:
-                plus[i, b, t] = nats[r]
-            else:
-                minus[i, b, t] = nats[r]
+            nats_out[r // B, r % B, t] = nats[r]
 
 
 @_jit
@@ -142,45 +137,38 @@ def offsets(layout: Layout) -> np.ndarray:
     return np.array([e.offset for e in layout.entries], np.int64)
 
 
-def draw(layout: Layout, B: int, T: int, seed: int, expert: int, step: int, members: range, kind: str,
+def draw(layout: Layout, B: int, T: int, seed: int, expert: int, step: int, directions, kind: str,
          readout: str = "perturb", out: np.ndarray | None = None) -> np.ndarray:
-    """(len(members), B, T, S) float32: the members' noise (zosoma.model.node_perturbation.member_noise)."""
+    """(len(directions), B, T, S) float32: the directions' noise (zosoma.model.node_perturbation.member_noise)."""
     S = width(layout, readout)
-    out = np.empty((len(members), B, T, S), np.float32) if out is None else out
-    for j, k in enumerate(members):
+    out = np.empty((len(directions), B, T, S), np.float32) if out is None else out
+    for j, k in enumerate(directions):
         flat = out[j].reshape(-1)
         flat[:] = 0.0
         noise.add_noise(flat, flat, 1.0, seed, expert, step, k, kind)
     return out
 
 
-def position_losses(theta, layout: Layout, batch, scale: float, Z, onesided: bool = False
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(plus, minus), each (K, B, T) float64: the nats of every row's every target with its
-    pre-activations plus and minus scale * Z[k] (K, B, T, S) float32, on the step's (B, T + 1) batch;
-    onesided: Z holds 2K members' noise, plus those of members 2k (+ scale * Z[2k]), minus of 2k + 1.
+def member_losses(theta, layout: Layout, batch, scale: float, Z, index, sign) -> np.ndarray:
+    """(M, B, T) float64: the nats of every row's every target under member m, its pre-activations
+    plus sign[m] * scale * Z[index[m]], on the step's (B, T + 1) batch. Z (J, B, T, S) float32 the
+    noise drawn; index (M,) and sign (M,) the member table (M = 2K: pairs' members 2k and 2k + 1).
     Pairs run _CHUNK at a time on the member threads (one-thread BLAS): fixed chunks, so the
     numbers do not depend on the thread count."""
     cfg = layout.config
     batch = np.ascontiguousarray(batch, np.uint8)
-    K, B = Z.shape[0] // (2 if onesided else 1), Z.shape[1]
+    index, sign = np.ascontiguousarray(index, np.int64), np.ascontiguousarray(sign, np.float32)
+    M, B = len(index), Z.shape[1]
     T = batch.shape[1] - 1
     theta, Z = np.ascontiguousarray(theta, np.float32), np.ascontiguousarray(Z, np.float32)
     tokens, targets = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
-    plus, minus = np.empty((K, B, T)), np.empty((K, B, T))
-    chunks = [slice(k, min(K, k + _CHUNK)) for k in range(0, K, _CHUNK)]
+    nats = np.empty((M, B, T))
+    chunks = [slice(m, min(M, m + 2 * _CHUNK)) for m in range(0, M, 2 * _CHUNK)]
 
     def work(item, _):
         at = chunks[item]
-        noise_at = slice(2 * at.start, 2 * at.stop) if onesided else at
-        _position_nats(theta, offsets(layout), cfg.embed, cfg.hidden, cfg.layers, tokens, targets, Z[noise_at],
-                       np.float32(scale), onesided, plus[at], minus[at])
+        _position_nats(theta, offsets(layout), cfg.embed, cfg.hidden, cfg.layers, tokens, targets, Z,
+                       np.float32(scale), index[at], sign[at], nats[at])
 
     threads.run_items(work, len(chunks))
-    return plus, minus
-
-
-def row_losses(theta, layout: Layout, batch, scale: float, Z) -> tuple[np.ndarray, np.ndarray]:
-    """(plus, minus), each (K, B) float64: every row's mean nats/byte (position_losses' mean)."""
-    plus, minus = position_losses(theta, layout, batch, scale, Z)
-    return plus.mean(axis=-1), minus.mean(axis=-1)
+    return nats
