@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close, one_line_error, run_cli
+from zosoma.engines.ops import Ops
 from zosoma.config import ModelConfig, VOCAB
 from zosoma.errors import ConfigError
 from zosoma.experiments import backprop
@@ -279,7 +280,7 @@ def test_a_stopped_backprop_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path
     from zosoma.errors import ConfigError
     from zosoma.training.single import resume_run
     with pytest.raises(ConfigError, match="is a backprop run of a comparison: run the same zosoma compare command"):
-        list(resume_run(tmp_path / "part"))  # zosoma train --resume: it is not zosoma's to train
+        list(resume_run(tmp_path / "part", ops=Ops()))  # zosoma train --resume: it is not zosoma's to train
     resumed = run_job(part, tmp_path / "part")
     for key in ("heldout", "steps", "step", "tokens", "flops", "final_train_loss", "checkpoint_steps"):
         assert resumed[key] == whole[key], key

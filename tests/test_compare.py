@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import one_line_error, run_cli, zosoma_cmd
+from zosoma.engines.ops import Ops
 from zosoma.experiments.compare import Job, check_folder, curve_steps, jobs, run_comparison
 from zosoma.experiments.compare_config import find_config, load_comparison
 from zosoma.experiments.study import Run, run_job
@@ -338,14 +339,14 @@ def test_a_record_the_run_has_trained_past_is_scored_again_never_reused(tmp_path
     first = run_job(job, run)
     assert first["divergence"] and first["checkpoint_steps"] == [first["step"]] < [cmp.methods[0].train.steps]
     # `zosoma train --resume` goes on past the guard's stop; stopped part way, the record is stale
-    list(resume_run(run, should_stop=_StopAfter(30)))
+    list(resume_run(run, should_stop=_StopAfter(30), ops=Ops()))
     now = RunFolder(run).read_checkpoint().step
     assert now == first["step"] + 30
     again = run_job(job, run)
     assert again["step"] == now and again["checkpoint_steps"] == [now] and again["heldout"] != first["heldout"]
     assert run_job(job, run) == again  # current: read back
     # an extension changes the run's configuration: refused, not answered with the old record
-    list(resume_run(run, steps=cmp.methods[0].train.steps + 100, should_stop=_StopAfter(5)))
+    list(resume_run(run, steps=cmp.methods[0].train.steps + 100, should_stop=_StopAfter(5), ops=Ops()))
     with pytest.raises(ConfigError, match="another configuration .*train.steps was"):
         run_job(job, run)
 

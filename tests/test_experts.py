@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from world import TINY_MODEL as MODEL
+from zosoma.engines.ops import Ops
 from zosoma.engines.cpu import forward
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
@@ -32,7 +33,7 @@ def soma_run(tmp_path, data, **kw):
     args = dict(n_experts=2, chunk_size=256, train_paths=[str(data / "prose.txt"), str(data / "digits.txt")],
                 heldout_paths=[str(data / "prose.txt")], executor=Inline(), top_k=2)
     args.update(kw)
-    return records_of(start_soma(tmp_path, MODEL, args.pop("cfg", CFG), **args))
+    return records_of(start_soma(tmp_path, MODEL, args.pop("cfg", CFG), **args, ops=Ops()))
 
 
 @pytest.mark.slow
@@ -146,10 +147,10 @@ def test_the_last_expert_takes_the_freed_core_with_the_same_bits(tmp_path, two_d
     stopped = []  # expert 2 stopped at step 4, experts 0 and 1 done
     for r in start_soma(tmp_path / "pool", MODEL, cfg, n_experts=3, chunk_size=256, executor=Inline(),
                         train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")],
-                        should_stop=lambda: bool(stopped)):
+                        should_stop=lambda: bool(stopped), ops=Ops()):
         if isinstance(r, Step) and r.expert == 2 and r.step == 4:
             stopped.append(r)
-    records = list(resume_soma(tmp_path / "pool", executor=LocalProcesses(2)))
+    records = list(resume_soma(tmp_path / "pool", executor=LocalProcesses(2), ops=Ops()))
     for i in range(3):
         assert np.array_equal(expert_checkpoint(tmp_path / "serial", i).theta,
                               expert_checkpoint(tmp_path / "pool", i).theta)

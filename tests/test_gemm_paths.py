@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close, one_line_error, random_bytes, run_cli, scaled_model
+from zosoma.engines.ops import Ops
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.engines.cpu import forward
@@ -55,7 +56,7 @@ def test_the_paths_agree_on_a_steps_members_to_float_tolerance(monkeypatch):
 
 def _trainer(tmp_path, name, model, cfg):
     sampler = BatchSampler(load_corpus(None, "train"), cfg.seq_len + 1)
-    return Trainer(tmp_path / name, model, cfg, sampler, new_state(model, cfg))
+    return Trainer(tmp_path / name, model, cfg, sampler, new_state(model, cfg), ops=Ops())
 
 
 def test_a_full_step_gives_the_same_update_on_both_paths(tmp_path, monkeypatch):
@@ -93,7 +94,7 @@ def test_a_resumed_run_on_the_loops_path_equals_the_uninterrupted_one(tmp_path, 
     assert RunFolder(tmp_path / "part").read_checkpoint().step == 4
     sampler = BatchSampler(load_corpus(None, "train"), cfg.seq_len + 1)
     resumed = Trainer(tmp_path / "part", model, cfg, sampler,
-                      from_checkpoint(RunFolder(tmp_path / "part").read_checkpoint()))
+                      from_checkpoint(RunFolder(tmp_path / "part").read_checkpoint()), ops=Ops())
     list(train(resumed, lambda: False))
     a, b = RunFolder(tmp_path / "full").read_checkpoint(), RunFolder(tmp_path / "part").read_checkpoint()
     assert a.step == b.step == cfg.steps and np.array_equal(a.theta, b.theta)

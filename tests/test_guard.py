@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from world import TINY_MODEL as MODEL
+from zosoma.engines.ops import Ops
 from zosoma.config import TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.runs import guard as g
@@ -71,14 +72,14 @@ def test_a_diverging_run_stops_with_a_checkpoint_and_a_resume_goes_on(tmp_path, 
     cfg = TrainConfig(optimizer="sgd", steps=400, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
                       on_divergence="stop")
     sampler = BatchSampler(corpus(), cfg.seq_len + 1)
-    trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
+    trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg), ops=Ops())
     records = list(train(trainer))
     assert isinstance(records[-1], Diverged) and records[-1].step < 400
     ckpt = RunFolder(tmp_path).read_checkpoint()
     assert ckpt.step == records[-1].step and ckpt.extra["divergence"]["verdict"] == records[-1].verdict
     summary = trainer.summary()
     assert summary["divergence"]["step"] == ckpt.step and summary["final_train_loss"] > 5.6
-    resumed = Trainer(tmp_path, MODEL, cfg, sampler, from_checkpoint(ckpt))
+    resumed = Trainer(tmp_path, MODEL, cfg, sampler, from_checkpoint(ckpt), ops=Ops())
     more = list(train(resumed, should_stop=lambda: resumed.state.step >= ckpt.step + 30))
     assert not any(isinstance(r, Diverged) for r in more)  # resuming says "go on"
     assert sum(isinstance(r, Step) for r in more) == 30
@@ -89,7 +90,7 @@ def test_on_divergence_continue_trains_to_the_end(tmp_path, monkeypatch, action)
     monkeypatch.setattr(g, "WINDOW", 20)
     monkeypatch.setattr(g, "WARMUP", 5)
     cfg = TrainConfig(optimizer="sgd", steps=120, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, on_divergence=action)
-    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), 9), new_state(MODEL, cfg))
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), 9), new_state(MODEL, cfg), ops=Ops())
     records = list(train(trainer))
     assert isinstance(records[-1], Finished) and trainer.state.step == 120
     assert trainer.summary()["divergence"] is not None  # recorded all the same
@@ -117,7 +118,7 @@ def test_a_run_whose_budget_ends_mid_divergence_is_judged_as_a_verdict_is(tmp_pa
     cfg = TrainConfig(optimizer="sgd", steps=40, batch=2, seq_len=8, perturbations=2, lr=500.0, warmup=1, checkpoint_every=1000,
                       on_divergence=action, shaping=())
     sampler = BatchSampler(corpus(), cfg.seq_len + 1)
-    trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg))
+    trainer = Trainer(tmp_path, MODEL, cfg, sampler, new_state(MODEL, cfg), ops=Ops())
     ends = [r for r in train(trainer) if not isinstance(r, Step)]
     said = ends[0]
     assert type(said).__name__ == record and said.step == 40
@@ -128,13 +129,13 @@ def test_a_run_whose_budget_ends_mid_divergence_is_judged_as_a_verdict_is(tmp_pa
     assert (summary["dropped"], summary["divergence"]) == ((verdict, None) if action == "restart" else (None, verdict))
     ckpt = RunFolder(tmp_path).read_checkpoint()  # checkpointed with the verdict: a resume finds it judged
     assert ckpt.step == 40 and ckpt.extra.get("dropped" if action == "restart" else "divergence") == verdict
-    again = list(train(Trainer(tmp_path, MODEL, cfg, sampler, from_checkpoint(ckpt))))
+    again = list(train(Trainer(tmp_path, MODEL, cfg, sampler, from_checkpoint(ckpt), ops=Ops())))
     assert again == [Finished(0, 40)]  # said once: no second verdict, nothing trained
 
 
 def test_a_healthy_run_ends_as_before(tmp_path):
     cfg = TrainConfig(optimizer="sgd", steps=40, batch=2, seq_len=8, perturbations=2, lr=0.2, warmup=1, checkpoint_every=1000,
                       shaping=())
-    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg))
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg), ops=Ops())
     assert [r for r in train(trainer) if not isinstance(r, Step)] == [Finished(0, 40)]
     assert trainer.summary()["divergence"] is None and trainer.summary()["dropped"] is None

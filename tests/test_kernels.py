@@ -793,12 +793,12 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     cfg = TrainConfig(optimizer="sgd", steps=2, batch=3, seq_len=12, perturbations=3)
     text = np.frombuffer(b"a forward-only trainer checks its device path " * 20, np.uint8)
     sampler = BatchSampler(Corpus(("t",), (text,)), cfg.seq_len + 1)
-    cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))
+    cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg), ops=Ops())
     dev = Trainer(tmp_path / "dev", model, cfg, sampler, new_state(model, cfg), ops=cuda_ops.CudaOps())
     for a, b in zip(cpu.losses(), dev.losses()):
         assert_close(b, a, rtol=1e-5, name="device vs cpu losses")
     egg = TrainConfig(steps=2, batch=3, seq_len=12, perturbations=3, optimizer="eggroll", rank=2)
-    cpu_e = Trainer(tmp_path / "cpu_e", model, egg, sampler, new_state(model, egg))
+    cpu_e = Trainer(tmp_path / "cpu_e", model, egg, sampler, new_state(model, egg), ops=Ops())
     dev_e = Trainer(tmp_path / "dev_e", model, egg, sampler, new_state(model, egg), ops=cuda_ops.CudaOps())
     for a, b in zip(cpu_e.losses(), dev_e.losses()):
         assert_close(b, a, rtol=1e-5, name="EGGROLL device vs cpu losses")
@@ -828,7 +828,7 @@ def test_a_device_resident_run_matches_the_cpu_run(rt, tmp_path, monkeypatch, op
     ops = cuda_ops.CudaOps()
     to_host = []
     monkeypatch.setattr(type(ops), "to_numpy", lambda self, x: to_host.append(np.shape(x)) or to_numpy(x))
-    cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg))
+    cpu = Trainer(tmp_path / "cpu", model, cfg, sampler, new_state(model, cfg), ops=Ops())
     dev = Trainer(tmp_path / "dev", model, cfg, sampler, new_state(model, cfg), ops=ops)
     for _ in train(cpu):
         pass

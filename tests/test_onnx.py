@@ -10,6 +10,7 @@ import pytest
 from helpers import (assert_close, error_line, on_a_full_disk, on_a_read_only_disk, one_line_error, run_cli as run,
                      snapshot, users_files, zosoma_cmd)
 from world import tiny_args
+from zosoma.engines.ops import Ops
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.formats import onnx as zonnx
 from zosoma.model import reference
@@ -242,10 +243,10 @@ def dropped(tmp_path_factory):
                 ckpt.train = dataclasses.replace(ckpt.train, lr=400.0)
                 folder.write_checkpoint(ckpt)
             if name == "one":
-                list(resume_soma(root / name, Inline()))
+                list(resume_soma(root / name, Inline(), ops=Ops()))
             else:
                 with pytest.raises(ConfigError, match="every expert was dropped"):
-                    list(resume_soma(root / name, Inline()))
+                    list(resume_soma(root / name, Inline(), ops=Ops()))
     return root, text
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from helpers import assert_close, cli_json, one_line_error, run_cli as run
 from world import TINY_MODEL_L2, tiny_args
+from zosoma.engines.ops import Ops
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.engines import get_ops, run_ops
@@ -29,7 +30,7 @@ def corpus():
 
 
 def _train(corpus, tmp_path, model, cfg):
-    trainer = Trainer(tmp_path, model, cfg, BatchSampler(corpus, cfg.seq_len + 1), new_state(model, cfg))
+    trainer = Trainer(tmp_path, model, cfg, BatchSampler(corpus, cfg.seq_len + 1), new_state(model, cfg), ops=Ops())
     losses = [r.loss for r in train(trainer) if isinstance(r, Step)]
     return trainer, np.array(losses)
 

@@ -142,7 +142,7 @@ def test_the_doubling_schedule_keeps_the_forward_budget():
 def test_a_scheduled_runs_records_count_its_own_pairs(tmp_path):
     cfg = TrainConfig(optimizer="sgd", queries="doubling", perturbations=4, steps=7, batch=2, seq_len=8, warmup=1, lr=0.05,
                       checkpoint_every=7)
-    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg))
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg), ops=Ops())
     records = [r.metrics for r in train(trainer) if isinstance(r, Step)]
     tokens = np.diff([0] + [r["tokens"] for r in records])
     assert list(tokens) == [2 * P * 2 * 8 for P in (2, 2, 2, 2, 4, 4, 8)]

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from helpers import cli_json
 from world import TINY_MODEL as MODEL, tiny_args
+from zosoma.engines.ops import Ops
 from zosoma.cli.main import cli
 from zosoma.config import TrainConfig
 from zosoma.engines import get_ops
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.usefixtures("scratch_cwd")
 
 def run(run_dir, two_domains, sharding=None, **kw):
     paths = [str(two_domains / "prose.txt")]
-    return list(start_run(run_dir, MODEL, kw.pop("cfg", CFG), paths, paths, sharding=sharding, **kw))
+    return list(start_run(run_dir, MODEL, kw.pop("cfg", CFG), paths, paths, sharding=sharding,
+                          ops=kw.pop("ops", Ops()), **kw))
 
 
 def theta(run_dir):
@@ -78,9 +80,9 @@ def test_sharded_population_equals_the_single_process_run(tmp_path, two_domains)
 
 @pytest.mark.slow
 def test_workers_open_the_engine_the_run_hands_them(tmp_path, two_domains):
-    """A run handed its own engine (bf16 forwards on the CPU) tells its population workers the
-    device that engine is on (ops.device, not its label "cpu-bf16"), so each opens the same engine:
-    the single-process run's numbers."""
+    """A run handed its own engine (bf16 forwards on the CPU) hands it to its population workers
+    (in another process rebuilt from its record: device "cpu", not its label "cpu-bf16"), so each
+    evaluates on the same engine: the single-process run's numbers."""
     cfg, ops = dataclasses.replace(CFG, forward_precision="bf16", steps=4), get_ops("cpu", precision="bf16")
     run(tmp_path / "one", two_domains, cfg=cfg, ops=ops)
     run(tmp_path / "w2", two_domains, Sharding(InProcess(), 2), cfg=cfg, ops=ops)
@@ -107,10 +109,10 @@ def test_an_expert_spreads_over_lent_cores_with_the_same_bits(tmp_path, two_doma
     population's P pairs over them), and ends with the bits of the expert alone."""
     kw = dict(n_experts=2, chunk_size=256, executor=Inline(), top_k=2,
               train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])
-    list(start_soma(tmp_path / "alone", MODEL, CFG, **kw))
+    list(start_soma(tmp_path / "alone", MODEL, CFG, **kw, ops=Ops()))
     lending = Lending()
     monkeypatch.setattr(population_workers, "spare_cores", lambda: lending)
-    records = list(start_soma(tmp_path / "spread", MODEL, CFG, **kw))
+    records = list(start_soma(tmp_path / "spread", MODEL, CFG, **kw, ops=Ops()))
     for i in range(2):
         a = RunFolder(tmp_path / "alone").expert(i).read_checkpoint().theta
         b = RunFolder(tmp_path / "spread").expert(i).read_checkpoint().theta
@@ -124,7 +126,8 @@ def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):
     run(tmp_path / "one", two_domains)
     spy = Spy(Processes())
     records = []
-    for r in start_run(tmp_path / "w2", MODEL, CFG, [str(two_domains / "prose.txt")], sharding=Sharding(spy, 2)):
+    for r in start_run(tmp_path / "w2", MODEL, CFG, [str(two_domains / "prose.txt")], sharding=Sharding(spy, 2),
+                       ops=Ops()):
         records.append(r)
         if isinstance(r, Step) and r.step == 6:  # checkpoint at 4: rebuilt from it plus 2 logged steps
             os.kill(spy.handles[1].pid, signal.SIGKILL)
@@ -140,8 +143,8 @@ def test_a_killed_worker_is_rebuilt_by_replay(tmp_path, two_domains):
 def test_summed_ablation_through_the_scalar_exchange(tmp_path, two_domains):
     kw = dict(n_experts=2, loss="summed", chunk_size=256, executor=Inline(), top_k=2,
               train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])
-    list(start_soma(tmp_path / "lockstep", MODEL, CFG, **kw))
-    records = list(start_soma(tmp_path / "workers", MODEL, CFG, workers=Processes(), **kw))
+    list(start_soma(tmp_path / "lockstep", MODEL, CFG, **kw, ops=Ops()))
+    records = list(start_soma(tmp_path / "workers", MODEL, CFG, workers=Processes(), **kw, ops=Ops()))
     assert {r.metrics["comm_bytes"] for r in steps(records)} == {exchange_bytes(4, 1)}
     for i in range(2):
         a = RunFolder(tmp_path / "lockstep").expert(i).read_checkpoint().theta

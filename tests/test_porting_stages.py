@@ -98,7 +98,7 @@ def test_the_kits_training_loop_is_the_trainers(kit, layout, tmp_path, monkeypat
                       shaping=("normalize",) if normalize else (),  # as the stage's settings say
                       normalize_window=int(f["normalize_window"]) if normalize else 50)
     trainer = Trainer(tmp_path / "run", layout.config, cfg, BatchSampler(porting_port._corpus(f), cfg.seq_len + 1),
-                      RunState(f["theta"].copy(), {}, shaping=Chain(cfg).init()), expert=int(f["stream"]))
+                      RunState(f["theta"].copy(), {}, shaping=Chain(cfg).init()), expert=int(f["stream"]), ops=Ops())
     losses = trainer.ops.perturbed_losses
 
     def faulty(theta, layout_, batch, pop, *args, **kw):

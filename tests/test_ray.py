@@ -28,6 +28,7 @@ from click.testing import CliRunner
 
 from helpers import RAY_OPTIONS, zosoma_cmd
 from world import TINY_MODEL as MODEL, tiny_args
+from zosoma.engines.ops import Ops
 from zosoma.cli.main import cli
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
@@ -81,7 +82,7 @@ class Watched:
 def soma_units(run_dir, two_domains, cfg=CFG):
     create_soma(run_dir, MODEL, cfg, 2, chunk_size=256, train_paths=[str(two_domains / "prose.txt"), str(two_domains / "digits.txt")])
     run = open_soma(run_dir)
-    return [ExpertUnit(str(run_dir), run.soma, run.corpora[i], i, "cpu") for i in range(2)]
+    return [ExpertUnit(str(run_dir), run.soma, run.corpora[i], i, Ops()) for i in range(2)]
 
 
 def final_thetas(run_dir):
@@ -135,7 +136,7 @@ def kill_and_wait(actor):
 
 def test_a_population_over_ray_actors_survives_a_lost_actor(tmp_path, two_domains, ray_local):
     paths = [str(two_domains / "prose.txt")]
-    list(start_run("one", MODEL, CFG, paths))
+    list(start_run("one", MODEL, CFG, paths, ops=Ops()))
 
     class Spy(RayWorkers):
         """Keeps the actors' handles, to kill one."""
@@ -146,7 +147,7 @@ def test_a_population_over_ray_actors_survives_a_lost_actor(tmp_path, two_domain
 
     spy = Spy(RayExecutor())
     notes = []
-    for r in start_run("w2", MODEL, CFG, paths, sharding=Sharding(spy, 2)):
+    for r in start_run("w2", MODEL, CFG, paths, sharding=Sharding(spy, 2), ops=Ops()):
         if isinstance(r, Step):
             notes += r.notes
             if r.step == 6:  # the checkpoint is at step 4
@@ -173,7 +174,7 @@ def test_a_folder_the_workers_cannot_see_is_one_line(tmp_path, two_domains, ray_
     assert RunFolder("run").expert(0).read_checkpoint().step == 0  # nothing trained anywhere
     with pytest.raises(ConfigError, match="does not see the driver's run folder"):
         list(start_run("one", MODEL, CFG, [str(two_domains / "prose.txt")],
-                       sharding=Sharding(RayWorkers(RayExecutor(token_wait=0)), 2)))
+                       sharding=Sharding(RayWorkers(RayExecutor(token_wait=0)), 2), ops=Ops()))
 
 
 def test_an_unreachable_address_is_one_line_within_the_timeout(tmp_path, two_domains):

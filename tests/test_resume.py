@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from world import TINY_MODEL as MODEL
+from zosoma.engines.ops import Ops
 from zosoma.config import TrainConfig, to_json
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.formats.checkpoint import load_checkpoint, write_contents
@@ -51,7 +52,7 @@ class TrainingLoop:
         self.corpus = load_corpus([str(data / "prose.txt")])
 
     def _train(self, run_dir, cfg, state, stop):
-        trainer = Trainer(run_dir, MODEL, cfg, BatchSampler(self.corpus, cfg.seq_len + 1), state)
+        trainer = Trainer(run_dir, MODEL, cfg, BatchSampler(self.corpus, cfg.seq_len + 1), state, ops=Ops())
         return list(train(trainer, lambda: stop and trainer.state.step >= STOP))
 
     def start(self, run_dir, cfg, stop):
@@ -74,10 +75,10 @@ class Soma:
 
     def start(self, run_dir, cfg, stop):
         return list(start_soma(run_dir, MODEL, cfg, should_stop=stop_after(STOP) if stop else lambda: False,
-                               **self.args))
+                               **self.args, ops=Ops()))
 
     def resume(self, run_dir, cfg):
-        return list(resume_soma(run_dir, Inline()))
+        return list(resume_soma(run_dir, Inline(), ops=Ops()))
 
     def models(self, run_dir):
         return [RunFolder(run_dir).expert(i) for i in range(2)]
@@ -93,10 +94,10 @@ class PopulationWorkers:
     def start(self, run_dir, cfg, stop):
         sharding = Sharding(InProcess(), 2) if stop else None
         return list(start_run(run_dir, MODEL, cfg, self.paths, self.paths, sharding=sharding,
-                              should_stop=stop_after(STOP) if stop else lambda: False))
+                              should_stop=stop_after(STOP) if stop else lambda: False, ops=Ops()))
 
     def resume(self, run_dir, cfg):
-        return list(resume_run(run_dir, sharding=Sharding(InProcess(), 4)))
+        return list(resume_run(run_dir, sharding=Sharding(InProcess(), 4), ops=Ops()))
 
     def models(self, run_dir):
         return [RunFolder(run_dir)]

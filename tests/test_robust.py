@@ -10,6 +10,7 @@ import pytest
 
 from helpers import zosoma_cmd
 from world import TINY_MODEL as MODEL, tiny_args
+from zosoma.engines.ops import Ops
 from zosoma.config import TrainConfig, from_json, to_json
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.errors import ConfigError
@@ -166,7 +167,7 @@ def text_corpus(tmp_path):
 def single_trainer(folder, cfg, corpus, ckpt=None):
     sampler = BatchSampler(corpus, cfg.seq_len + 1)
     state = from_checkpoint(ckpt) if ckpt is not None else new_state(MODEL, cfg)
-    return Trainer(folder, MODEL, cfg, sampler, state)
+    return Trainer(folder, MODEL, cfg, sampler, state, ops=Ops())
 
 
 @pytest.mark.parametrize("pieces", [("clip",), ("normalize",), ("clip", "normalize")])
@@ -206,8 +207,8 @@ def test_a_diverging_expert_restarts_while_the_other_trains_untouched(tmp_path):
     text = text_corpus(tmp_path)
     faulty_soma(tmp_path / "clean", text, RESTART)
     faulty_soma(tmp_path / "fault", text, RESTART, bad_lr=40.0)
-    list(resume_soma(tmp_path / "clean", Inline()))
-    records = list(resume_soma(tmp_path / "fault", Inline()))
+    list(resume_soma(tmp_path / "clean", Inline(), ops=Ops()))
+    records = list(resume_soma(tmp_path / "fault", Inline(), ops=Ops()))
     restarts = [r for r in records if isinstance(r, Restarted)]
     assert restarts and {r.expert for r in restarts} == {1}
     assert [r.lr_scale for r in restarts] == [0.5, 0.25][:len(restarts)]
@@ -227,7 +228,7 @@ def test_a_dropped_expert_is_left_out_of_routing_and_said(tmp_path):
     text = text_corpus(tmp_path)
     cfg = dataclasses.replace(RESTART, max_restarts=1)
     faulty_soma(tmp_path / "run", text, cfg, bad_lr=400.0)
-    records = list(resume_soma(tmp_path / "run", Inline()))
+    records = list(resume_soma(tmp_path / "run", Inline(), ops=Ops()))
     assert [type(r) for r in records if isinstance(r, (Restarted, Dropped))] == [Restarted, Dropped]
     results = next(r for r in records if isinstance(r, Evaluated)).results
     assert results["dropped"] == [1] and results["training"][1]["dropped"]["verdict"].startswith("rising")
@@ -241,7 +242,7 @@ def test_a_dropped_expert_is_left_out_of_routing_and_said(tmp_path):
     experts, _ = ensemble.router.select([b"river stone", b"0123 4567"])
     assert set(experts.ravel()) == {0}
     # a resume finds nothing to train and says the same
-    again = list(resume_soma(tmp_path / "run", Inline()))
+    again = list(resume_soma(tmp_path / "run", Inline(), ops=Ops()))
     assert {r.expert for r in again if isinstance(r, Finished)} == {0, 1}
     assert not any(isinstance(r, Step) for r in again)
 
@@ -251,7 +252,7 @@ def test_restarts_are_the_same_inline_and_in_processes(tmp_path):
     text = text_corpus(tmp_path)
     for name, executor in (("inline", Inline()), ("processes", LocalProcesses(2))):
         faulty_soma(tmp_path / name, text, RESTART, bad_lr=40.0)
-        list(resume_soma(tmp_path / name, executor))
+        list(resume_soma(tmp_path / name, executor, ops=Ops()))
     for i in range(2):
         a = RunFolder(tmp_path / "inline").expert(i).read_checkpoint()
         b = RunFolder(tmp_path / "processes").expert(i).read_checkpoint()
@@ -295,7 +296,7 @@ def test_the_summed_ablations_experts_stop_together_where_one_would_restart(tmp_
     cfg = dataclasses.replace(RESTART, lr=400.0)
     create_soma(tmp_path / "summed", MODEL, cfg, 2, loss="summed", chunk_size=256, train_paths=[str(text)],
                 heldout_paths=[str(text)])
-    records = list(resume_soma(tmp_path / "summed", Inline()))
+    records = list(resume_soma(tmp_path / "summed", Inline(), ops=Ops()))
     assert not any(isinstance(r, (Restarted, Dropped)) for r in records)
     stopped = [r for r in records if isinstance(r, Diverged)]
     assert stopped and all(r.step == stopped[0].step for r in stopped)
@@ -311,7 +312,7 @@ def test_a_sharded_population_restarts_as_one_process_does(tmp_path):
     cfg = dataclasses.replace(RESTART, lr=40.0, max_restarts=1)
     ends = []
     for name, sharding in (("one", None), ("sharded", Sharding(InProcess(), 2))):
-        records = list(start_run(tmp_path / name, MODEL, cfg, [str(text)], [str(text)], sharding=sharding))
+        records = list(start_run(tmp_path / name, MODEL, cfg, [str(text)], [str(text)], sharding=sharding, ops=Ops()))
         assert any(isinstance(r, Restarted) for r in records) and isinstance(records[-1], Dropped)
         ends.append(RunFolder(tmp_path / name).read_checkpoint())
     assert np.array_equal(ends[0].theta, ends[1].theta)
@@ -362,7 +363,7 @@ def test_on_divergence_continue_says_its_verdict_once_and_trains_on(tmp_path):
     cfg = dataclasses.replace(CFG, on_divergence="continue", lr=400.0)
     create_soma(tmp_path / "summed", MODEL, cfg, 2, loss="summed", chunk_size=256, train_paths=[str(text)],
                 heldout_paths=[str(text)])
-    records = list(resume_soma(tmp_path / "summed", Inline()))
+    records = list(resume_soma(tmp_path / "summed", Inline(), ops=Ops()))
     went_on = sorted((r for r in records if isinstance(r, Continued)), key=lambda r: r.expert)
     assert [r.expert for r in went_on] == [0, 1] and isinstance(records[-1], Evaluated)
     assert [t["divergence"]["step"] for t in records[-1].results["training"]] == [r.step for r in went_on]
@@ -390,7 +391,7 @@ def test_an_expert_still_diverging_at_its_budget_is_left_out_of_routing_and_said
     from zosoma.training.run import Run
     text = text_corpus(tmp_path)
     faulty_soma(tmp_path / "run", text, dataclasses.replace(RESTART, steps=40), bad_lr=400.0)
-    records = list(resume_soma(tmp_path / "run", Inline()))
+    records = list(resume_soma(tmp_path / "run", Inline(), ops=Ops()))
     dropped = [r for r in records if isinstance(r, Dropped)]
     assert [(r.expert, r.step, r.restarts) for r in dropped] == [(1, 40, 0)]
     assert dropped[0].verdict.startswith("rising when its budget ran out: smoothed loss ")

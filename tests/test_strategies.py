@@ -125,7 +125,7 @@ def test_es_step_is_the_rank_shaped_gaussian_update():
 def test_es_trains(tmp_path):
     cfg = TrainConfig(optimizer="es", steps=40, batch=4, seq_len=16, perturbations=8, warmup=2,
                       checkpoint_every=15, eps=0.02, lr=0.05)
-    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg))
+    trainer = Trainer(tmp_path, MODEL, cfg, BatchSampler(corpus(), cfg.seq_len + 1), new_state(MODEL, cfg), ops=Ops())
     losses = [r.loss for r in train(trainer) if isinstance(r, Step)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3  # it learns
 

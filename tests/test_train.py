@@ -109,7 +109,7 @@ def test_learning_rate_schedules():
 def run_steps(tmp_path, cfg, state=None, ops=None):
     sampler = BatchSampler(small_corpus(), cfg.seq_len + 1)
     state = new_state(MODEL, cfg) if state is None else state
-    trainer = Trainer(tmp_path, MODEL, cfg, sampler, state, ops=ops)
+    trainer = Trainer(tmp_path, MODEL, cfg, sampler, state, ops=ops or Ops())
     return state, list(train(trainer))
 
 
@@ -130,7 +130,7 @@ def test_resume_from_an_older_checkpoint_drops_later_metrics(tmp_path):
     full, _ = run_steps(tmp_path / "full", cfg)
     sampler = BatchSampler(small_corpus(), 17)
     state = new_state(MODEL, cfg)
-    gen = train(Trainer(tmp_path / "killed", MODEL, cfg, sampler, state))
+    gen = train(Trainer(tmp_path / "killed", MODEL, cfg, sampler, state, ops=Ops()))
     for r in gen:  # abandon the generator after step 7: the checkpoint on disk holds step 5
         if isinstance(r, Step) and r.step == 7:
             break

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from zosoma.corpus import BatchSampler
+from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline, LocalProcesses
 from zosoma.runs.folder import RunFolder
@@ -65,6 +66,7 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
     """{"soma": rows, "population": rows, "ray_connect_s": seconds or None, "config": ...}; each row
     {"name", "wall_s", "start_s", "step_s", "same": final theta equal to the inline run's}."""
     model, cfg = resolve(preset, {"steps": steps, "checkpoint_every": steps, "seed": seed})
+    ops = get_ops("cpu")  # the benchmark's engine: every row trains on the CPU
     out: dict = {"config": {"preset": preset, "experts": experts, "steps": steps, "P": cfg.perturbations,
                             "B": cfg.batch, "T": cfg.seq_len, "d": model.n_params()}, "ray_connect_s": None}
     ray_executor = None
@@ -84,7 +86,7 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
         for i, (name, executor) in enumerate(executors):
             folder = tmp / f"soma{i}"
             shutil.copytree(tmp / "soma", folder)
-            units = [ExpertUnit(str(folder), run.soma, run.corpora[e], e, "cpu") for e in range(experts)]
+            units = [ExpertUnit(str(folder), run.soma, run.corpora[e], e, ops) for e in range(experts)]
             row = {"name": name, **_timed(executor.run(units))}
             thetas = [RunFolder(folder).expert(e).read_checkpoint().theta for e in range(experts)]
             row["same"] = i == 0 or all(np.array_equal(a, b) for a, b in zip(thetas, out["soma"][0]["thetas"]))
@@ -99,8 +101,8 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
             shardings.append(("Ray actors, W=2", Sharding(RayWorkers(ray_executor), 2)))
         out["population"] = []
         for i, (name, sharding) in enumerate(shardings):
-            trainer = make_trainer(tmp / f"single{i}", model, cfg, sampler, new_state(model, cfg), {"data": data},
-                                   sharding=sharding)
+            trainer = make_trainer(tmp / f"single{i}", model, cfg, sampler, new_state(model, cfg), ops,
+                                   {"data": data}, sharding=sharding)
             trainer.checkpoint()
             row = {"name": name, **_timed(train(trainer))}
             theta = trainer.theta

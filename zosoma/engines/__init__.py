@@ -74,6 +74,20 @@ def run_ops(ops, engine: str = "native", precision: str = "fp32"):
     return get_ops("cpu", engine, precision)
 
 
+class SendsEngine:
+    """A unit of work that carries the run's engine in its `ops` field (a population worker's spec,
+    an expert unit): in this process the engine itself; sent to another process, its record
+    (device, engine, precision), which get_ops turns back into the engine there. The one way a
+    process boundary rebuilds an engine."""
+
+    def __getstate__(self):
+        ops = self.ops
+        return {**self.__dict__, "ops": (ops.device, ops.engine, ops.precision)}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, ops=get_ops(*state["ops"]))  # (frozen dataclasses too)
+
+
 def device_note(device: str, ops) -> str | None:
     """The line --device auto prints: which engine it chose and, on the CPU, why not CUDA (None for
     a device named outright)."""

@@ -9,7 +9,10 @@ what it is only through the attributes below, never by its name. The interface:
     what it is name                     the engine's label in records and reports ("cpu", "cuda",
                                         "onnxruntime", "cpu-bf16", ...)
                device                   the device its forwards run on, as get_ops names it ("cpu",
-                                        "cuda"): what a worker in another process resolves again
+                                        "cuda")
+               engine                   the engine's kind, as get_ops names it ("native", "onnxruntime");
+                                        with device and precision, the record an engine is sent to
+                                        another process as (zosoma.engines.SendsEngine)
                on_device                True when its arrays live in an accelerator's memory
                precision                the forwards' number format (zosoma.model.number_formats)
     arrays     xp                       the array module of the engine's arrays (numpy, cupy)
@@ -64,6 +67,7 @@ class Ops:
 
     name = "cpu"
     device = "cpu"
+    engine = "native"
     on_device = False
     precision = "fp32"
     xp = np

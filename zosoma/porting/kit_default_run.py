@@ -26,6 +26,7 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
+from zosoma.engines import get_ops
 from zosoma.porting.kit_run import HELDOUT_ATOL, LOSS_ATOL, corpus_sha256s
 from zosoma.porting.stage import Out, Stage
 from zosoma.runs.records import Evaluated, Restarted, Step
@@ -63,7 +64,7 @@ def train_reference(run_dir, which: str, engine: str = "native", budget: bool = 
     losses, restarts, results = [], [], None
     old_reading = mock.patch.object(Trainer, "spent", property(lambda self: False))
     with old_reading if not budget else contextlib.nullcontext():
-        for r in start_run(run_dir, model, cfg):
+        for r in start_run(run_dir, model, cfg, ops=get_ops("cpu")):
             if isinstance(r, Step):
                 losses.append(float(r.metrics["loss"]))
                 final = r.metrics["step"]

@@ -21,6 +21,7 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, default_corpus_dir, load_corpus
+from zosoma.engines import get_ops
 from zosoma.model import reference
 from zosoma.model.params import Layout, init_params
 from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
@@ -48,7 +49,7 @@ def train_reference(run_dir, **options) -> dict:
     {"losses": each step's loss, "heldout": the overall held-out nats/byte, "restarts": n}."""
     model, cfg = run_config()
     results = None
-    for r in start_run(run_dir, model, dataclasses.replace(cfg, **options)):
+    for r in start_run(run_dir, model, dataclasses.replace(cfg, **options), ops=get_ops("cpu")):
         if isinstance(r, Evaluated):
             results = r.results
     records = RunFolder(run_dir).read_metrics()

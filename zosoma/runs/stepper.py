@@ -21,7 +21,8 @@ import time
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.engines import get_ops, run_ops
+from zosoma.engines import run_ops
+from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import Layout
@@ -39,25 +40,25 @@ def stream(expert: int, restarts: int) -> int:
 
 class Stepper:
     """One model's steps: `model` trained by `cfg` on `sampler`'s batches as expert `expert`, with
-    `ops` (its device's engine; the run's engine and forward precision come with its config, so a
-    resume keeps them) after `restarts` restarts."""
+    `ops` (the run's engine, handed down: a forward precision or engine its config names is
+    checked against it by run_ops, so a resume keeps them) after `restarts` restarts."""
 
-    def __init__(self, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, expert: int = 0,
-                 restarts: int = 0, ops=None):
+    def __init__(self, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, ops: Ops, expert: int = 0,
+                 restarts: int = 0):
         if sampler.T1 != cfg.seq_len + 1:
             raise ConfigError(f"sampler windows are {sampler.T1} bytes, training needs {cfg.seq_len + 1}")
         self.model, self.cfg, self.sampler, self.expert = model, cfg, sampler, expert
         self.restarts = restarts  # the restarts so far: they pick the stream and scale the rate
         self.strategy = make_strategy(cfg)
-        self.ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)
+        self.ops = run_ops(ops, cfg.engine, cfg.forward_precision)
         self.layout = Layout(model)
         self.strategy.check(self.layout)
 
     @classmethod
-    def of(cls, ckpt: Checkpoint, corpus: Corpus, expert: int = 0, device: str = "cpu") -> "Stepper":
-        """The steps of the model a checkpoint holds, on `corpus` and `device`, with its restarts."""
-        return cls(ckpt.model, ckpt.train, BatchSampler(corpus, ckpt.train.seq_len + 1), expert,
-                   len(ckpt.extra.get("restarts") or ()), get_ops(device))
+    def of(cls, ckpt: Checkpoint, corpus: Corpus, expert: int, ops: Ops) -> "Stepper":
+        """The steps of the model a checkpoint holds, on `corpus` and the engine `ops`, with its restarts."""
+        return cls(ckpt.model, ckpt.train, BatchSampler(corpus, ckpt.train.seq_len + 1), ops, expert,
+                   len(ckpt.extra.get("restarts") or ()))
 
     @property
     def stream(self) -> int:

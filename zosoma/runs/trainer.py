@@ -92,9 +92,9 @@ class Trainer:
     ablation feeds every expert the shared ones (zosoma.training.soma)."""
 
     def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
-                 expert: int = 0, extra: dict | None = None, ops: Ops | None = None):
+                 ops: Ops, expert: int = 0, extra: dict | None = None):
         check_memory(model, cfg)  # a run resumed on a smaller machine, or started before this check
-        self.stepper = Stepper(model, cfg, sampler, expert, len(state.restarts), ops)
+        self.stepper = Stepper(model, cfg, sampler, ops, expert, len(state.restarts))
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         self.model, self.cfg, self.sampler, self.expert = model, cfg, sampler, expert
         self.strategy, self.ops, self.layout = self.stepper.strategy, self.stepper.ops, self.stepper.layout

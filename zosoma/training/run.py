@@ -200,6 +200,11 @@ class Run:
         raise NotImplementedError
 
 
+def scoring(ops):
+    """The engine a run is scored on: the one given, or the CPU's (resolved here, at the door)."""
+    return get_ops("cpu") if ops is None else ops
+
+
 class SingleModel(Run):
     """One model's run folder, or its checkpoint file."""
 
@@ -223,7 +228,7 @@ class SingleModel(Run):
             warnings.warn(f"{self.path} was dropped at step {dropped['step']} after "
                           f"{len(ckpt.extra.get('restarts') or ())} restart(s) ({dropped['verdict']}): training gave "
                           "up on it, and it is scored as it was left", DroppedExperts, stacklevel=2)
-        r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, ops=ops, segment=protocol.segment,
+        r = evaluate_run(ckpt.theta, Layout(ckpt.model), corpus, wikitext, scoring(ops), segment=protocol.segment,
                          context=protocol.context, streams=streams)
         return {"kind": "single", "step": ckpt.step, "n_params": ckpt.model.n_params(), **r}
 
@@ -268,7 +273,7 @@ class Soma(Run):
         if streams is not None:
             raise OptionError(f"--streams is an option of single models; {self.path} is a SOMA run")
         ensemble = self.ensemble(protocol.top_k, temperature, fallback)
-        r = evaluate_soma(ensemble, corpus, wikitext, ops, segment=protocol.segment, context=protocol.context)
+        r = evaluate_soma(ensemble, corpus, wikitext, scoring(ops), segment=protocol.segment, context=protocol.context)
         return {"kind": "soma", "n_params": ensemble.n_params, "dropped": list(ensemble.router.dropped), **r}
 
     def describe(self, fallback=False) -> dict:

@@ -18,7 +18,6 @@ import numpy as np
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, describe, load_corpus, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
-from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError, DataError, OptionError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
@@ -107,12 +106,11 @@ class SingleRun:
     train_corpus: Corpus
     heldout: Corpus | None
 
-    def trainer(self, cfg: TrainConfig | None = None, ops: Ops | None = None,
-                sharding: Sharding | None = None) -> Trainer:
-        """The run's Trainer from its checkpoint, with `cfg` (default: the checkpoint's)."""
+    def trainer(self, ops: Ops, cfg: TrainConfig | None = None, sharding: Sharding | None = None) -> Trainer:
+        """The run's Trainer from its checkpoint on the engine `ops`, with `cfg` (default: the checkpoint's)."""
         cfg = cfg or self.ckpt.train
         return make_trainer(self.folder, self.ckpt.model, cfg, BatchSampler(self.train_corpus, cfg.seq_len + 1),
-                            from_checkpoint(self.ckpt), {"data": self.data}, ops, sharding)
+                            from_checkpoint(self.ckpt), ops, {"data": self.data}, sharding)
 
 
 def open_run(run_dir) -> SingleRun:
@@ -125,16 +123,16 @@ def open_run(run_dir) -> SingleRun:
 
 
 def new_trainer(folder: RunFolder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, data: dict,
-                ops: Ops | None = None, sharding: Sharding | None = None) -> Trainer:
+                ops: Ops, sharding: Sharding | None = None) -> Trainer:
     """A new single-model run's Trainer at step 0, checkpointed there: a run killed before its
     first checkpoint can still resume. `data`: its data record (data_record)."""
-    trainer = make_trainer(folder, model, cfg, sampler, new_state(model, cfg), {"data": data}, ops, sharding)
+    trainer = make_trainer(folder, model, cfg, sampler, new_state(model, cfg), ops, {"data": data}, sharding)
     trainer.checkpoint()
     return trainer
 
 
 def start_run(run_dir, model: ModelConfig, cfg: TrainConfig, train_paths=None, heldout_paths=None,
-              wikitext=None, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
+              wikitext=None, should_stop: Callable[[], bool] = lambda: False, *, ops: Ops,
               sharding: Sharding | None = None, placement: Placement | None = None) -> Iterator:
     """A new run in run_dir, which must be new or empty. Every input (data, held-out, WikiText-103)
     is checked before anything is written. Yields Started, the training records, then Evaluated;
@@ -166,7 +164,7 @@ def no_heldout(train_paths, heldout_paths) -> list[Note]:
     return []
 
 
-def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
+def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, *, ops: Ops,
                sharding: Sharding | None = None, placement: Placement | None = None, steps: int | None = None,
                wikitext=None) -> Iterator:
     """Continue the run in run_dir from its checkpoint, with the configuration and data it has;
@@ -193,7 +191,7 @@ def resume_run(run_dir, should_stop: Callable[[], bool] = lambda: False, ops: Op
         else:
             check_wikitext103(data.get("wikitext"))
         cfg, notes = extended(ckpt.train, ckpt.step, steps, run_dir)
-        trainer = run.trainer(cfg, ops, sharding)
+        trainer = run.trainer(ops, cfg, sharding)
         yield from fallbacks()  # a damaged metrics.jsonl passed over
         if notes or wikitext:
             trainer.checkpoint()  # the new length and data are the run's from now on
@@ -256,7 +254,7 @@ def load_model(path, fallback: bool = False) -> Ensemble:
     return Ensemble(((ckpt.theta, Layout(ckpt.model)),), Whole())
 
 
-def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,
+def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext, ops: Ops,
                  segment: int = PROTOCOL.segment, context: int = PROTOCOL.context, streams: int | None = None) -> dict:
     """{"heldout": {domain: nats/byte, ..., "overall": ...}, "wikitext103": nats/byte or None}.
 
@@ -264,7 +262,6 @@ def evaluate_run(theta, layout: Layout, heldout: Corpus | None, wikitext=None, o
     `context` bytes of warm-up; the model as a one-expert ensemble, so SOMA runs and single
     models compare like for like); with `streams`, instead, the model runs statefully over each
     whole file in that many side-by-side parts (zosoma.model.evaluate)."""
-    ops = ops or get_ops("cpu")
     out: dict = {"heldout": None, "wikitext103": None,
                  "protocol": (f"each file streamed statefully in {streams} parts" if streams else
                               f"segments of {segment} bytes after {context} bytes of context")}

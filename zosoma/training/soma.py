@@ -28,7 +28,7 @@ import numpy as np
 from zosoma.config import LOSSES, ClusterConfig, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
-from zosoma.engines import get_ops, run_ops
+from zosoma.engines import SendsEngine, run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError, OptionError
 from zosoma.model.params import Layout
@@ -78,7 +78,7 @@ class SomaRun:
         ckpt = folder.read_checkpoint(step, set_aside=True)
         cfg = run_length(self.soma, ckpt.train)
         return Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpora[i], cfg.seq_len + 1),
-                       from_checkpoint(ckpt), expert=i, extra=self.extra(), ops=ops)
+                       from_checkpoint(ckpt), ops, expert=i, extra=self.extra())
 
 
 def run_length(soma: SomaShape, cfg: TrainConfig) -> TrainConfig:
@@ -90,12 +90,12 @@ def run_length(soma: SomaShape, cfg: TrainConfig) -> TrainConfig:
 
 def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, loss: str = "independent",
                executor=None, chunk_size: int = 2048, train_paths=None, heldout_paths=None, wikitext=None,
-               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, ops: Ops | None = None,
+               top_k: int = 2, should_stop: Callable[[], bool] = lambda: False, *, ops: Ops,
                workers=None, placement: Placement | None = None) -> Iterator:
     """Cluster, initialise and train a new SOMA run in run_dir (new or empty); yields Clusters,
     Started, the experts' Step records, Finished / Stopped / Failed per expert, then Evaluated.
     The run folder is locked while it runs; each expert's folder by the unit training it.
-    `ops` is the engine of the run's device (default the CPU's); `placement`, where it all runs,
+    `ops` is the engine of the run's device; `placement`, where it all runs,
     is recorded for a resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
@@ -106,7 +106,7 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
             folder.write_placement(placement)
         run = open_soma(run_dir)
         yield Clusters(report, n_chunks, chunk_size)
-        ops = run_ops(ops or get_ops("cpu"), cfg.engine, cfg.forward_precision)  # the run's engine, once
+        ops = run_ops(ops, cfg.engine, cfg.forward_precision)  # the run's engine, once
         yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts, ops.name)
         yield from no_heldout(train_paths, heldout_paths)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
@@ -148,8 +148,9 @@ def create_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, l
                      tuple(r["size"] for r in report), tuple(assignments.tolist()))
     corpora = expert_corpora(chunks, assignments, n_experts)
     for i in range(n_experts):  # step-0 checkpoints: every expert can resume from the start
+        # (no forward runs here: the CPU engine only writes the NumPy arrays; training hands its own down)
         Trainer(folder.expert(i), model, cfg, BatchSampler(corpora[i], cfg.seq_len + 1),
-                new_state(model, cfg, expert=i), expert=i, extra={"data": data, "loss": loss}).checkpoint()
+                new_state(model, cfg, expert=i), Ops(), expert=i, extra={"data": data, "loss": loss}).checkpoint()
     folder.write_soma(soma)  # last: a folder without soma.json holds no run yet
     return report, len(chunks)
 
@@ -214,11 +215,11 @@ def soma_summary(d: dict) -> str:
     return "\n".join(lines)
 
 
-def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False,
-                ops: Ops | None = None, workers=None, placement: Placement | None = None, steps: int | None = None,
+def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False, *,
+                ops: Ops, workers=None, placement: Placement | None = None, steps: int | None = None,
                 wikitext=None) -> Iterator:
     """Continue every expert of a SOMA run where it stopped, then evaluate, on `ops` (the engine
-    of the run's device, default the CPU's); `steps` extends the run to that many steps per
+    of the run's device); `steps` extends the run to that many steps per
     expert, `wikitext` replaces the WikiText-103 file it is scored on, and `placement` is
     recorded as where it now runs."""
     folder = RunFolder(run_dir)
@@ -242,15 +243,15 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         if placement is not None:
             folder.write_placement(placement)
         yield from notes
-        ops = run_ops(ops or get_ops("cpu"), first.train.engine, first.train.forward_precision)  # once
+        ops = run_ops(ops, first.train.engine, first.train.forward_precision)  # once
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
                       run.soma.loss, done, ops.name, resumed=True)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
 
 
 def _train_and_evaluate(run: SomaRun, executor, should_stop, ops: Ops, workers=None):
-    """Train every expert on the run's engine `ops` (a unit in another process opens its own, on
-    ops.device), then evaluate the routed ensemble on it."""
+    """Train every expert on the run's engine `ops` (a unit in another process rebuilds it from its
+    record, SendsEngine), then evaluate the routed ensemble on it."""
     finished = set()
     if run.soma.loss == "summed":
         with noting_fallbacks() as fallbacks:
@@ -260,7 +261,7 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, ops: Ops, workers=N
             trainers = summed_trainers(trainers, workers)
         records = train_lockstep(trainers, should_stop)
     else:
-        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, ops.device) for i in range(run.n_experts)]
+        units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, ops) for i in range(run.n_experts)]
         records = (executor or Inline()).run(units, should_stop)
     for record in records:
         if isinstance(record, (Finished, Dropped)):  # a dropped expert is done: routing leaves it out
@@ -271,13 +272,13 @@ def _train_and_evaluate(run: SomaRun, executor, should_stop, ops: Ops, workers=N
 
 
 @dataclass(frozen=True)
-class ExpertUnit:
+class ExpertUnit(SendsEngine):
     """One expert's training as an idempotent unit of work: open its folder, resume, train."""
     run_dir: str
     soma: SomaShape
     corpus: Corpus
     expert: int
-    device: str
+    ops: Ops  # the run's engine: this one inline, rebuilt from its record in another process
 
     def __call__(self, stopping: Callable[[], bool]) -> Iterator:
         folder = RunFolder(self.run_dir).expert(self.expert)
@@ -286,12 +287,11 @@ class ExpertUnit:
             ckpt = folder.read_checkpoint(set_aside=True)
             cfg = run_length(self.soma, ckpt.train)
             trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
-                              from_checkpoint(ckpt), expert=self.expert,
-                              extra={"data": self.soma.data.to_json(), "loss": self.soma.loss},
-                              ops=get_ops(self.device))
+                              from_checkpoint(ckpt), self.ops, expert=self.expert,
+                              extra={"data": self.soma.data.to_json(), "loss": self.soma.loss})
             yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
             # cores that other experts left free at the end of the run share this one's population
-            yield from train(trainer, stopping, borrower(trainer, self.device))
+            yield from train(trainer, stopping, borrower(trainer))
 
 
 def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:
@@ -418,11 +418,10 @@ def load_ensemble(run_dir, top_k: int, temperature: float = 0.1, fallback: bool 
     return Ensemble(tuple((c.theta, Layout(c.model)) for c in ckpts), router_of(folder, ckpts, top_k, temperature))
 
 
-def evaluate_soma(ensemble: Ensemble, heldout: Corpus | None, wikitext=None, ops: Ops | None = None,
+def evaluate_soma(ensemble: Ensemble, heldout: Corpus | None, wikitext, ops: Ops,
                   segment: int = PROTOCOL.segment, context: int = PROTOCOL.context) -> dict:
     """Routed ensemble, each expert alone and oracle routing, in nats/byte: per held-out domain
     ({"heldout": {name: {"routed": x, "expert0": y, ..., "oracle": z}}}) and on WikiText-103."""
-    ops = ops or get_ops("cpu")
     ensemble = ensemble.on(ops)
     kw = dict(segment=segment, context=context)
     out: dict = {"heldout": None, "wikitext103": None, "top_k": ensemble.top_k,

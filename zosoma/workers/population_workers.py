@@ -55,6 +55,8 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
+from zosoma.engines import SendsEngine
+from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError, ZosomaError
 from zosoma.workers.executor import child_threads, exit_with_parent, one_line, spare_cores
 from zosoma.runs.folder import RunFolder
@@ -103,13 +105,13 @@ def check_shardable(cfg: TrainConfig, W: int) -> None:
 # --- the worker side -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class ShardSpec:
+class ShardSpec(SendsEngine):
     """What one worker holds: a model's run folder, its training data, the pairs it evaluates."""
     run_dir: str
     corpus: Corpus
-    expert: int = 0
+    expert: int
+    ops: Ops  # the run's engine: this one in this process, rebuilt from its record in another
     pairs: range | None = None  # None: all of the step's P pairs
-    device: str = "cpu"  # the run's device; its engine and forward precision come with its config
 
 
 class Shard:
@@ -118,7 +120,7 @@ class Shard:
 
     def __init__(self, spec: ShardSpec, step: int, replay: Sequence = ()):
         ckpt = RunFolder(spec.run_dir).read_checkpoint(step)
-        self.stepper, self.pairs = Stepper.of(ckpt, spec.corpus, spec.expert, spec.device), spec.pairs
+        self.stepper, self.pairs = Stepper.of(ckpt, spec.corpus, spec.expert, spec.ops), spec.pairs
         asarray = self.stepper.ops.asarray
         self.theta, self.optimizer = asarray(ckpt.theta), {k: asarray(v) for k, v in ckpt.optimizer.items()}
         self.step = ckpt.step
@@ -351,8 +353,8 @@ class ShardedTrainer(Trainer):
     order, scalars logged and sent back; theta reaches the driver only for checkpoints."""
 
     def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
-                 group: Group, members: Sequence[int], expert: int = 0, extra: dict | None = None):
-        super().__init__(folder, model, cfg, sampler, state, expert=expert, extra=extra)
+                 group: Group, members: Sequence[int], ops: Ops, expert: int = 0, extra: dict | None = None):
+        super().__init__(folder, model, cfg, sampler, state, ops, expert=expert, extra=extra)
         self.group, self.members = group, list(members)
         self.comm_bytes = self._exchanged(self.stepper.ask(state.step))
         self.synced = state.step  # the driver's theta is the workers' at this step
@@ -435,31 +437,31 @@ class Sharding:
 
 
 def make_trainer(folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
-                 extra: dict | None = None, ops=None, sharding: Sharding | None = None) -> Trainer:
-    """One model (expert 0): a Trainer in this process, or with `sharding` a ShardedTrainer over
-    sharding.size workers, each evaluating a contiguous share of the P pairs."""
+                 ops: Ops, extra: dict | None = None, sharding: Sharding | None = None) -> Trainer:
+    """One model (expert 0) on the engine `ops`: a Trainer in this process, or with `sharding` a
+    ShardedTrainer over sharding.size workers, each evaluating a contiguous share of the P pairs."""
     if sharding is None:
-        return Trainer(folder, model, cfg, sampler, state, extra=extra, ops=ops)
+        return Trainer(folder, model, cfg, sampler, state, ops, extra=extra)
     check_shardable(cfg, sharding.size)
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-    device = ops.device if ops is not None else "cpu"
-    specs = [ShardSpec(str(folder.path), sampler.corpus, 0, pairs, device)
+    specs = [ShardSpec(str(folder.path), sampler.corpus, 0, ops, pairs)
              for pairs in shard_pairs(cfg.perturbations, sharding.size)]
     return ShardedTrainer(folder, model, cfg, sampler, state, Group(sharding.workers, specs), range(len(specs)),
-                          extra=extra)
+                          ops, extra=extra)
 
 
-def spread(trainer: Trainer, width: int, workers, device: str = "cpu") -> ShardedTrainer:
+def spread(trainer: Trainer, width: int, workers) -> ShardedTrainer:
     """`trainer`'s model, at a step it has a checkpoint for, with its P pairs over `width` workers
     spawned by `workers` (a transport); the trainer it was (on fewer workers) is given up."""
     if isinstance(trainer, ShardedTrainer):
         trainer._sync()
         for m in trainer.members:
             trainer.group.close(m)
-    specs = [ShardSpec(str(trainer.folder.path), trainer.sampler.corpus, trainer.expert, pairs, device)
+    specs = [ShardSpec(str(trainer.folder.path), trainer.sampler.corpus, trainer.expert, trainer.ops, pairs)
              for pairs in shard_pairs(trainer.cfg.perturbations, width)]
     wider = ShardedTrainer(trainer.folder, trainer.model, trainer.cfg, trainer.sampler, trainer.state,
-                           Group(workers, specs), range(width), expert=trainer.expert, extra=trainer.extra)
+                           Group(workers, specs), range(width), trainer.ops, expert=trainer.expert,
+                           extra=trainer.extra)
     wider.events = trainer.events  # one event file per session
     return wider
 
@@ -471,8 +473,8 @@ class Borrower:
     checkpoint the new workers read: no checkpoint is added, and the numbers are those of the
     trainer alone (its steps' records count the scalars exchanged, logged in scalars.jsonl)."""
 
-    def __init__(self, cores, device: str = "cpu"):
-        self.cores, self.device = cores, device
+    def __init__(self, cores):
+        self.cores = cores
 
     def __call__(self, trainer: Trainer) -> Trainer:
         """`trainer`, or the same model over more workers when cores were lent."""
@@ -481,21 +483,22 @@ class Borrower:
         if trainer.state.step % cfg.checkpoint_every or width >= cfg.perturbations or trainer.strategy.ask(0, 0).rank:
             return trainer  # no checkpoint here to start workers from; or nothing to share (EGGROLL: not sharded)
         more = self.cores.borrow(cfg.perturbations - width)
-        return spread(trainer, width + more, Processes(self.cores.threads), self.device) if more else trainer
+        return spread(trainer, width + more, Processes(self.cores.threads)) if more else trainer
 
 
-def borrower(trainer: Trainer, device: str) -> Borrower | None:
+def borrower(trainer: Trainer) -> Borrower | None:
     """A Borrower for `trainer` where its executor lends cores (zosoma.workers.executor.spare_cores)
     and its forwards run on them (not on a GPU); else None."""
     cores = spare_cores()
-    return Borrower(cores, device) if cores is not None and not trainer.ops.on_device else None
+    return Borrower(cores) if cores is not None and not trainer.ops.on_device else None
 
 
 def summed_trainers(trainers: Sequence[Trainer], workers) -> list[ShardedTrainer]:
     """The summed ablation's experts (Trainers at one step, as zosoma.training.soma.lockstep_trainers
     makes them) moved onto one worker each, on their engine's device; train them with
     zosoma.training.soma.train_lockstep."""
-    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, None, t.ops.device) for t in trainers]
+    specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, t.ops) for t in trainers]
     group = Group(workers, specs)
-    return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], expert=t.expert, extra=t.extra)
+    return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], t.ops, expert=t.expert,
+                           extra=t.extra)
             for i, t in enumerate(trainers)]

@@ -41,6 +41,7 @@ class OnnxRuntimeOps(ForwardOnlyOps):
     """Ops whose forwards run in ONNX Runtime (CPU execution provider)."""
 
     name = "onnxruntime"
+    engine = "onnxruntime"
 
     def __init__(self):
         self.ort = require_onnxruntime()

@@ -1,0 +1,80 @@
+"""The engine is handed down, never re-derived (docs/architecture.md): a run given a tagged engine
+runs every forward on it, in a sharded run's workers and driver, in SOMA's experts and in the final
+evaluation; across a process boundary an engine travels as its record and is rebuilt by get_ops
+(zosoma.engines.SendsEngine)."""
+
+import pickle
+
+import pytest
+
+from world import TINY_MODEL as MODEL
+from zosoma.config import TrainConfig
+from zosoma.corpus import load_corpus
+from zosoma.engines import get_ops
+from zosoma.engines.ops import Ops
+from zosoma.runs.records import Evaluated, Started
+from zosoma.training.single import start_run
+from zosoma.training.soma import ExpertUnit, start_soma
+from zosoma.workers.executor import Inline
+from zosoma.workers.population_workers import InProcess, ShardSpec, Sharding
+
+CFG = TrainConfig(optimizer="sgd", steps=4, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=2)
+
+# every Ops method that runs a model's forward
+FORWARDS = ("population_loss", "perturbed_losses", "experts_perturbed_losses", "activity_losses",
+            "nll_stream", "log_probs", "models_nll")
+
+pytestmark = pytest.mark.usefixtures("scratch_cwd")
+
+
+class Tagged(Ops):
+    """The CPU engine under a name of its own: whatever runs on another engine shows up."""
+    name = "tagged"
+
+
+@pytest.fixture
+def forwards(monkeypatch):
+    """[(forward, the engine's class name)] of every forward any engine runs during the test."""
+    seen = []
+    for name in FORWARDS:
+        def spy(self, *args, _base=getattr(Ops, name), _name=name, **kwargs):
+            seen.append((_name, type(self).__name__))
+            return _base(self, *args, **kwargs)
+        monkeypatch.setattr(Ops, name, spy)
+    return seen
+
+
+def check_all_tagged(records, forwards):
+    started = next(r for r in records if isinstance(r, Started))
+    assert started.device == "tagged"  # the driver's engine is the run's, not a fallback
+    assert any(isinstance(r, Evaluated) for r in records)
+    assert {"perturbed_losses", "models_nll"} <= {f for f, _ in forwards}  # training and evaluation ran
+    assert {engine for _, engine in forwards} == {"Tagged"}, sorted(set(forwards))
+
+
+def test_a_sharded_run_runs_every_forward_on_its_engine(tmp_path, two_domains, forwards):
+    paths = [str(two_domains / "prose.txt")]
+    records = list(start_run(tmp_path / "w2", MODEL, CFG, paths, paths, ops=Tagged(),
+                             sharding=Sharding(InProcess(), 2)))
+    check_all_tagged(records, forwards)
+
+
+@pytest.mark.parametrize("loss, workers", [("independent", None), ("summed", InProcess())])
+def test_a_soma_run_runs_every_forward_on_its_engine(tmp_path, two_domains, forwards, loss, workers):
+    paths = [str(two_domains / "prose.txt"), str(two_domains / "digits.txt")]
+    records = list(start_soma(tmp_path / "soma", MODEL, CFG, 2, loss, Inline(), chunk_size=256, train_paths=paths,
+                              heldout_paths=paths, ops=Tagged(), workers=workers))
+    check_all_tagged(records, forwards)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_engine_crosses_a_process_boundary_as_its_record(two_domains, precision):
+    """Sent to another process (pickled), a population worker's spec and an expert unit carry their
+    engine as its record, rebuilt there by get_ops; in this process they hold the engine itself."""
+    ops = get_ops("cpu", "native", precision)
+    corpus = load_corpus([str(two_domains / "prose.txt")])
+    for unit in (ShardSpec("run", corpus, 0, ops, range(2)), ExpertUnit("run", None, corpus, 1, Tagged())):
+        sent = pickle.loads(pickle.dumps(unit))
+        assert sent.ops is get_ops(unit.ops.device, unit.ops.engine, unit.ops.precision)
+        assert (sent.run_dir, sent.expert, sent.corpus.docs[0].tobytes()) == (
+            unit.run_dir, unit.expert, unit.corpus.docs[0].tobytes())
