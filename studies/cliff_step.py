@@ -50,7 +50,7 @@ def to_step(run: Path, cfg: TrainConfig, step: int) -> list[np.ndarray]:
 
     model, _ = PRESETS["tiny"]
     with mock.patch.object(Ops, "perturbed_losses", recording):
-        for _ in start_run(run, model, cfg, should_stop=lambda: len(scalars) >= step):
+        for _ in start_run(run, model, cfg, should_stop=lambda: len(scalars) >= step, ops=Ops()):
             pass
     return scalars[:step]
 
@@ -78,7 +78,7 @@ def main():
     assert ckpt.step == a.step - 1, ckpt.step
     heldout = load_corpus(None, split="heldout")
     small = Corpus(heldout.names, tuple(d[:8192] for d in heldout.docs))
-    trainer = Trainer(tempfile.mkdtemp(), ckpt.model, ckpt.train, _sampler(ckpt), _state(ckpt))
+    trainer = Trainer(tempfile.mkdtemp(), ckpt.model, ckpt.train, _sampler(ckpt), _state(ckpt), Ops())
     ops, layout = trainer.ops, Layout(ckpt.model)
     plus, minus = trainer.losses()  # the cliff-step's population, on its batch
     cliff = (plus - minus) / (2 * cfg.eps)
@@ -135,7 +135,7 @@ def _go_on(run: Path, ckpt, cfg: TrainConfig, shaping: dict) -> dict:
         start = dataclasses.replace(ckpt, train=cfg, extra={**ckpt.extra, "shaping": shaping})
         folder.make()
         folder.write_checkpoint(start)
-    for r in resume_run(run):
+    for r in resume_run(run, ops=Ops()):
         if isinstance(r, Evaluated):
             return r.results
     raise SystemExit(f"{run}: no evaluation")

@@ -63,7 +63,7 @@ def train_nudged(native: Path, run_dir: Path) -> dict:
     """The native run's configuration, its weights nudged (nudge) before step 1."""
     if not RunFolder(run_dir).has_checkpoint:
         ckpt = RunFolder(native).read_checkpoint()
-        for _ in start_run(run_dir, ckpt.model, ckpt.train, should_stop=lambda: True):
+        for _ in start_run(run_dir, ckpt.model, ckpt.train, should_stop=lambda: True, ops=Ops()):
             pass  # stops before step 1, leaving the step-0 checkpoint
         nudge(run_dir)
     return finish(run_dir)

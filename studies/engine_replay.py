@@ -67,12 +67,12 @@ def replay(run_dir: Path, steps: int | None = None) -> Path:
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(Ops, "perturbed_losses", recording):
         work, replayed = Path(tmp) / "run", []
-        for _ in start_run(work, ckpt.model, ckpt.train, should_stop=lambda: True):
+        for _ in start_run(work, ckpt.model, ckpt.train, should_stop=lambda: True, ops=Ops()):
             pass  # the step-0 checkpoint, as engine_agreement makes it
         if run_dir.name.startswith("native-ulp"):
             nudge(work)
         while len(replayed) < steps:  # a resume goes on past the divergence guard's stop
-            records = resume_run(work, should_stop=lambda: len(own) >= steps)
+            records = resume_run(work, should_stop=lambda: len(own) >= steps, ops=Ops())
             for record in records:
                 if isinstance(record, Step):
                     replayed.append(record.metrics["loss"])

@@ -97,7 +97,7 @@ def bench_spsa(preset: str = "paper", perturbations: int | None = None, batch: i
     per_step, in_forward = [], []
     peer_steps, peer_times = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), ops=ops)
+        trainer = Trainer(tmp, model, cfg, sampler, new_state(model, cfg), ops=Ops() if ops is None else ops)
         fp32_on_host = not trainer.ops.on_device and trainer.ops.precision == "fp32"  # the PyTorch peers' terms
         gemm_paths = _gemm_paths(trainer.ops)
         chosen = "loops" if gemm_paths and forward.uses_loops(model, B) else "blas"
