@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("kit", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    text = "\n".join([f"# python studies/fused_lstm.py KIT (zosoma porting-kit KIT, the default options)"]
+    text = "\n".join(["# python studies/fused_lstm.py KIT (zosoma porting-kit KIT, the default options)"]
                      + study(args.kit)) + "\n"
     sys.stdout.write(text)
     if args.out:

@@ -13,7 +13,7 @@ from zosoma.engines.cuda import backend
 from zosoma.errors import ConfigError
 from zosoma.experiments import backprop
 from zosoma.experiments.compare import _CpuClock, _DeviceClock
-from zosoma.experiments.price import ladder, price_section
+from zosoma.experiments.price import price_section
 
 torch = pytest.importorskip("torch", reason="PyTorch is the backprop extra (and in the test extra)")
 

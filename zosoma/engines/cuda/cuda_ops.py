@@ -32,7 +32,7 @@ import numpy as np
 from zosoma.arrays import to_numpy
 from zosoma.engines.cpu.lowrank import eggroll_step
 from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs, nll_stream, population_loss,
-                                             population_nll, spsa_losses, step_path)
+                                             spsa_losses, step_path)
 from zosoma.engines.cuda.cuda_noise import perturb, plain_rows, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
 from zosoma.engines.cuda.fused_forward import experts_losses
