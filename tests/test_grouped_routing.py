@@ -13,7 +13,7 @@ from test_kernels import LOSS_RTOL, NLL_ATOL, emulated_libs, rt  # noqa: F401  t
 from zosoma.config import ModelConfig
 from zosoma.engines.cuda import cuda_ops
 from zosoma.engines.cuda.grouped import MIN_TILE, PAD_LIMIT, choose_tile, tile_plan, tiles_needed
-from zosoma.engines.cuda.launch_counter import LaunchCounter
+from zosoma.engines.cuda.launches import RowCounter
 from zosoma.mixture.routing import Ensemble, Segments, mix_nll, run_selected, segment_sums, top_k
 from zosoma.model.params import Layout, init_params
 
@@ -73,7 +73,7 @@ def test_routed_rows_in_tiles_match_the_cpu_in_launches_independent_of_n(rt, N, 
     weights = rng.dirichlet(np.ones(K), S).astype(np.float32)
     want = run_selected(ensemble, segs, chosen, batch=256)
     ops = cuda_ops.CudaOps()
-    with LaunchCounter() as count:
+    with RowCounter() as count:
         got = run_selected(ensemble.on(ops), segs, chosen, batch=256, ops=ops)
     mask = segs.mask()[:, None]
     assert_close(np.where(mask, got, 0), np.where(mask, want, 0), atol=NLL_ATOL, name="routed nll")

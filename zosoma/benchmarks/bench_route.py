@@ -24,7 +24,7 @@ between the two N and the devices (one warm-up run each first), pausing between 
 run's BLAS threads stop spinning before the next starts; each part is the median over `repeats`
 runs. Routing and mixing run on the CPU for every device. On a device the warm-up run also
 counts the experts' rows computed (padding included) against the rows needed (segments x top-k)
-and their kernel launches per time step (zosoma.engines.cuda.launch_counter); the CPU runs each
+and their kernel launches per time step (zosoma.engines.cuda.launches.RowCounter); the CPU runs each
 expert on its own rows.
 
 The clusterings are fitted on the shipped training corpus cut into 2048-byte chunks with the full
@@ -92,11 +92,11 @@ def _ensemble(clustering, model: ModelConfig, top_k: int, seed: int) -> Ensemble
 
 def _run(ensemble: Ensemble, segs: Segments, batch: int, ops, count: bool = False) -> dict:
     """One routed pass over segs: seconds per part and the mixture's total nats; with count (on a
-    device engine), the experts' launches and the rows they computed (zosoma.engines.cuda.launch_counter)."""
+    device engine), the experts' launches and the rows they computed (zosoma.engines.cuda.launches.RowCounter)."""
     counter = contextlib.nullcontext(None)
     if count:
-        from zosoma.engines.cuda.launch_counter import LaunchCounter
-        counter = LaunchCounter()
+        from zosoma.engines.cuda.launches import RowCounter
+        counter = RowCounter()
     t0 = time.perf_counter()
     experts, weights = ensemble.router.select(segs.contexts)  # (S, K)
     t1 = time.perf_counter()
@@ -159,7 +159,7 @@ def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, 
             setups.append((N, device, model, fit_s, ensemble.on(get_ops(device))))
 
     runs: dict[tuple, list[dict]] = {(N, device): [] for N, device, *_ in setups}
-    counted = {}  # (N, device) -> the warm-up's LaunchCounter, on a device
+    counted = {}  # (N, device) -> the warm-up's RowCounter, on a device
     for rep in range(repeats + 1):  # round 0 is the warm-up (JIT, caches, kernel compiles), not kept
         for N, device, _, _, ensemble in setups:
             ops = get_ops(device)
@@ -188,7 +188,7 @@ def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, 
                 "experts_used": int((rows > 0).sum()), "max_segments_per_expert": int(rows.max()),
                 "rows_needed": int(rows.sum()),
                 "rows_computed": int(rows.sum()) if launches is None else launches.rows,
-                "launches_per_step": None if launches is None else launches.launches / segs.tokens.shape[1],
+                "launches_per_step": None if launches is None else launches.total / segs.tokens.shape[1],
                 "nats_per_byte": rs[0]["nats"] / tokens, "cluster_fit_s": fit_s,
                 "cluster_config": "balanced k-means, 1 restart, <= 10 iterations (fast settings)",
                 "threads": _blas_threads(),

@@ -17,9 +17,10 @@ from zosoma.engines.cuda import custom_kernels, graph_forward
 
 class Launches:
     """Counts launches while active (a context manager): .kernels, .gemms, .graphs (replays of a
-    captured graph, one launch each), .total."""
+    captured graph, one launch each), .total. xp: the array module whose matmul is the GEMM
+    (default: the active runtime's, read on entry)."""
 
-    def __init__(self, xp):
+    def __init__(self, xp=None):
         self.xp, self.kernels, self.gemms, self.graphs = xp, 0, 0, 0
 
     @property
@@ -27,6 +28,7 @@ class Launches:
         return self.kernels + self.gemms + self.graphs
 
     def __enter__(self):
+        self.xp = custom_kernels.runtime().xp if self.xp is None else self.xp
         self._saved = custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul, graph_forward.replay
 
         def counted(fn, field):
@@ -43,6 +45,31 @@ class Launches:
 
     def __exit__(self, *exc):
         custom_kernels.launch, custom_kernels.launch_blocks, self.xp.matmul, graph_forward.replay = self._saved
+
+
+_CELL = "lstm_cell_embed"  # one launch per time step of layer 0; args ..., tt (5), ..., M (10), B (11)
+
+
+class RowCounter(Launches):
+    """Launches, plus the rows the forward computes, read from the layer-0 cell kernel's own
+    arguments (M members x B rows at a sequence's first step): padded rows count, as the device
+    computes them (`zosoma bench route`'s rows computed against rows needed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __enter__(self):
+        super().__enter__()
+        counted = custom_kernels.launch
+
+        def launch(name, work, *args, **kwargs):
+            if name == _CELL and args[5] == 0:  # a sequence's first step: its rows, once
+                self.rows += int(args[10]) * int(args[11])
+            return counted(name, work, *args, **kwargs)
+
+        custom_kernels.launch = launch
+        return self
 
 
 class _ShapesOnly:
