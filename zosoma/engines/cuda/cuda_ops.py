@@ -91,7 +91,7 @@ class CudaOps(Ops):
         launches); otherwise one expert after another."""
         batches = self.xp.asarray(batches)
         dense = all(not p.rank for p in pops) and len({p.kind for p in pops}) == 1
-        if dense and step_path(layout, batches.shape[1]) == "fused":
+        if dense and step_path(layout, batches.shape[1], batches.shape[2] - 1, 2 * pops[0].P) == "fused":
             return experts_losses(self.xp.stack([to_device(t) for t in thetas]), layout, batches, pops)
         return super().experts_perturbed_losses(thetas, layout, batches, pops)
 
