@@ -44,7 +44,7 @@ def test_a_replayed_step_gives_the_bits_of_an_uncaptured_one(rt, layers, oneside
         assert_same(rt, got, want)
         if step:  # a replayed step: perturb, then the graph
             assert (n.kernels, n.gemms, n.graphs) == (1, 0, 1)
-    assert list(graph_forward._graphs[rt]) == [(layout.config, 10, 3, 8)]
+    assert list(graph_forward._graphs[rt]) == [(layout.config, 10, 3, 8, "fp32")]
 
 
 def test_chunks_of_pairs_share_a_graph_per_shape(rt):
