@@ -24,7 +24,8 @@ def test_the_cli_refuses_tensor_cores_on_the_cpu(args):
 
 def test_get_ops_and_the_placement_refuse_what_the_cli_refuses():
     assert get_ops("cpu").gemm == "fp32"
-    for kwargs in ({"device": "cpu"}, {"device": "cuda", "precision": "bf16"}, {"device": "cuda", "engine": "onnxruntime"}):
+    for kwargs in ({"device": "cpu"}, {"device": "cuda", "precision": "bf16"},
+                   {"device": "cuda", "engine": "onnxruntime"}):
         with pytest.raises(ConfigError, match="--gemm bf16 .* needs --device cuda"):
             get_ops(gemm="bf16", **kwargs)
     with pytest.raises(ConfigError, match="GEMM format must be one of fp32, tf32, bf16"):

@@ -144,7 +144,8 @@ class EmulatedRuntime:
             out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
         fmt = tensor_cores.active()  # the GEMM format is captured, as cuBLAS's compute type is
         rounded = (lambda x: x) if fmt == "fp32" else (lambda x: tensor_cores.round_operand(x, fmt))
-        self._recording.append(lambda: _MATMUL(rounded(a), rounded(b), out=out))  # inside a replay, not a launch of its own
+        # inside a replay, not a launch of its own
+        self._recording.append(lambda: _MATMUL(rounded(a), rounded(b), out=out))
         return out
 
     def contiguous(self, x):
