@@ -14,7 +14,10 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    eggroll_population_loss against zosoma.engines.cpu.lowrank's CPU forward; the fused small-expert
    kernels (kernels/fused.cu) against Numba and bitwise against the materialised population, N
    separate launches and N separate updates; a captured and a replayed graph step against the
-   kernels path. Each line prints its max abs and relative error.
+   kernels path; the default path of a model too large for the fused kernel (E=48 H=96: the graph)
+   against the kernels path; routing on the device (route.cu) against the host's router: the
+   embedding, the experts, the weights (gpu_check_extra). Each line prints its max abs and
+   relative error.
 2. Timing at the paper expert size (zosoma.config.PRESETS["paper"]: E=508, H=496, L=2): population
    forward tokens/s for M members (M=64, B=8, T=128) against (a) PyTorch's cuDNN nn.LSTM run once per
    member, as a PyTorch user would evaluate SPSA perturbations, and (b) one cuDNN model on all M*B
@@ -32,10 +35,16 @@ nothing is installed or downloaded. Run from a checkout (no install needed):
    error on SPSA's loss differences against fp32 (printed with the validation, as information).
 3. Routed top-4 inference (zosoma.benchmarks.bench_route, as `zosoma bench route --device cuda`): tokens/s of
    N = 8 vs N = 256 experts of ~2.0M parameters in all, on the CPU (1 BLAS thread) and on the GPU,
-   same ensembles and held-out windows; the GPU's nats/byte are checked against the CPU's.
+   same ensembles and held-out windows, routing on each device; the rows the GPU's experts computed
+   against those needed; the GPU's nats/byte are checked against the CPU's.
+4. A short price of zero-order (`zosoma compare price-quick --device cuda`, gpu_check_extra): one-sided
+   SPSA and backprop (PyTorch on the same GPU) 300 steps each, GPU-seconds to the first held-out
+   levels; its runs are kept beside the table (price-quick/).
 
-The table is printed last and written to --out. Exit status: 0 every check passed (or --dry-run),
-1 a check failed, 2 no CUDA device (nothing checked). --dry-run only imports what the check needs
+The table is printed last and written to --out, with the seconds each part took (the budget: 5
+minutes on an H200). A part that raises is a failed check; the others still run. Exit status: 0
+every check passed (or --dry-run), 1 a check failed (each named last on stderr), 2 no CUDA device
+(nothing checked). --dry-run only imports what the check needs
 and reports whether a device is there (CI runs it on machines without a GPU).
 """
 
@@ -50,7 +59,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check_extra beside it
 
+import gpu_check_extra as extra  # noqa: E402
 import numpy as np  # noqa: E402
 
 from zosoma.arrays import to_numpy  # noqa: E402
@@ -68,6 +79,7 @@ from zosoma.model.population import Population  # noqa: E402
 from zosoma.strategies.onesided import one_sided  # noqa: E402
 
 NO_DEVICE = 2
+BUDGET_S = 300  # the whole check on an H200 (issue 47, item 7)
 PHILOX_KAT = [  # Random123 kat_vectors, philox4x32_10
     ((0, 0, 0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 6, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
@@ -544,7 +556,7 @@ def routed_timing(checks: Checks) -> str:
     return format_route(records)
 
 
-def table(device_line: str, checks: Checks, rows: list, routed: str = "") -> str:
+def table(device_line: str, checks: Checks, rows: list, routed: str = "", took: list = ()) -> str:
     lines = [f"zosoma gpu_check  {time.strftime('%Y-%m-%d %H:%M')}  {device_line}", "",
              f"validation: {len(checks.rows) - len(checks.failed)} of {len(checks.rows)} passed",
              f"  {'check':<66} {'max abs':>9} {'max rel':>9}  result"]
@@ -562,6 +574,10 @@ def table(device_line: str, checks: Checks, rows: list, routed: str = "") -> str
             lines.append(f"  {name:<66} {tps_s} {s_s} {r_s}")
     if routed:
         lines += ["", routed]
+    if took:
+        total = sum(s for _, s in took)
+        lines += ["", f"seconds per part: {', '.join(f'{name} {s:.0f}' for name, s in took)}; {total:.0f} s in all "
+                      f"(budget {BUDGET_S} s{': OVER' if total > BUDGET_S else ''})"]
     return "\n".join(lines) + "\n"
 
 
@@ -585,22 +601,43 @@ def main(argv=None) -> int:
     print(f"gpu_check: {device_line}", flush=True)
     if args.dry_run:
         return 0
-    checks, rows = Checks(), []
-    start = time.perf_counter()
+    checks, rows, took, texts = Checks(), [], [], {}
+
+    def part(name, fn):
+        """fn() timed; an exception is a failed check (the table is still written), not the end."""
+        start = time.perf_counter()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001  any failure of a part: said in the table, exit status 1
+            checks._add(f"{name}: raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120],
+                        float("nan"), float("nan"), "raised", False)
+            import traceback
+            traceback.print_exc()
+        finally:
+            took.append((name, time.perf_counter() - start))
+            print(f"{name} took {took[-1][1]:.0f} s", flush=True)
+
+    rng = np.random.default_rng(2024)
     with poisoned_allocations(cp):
-        validate(cp, checks, np.random.default_rng(2024))
-        validate_fused(cp, checks, np.random.default_rng(2025))
-    print(f"validation took {time.perf_counter() - start:.0f} s", flush=True)
-    routed = steps = ""
+        part("validation", lambda: validate(cp, checks, rng))
+        part("fused", lambda: validate_fused(cp, checks, np.random.default_rng(2025)))
+        part("default path", lambda: extra.validate_default_path(checks, np.random.default_rng(2026)))
+        part("routing", lambda: extra.validate_routing(checks))
     if not args.skip_timing:
-        timing(cp, rows)
-        tensor_cores(cp, checks, rows, cp.cuda.runtime.deviceSynchronize)
-        steps = "\n" + experts_timing() + "\n"
-        routed = routed_timing(checks)
-    text = table(device_line, checks, rows, routed) + steps
+        sync = cp.cuda.runtime.deviceSynchronize
+        part("paper timing", lambda: timing(cp, rows))
+        part("tensor cores", lambda: tensor_cores(cp, checks, rows, sync))
+        texts["steps"] = part("SOMA steps", experts_timing)
+        texts["routed"] = part("routed", lambda: routed_timing(checks))
+        texts["price"] = part("price", lambda: extra.price_quick("cuda", Path(args.out).parent / "price-quick"))
+    extras = "".join(f"\n{texts[k]}\n" for k in ("steps", "price") if texts.get(k))
+    text = table(device_line, checks, rows, texts.get("routed") or "", took) + extras
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print("\n" + text + f"(written to {args.out})")
+    if checks.failed:
+        print(f"gpu_check: {len(checks.failed)} of {len(checks.rows)} checks FAILED: "
+              + "; ".join(r[0] for r in checks.failed), file=sys.stderr)
     return 1 if checks.failed else 0
 
 

@@ -44,7 +44,7 @@ def test_a_replayed_step_gives_the_bits_of_an_uncaptured_one(rt, layers, oneside
         assert_same(rt, got, want)
         if step:  # a replayed step: perturb, then the graph
             assert (n.kernels, n.gemms, n.graphs) == (1, 0, 1)
-    assert list(graph_forward._graphs[rt]) == [(layout.config, 10, 3, 8)]
+    assert list(graph_forward._graphs[rt]) == [(layout.config, 10, 3, 8, "fp32")]
 
 
 def test_chunks_of_pairs_share_a_graph_per_shape(rt):
@@ -81,3 +81,50 @@ def test_the_emulated_graph_bakes_in_its_arguments(rt):
     assert not np.array_equal(out, step0)
     graph.replay()
     np.testing.assert_array_equal(out, step0)
+
+
+@pytest.mark.parametrize("layers, B, T", [(1, 3, 8), (2, 2, 700)])  # T=700 at B=2: two chunks of 512 steps
+def test_kernels_launches_counts_the_kernels_path(rt, layers, B, T):
+    """The count step_path decides by is what the kernels path launches (the perturb kernel aside)."""
+    theta, layout = _model(4, 6, layers, scale=1.0)
+    with cuda_forward.forced_path("kernels"), Launches(rt.xp) as n:
+        cuda_forward.spsa_losses(theta, layout, _bytes(1, (B, T + 1)), 1, 1e-2, 0, 0, 0, "rademacher")
+    assert n.kernels + n.gemms == 1 + cuda_forward.kernels_launches(layout, B, T)
+
+
+def test_the_default_path_by_shape():
+    """Decided by launches: SOMA's experts fit the fused kernel; a member too large for shared
+    memory whose kernels path launches less than DEVICE_FLOPS x HOST_S_PER_LAUNCH of work each
+    takes the graph; the paper's expert at P = 64 carries enough per launch to stay on the kernels."""
+    from zosoma.config import PRESETS, ModelConfig
+    from zosoma.engines.cuda import custom_kernels
+    from zosoma.engines.cuda.launches import RecordingRuntime
+    from zosoma.model.params import Layout
+
+    def path(E, H, L, B=8, T=32, P=64):
+        return cuda_forward.step_path(Layout(ModelConfig(embed=E, hidden=H, layers=L)), B, T, 2 * P)
+
+    with custom_kernels.using(RecordingRuntime()):  # an H200's 227 KB of shared memory per block
+        assert [path(E, H, 1) for E, H in ((16, 20), (8, 12), (20, 40), (32, 64))] == ["fused"] * 4
+        assert [path(48, 96, 1), path(128, 256, 2, T=128)] == ["graph", "graph"]
+        paper = PRESETS["paper"][0]
+        assert path(paper.embed, paper.hidden, paper.layers, T=128) == "kernels"
+        assert path(paper.embed, paper.hidden, paper.layers, T=128, P=4) == "graph"  # few members: launch-bound
+        with cuda_forward.forced_path("kernels"):
+            assert path(48, 96, 1) == "kernels"
+
+
+def test_a_step_too_large_for_shared_memory_replays_a_graph_by_default(rt, monkeypatch):
+    """Where fused does not fit (here: no shared memory at all) a small model's step is perturb +
+    one graph replay, with the kernels path's bits."""
+    monkeypatch.setattr(rt, "max_shared", 0)
+    theta, layout = _model(8, 12, 1, scale=1.0)
+    args = (theta, layout, _bytes(5, (3, 9)), 4, 1e-2, 7, 1, 2, "rademacher")
+    assert cuda_forward.step_path(layout, 3, 8, 8) == "graph"
+    with cuda_forward.forced_path("kernels"):
+        want = cuda_forward.spsa_losses(*args)
+    cuda_forward.spsa_losses(*args)  # captures
+    with Launches(rt.xp) as n:
+        got = cuda_forward.spsa_losses(*args)
+    assert_same(rt, got, want)
+    assert (n.kernels, n.gemms, n.graphs) == (1, 0, 1)

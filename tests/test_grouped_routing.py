@@ -93,7 +93,7 @@ def test_bench_route_on_the_device_prints_rows_computed_and_launches_per_step(rt
     from zosoma.engines import get_ops
 
     engines = {"cpu": get_ops("cpu"), "cuda": cuda_ops.CudaOps()}
-    monkeypatch.setattr(bench, "get_ops", engines.__getitem__)
+    monkeypatch.setattr(bench, "get_ops", lambda device, gemm="fp32": engines[device])
     monkeypatch.setattr(bench, "_PAUSE_S", 0.0)
     records = bench.bench_route(n_small=16, n_large=4, total_params=300_000, n_segments=32, repeats=1,
                                 threads=None, devices=("cpu", "cuda"))

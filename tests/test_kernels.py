@@ -31,7 +31,7 @@ from world import PHILOX_KAT, TINY_MODEL, TINY_MODEL_L2
 from zosoma.engines.cuda import backend
 from zosoma.engines.cpu import lowrank as eggroll
 from zosoma.engines.cpu import forward
-from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels
+from zosoma.engines.cuda import cuda_forward, cuda_noise, cuda_ops, custom_kernels, tensor_cores
 from zosoma.model import reference
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import ConfigError
@@ -76,7 +76,8 @@ def test_kernel_compiles_with_nvcc(file, tmp_path):
 def test_kernel_signatures_are_parsed():
     sigs = custom_kernels._signatures()
     assert set(sigs) == {"philox_blocks", "perturb", "spsa_update", "lstm_cell_embed",
-                         "lstm_cell_proj", "log_softmax_nll", "fused_population_loss", "experts_update"}
+                         "lstm_cell_proj", "log_softmax_nll", "fused_population_loss", "experts_update",
+                         "route_embed"}
     file, params = sigs["perturb"]
     assert file == "noise.cu"
     assert [(p.name, p.ctype, p.pointer) for p in params[:4]] == [
@@ -141,7 +142,10 @@ class EmulatedRuntime:
             return np.matmul(a, b, out=out)  # looked up now: launches.Launches counts it
         if out is None:
             out = np.empty(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]), np.float32)
-        self._recording.append(lambda: _MATMUL(a, b, out=out))  # inside a replay, not a launch of its own
+        fmt = tensor_cores.active()  # the GEMM format is captured, as cuBLAS's compute type is
+        rounded = (lambda x: x) if fmt == "fp32" else (lambda x: tensor_cores.round_operand(x, fmt))
+        # inside a replay, not a launch of its own
+        self._recording.append(lambda: _MATMUL(rounded(a), rounded(b), out=out))
         return out
 
     def contiguous(self, x):

@@ -12,7 +12,7 @@ What one timed run does, for S held-out windows of `context` + `segment` bytes (
 shipped corpus's held-out split, the same windows for both N):
 
     routing   embed the S contexts (hashed n-gram tf-idf -> SVD projection), squared distances to
-              the N centroids, softmax, top-k                            Router.select
+              the N centroids, softmax, top-k                            Ops.route (Router.select)
     experts   group the S*k (segment, expert) pairs by expert and run each selected expert once
               on its rows: warm-up on the context from zero state, then score the segment
               (on the GPU: every expert's rows in tiles, all experts of one size in one
@@ -22,7 +22,8 @@ shipped corpus's held-out split, the same windows for both N):
 tokens = S * segment scored bytes (the context warm-up is work, not output). Timed runs alternate
 between the two N and the devices (one warm-up run each first), pausing between runs so that one
 run's BLAS threads stop spinning before the next starts; each part is the median over `repeats`
-runs. Routing and mixing run on the CPU for every device. On a device the warm-up run also
+runs. Routing runs on each device (Ops.route: on a GPU, zosoma.engines.cuda.device_routing), mixing
+on the CPU. On a device the warm-up run also
 counts the experts' rows computed (padding included) against the rows needed (segments x top-k)
 and their kernel launches per time step (zosoma.engines.cuda.launches.RowCounter); the CPU runs each
 expert on its own rows.
@@ -98,7 +99,7 @@ def _run(ensemble: Ensemble, segs: Segments, batch: int, ops, count: bool = Fals
         from zosoma.engines.cuda.launches import RowCounter
         counter = RowCounter()
     t0 = time.perf_counter()
-    experts, weights = ensemble.router.select(segs.contexts)  # (S, K)
+    experts, weights = ops.route(ensemble.router, segs.contexts)  # (S, K): on the device with a GPU
     t1 = time.perf_counter()
     with counter as launches:
         nll = run_selected(ensemble, segs, experts, batch, ops)  # (S, K, T), back on the host
@@ -107,6 +108,11 @@ def _run(ensemble: Ensemble, segs: Segments, batch: int, ops, count: bool = Fals
     t3 = time.perf_counter()
     return {"routing_s": t1 - t0, "experts_s": t2 - t1, "mixing_s": t3 - t2, "seconds": t3 - t0,
             "nats": nats, "experts": experts, "launches": launches}
+
+
+def _ops(device: str, gemm: str):
+    """The engine of `device`, its GEMMs in `gemm` on a GPU (the CPU's in fp32)."""
+    return get_ops(device) if device == "cpu" else get_ops(device, gemm=gemm)
 
 
 def _blas_threads() -> int | None:
@@ -119,11 +125,13 @@ def _blas_threads() -> int | None:
 def bench_route(n_small: int = 256, n_large: int = 8, top_k: int = 4, total_params: int = 2_000_000,
                 segment: int = 128, context: int = 128, n_segments: int = 1024, repeats: int = 3,
                 seed: int = 0, batch: int = 256, threads: int | None = 1,
-                devices: tuple = ("cpu",)) -> list[dict]:
+                devices: tuple = ("cpu",), gemm: str = "fp32") -> list[dict]:
     """Tokens/s of top-k routed inference for n_large and n_small experts of about the same total
     size (matched_config), routing included, on each of `devices` ("cpu", "cuda"). Returns, per
     device, one record per N, large first, then a "ratio" record (small / large, beside the
     paper's 9.19x).
+
+    gemm: the GEMM format of the device's experts (zosoma.engines.get_ops; the CPU's stay fp32).
 
     threads: BLAS threads. Unless the environment already says so, the benchmark runs in a
     spawned process whose OPENBLAS_NUM_THREADS (and OMP_, MKL_) is `threads` (BLAS reads it once,
@@ -135,7 +143,7 @@ def bench_route(n_small: int = 256, n_large: int = 8, top_k: int = 4, total_para
     matched_configs(total_params, n_small, n_large)  # fail before any work
     kwargs = dict(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
                   segment=segment, context=context, n_segments=n_segments, repeats=repeats,
-                  seed=seed, batch=batch, devices=tuple(devices))
+                  seed=seed, batch=batch, devices=tuple(devices), gemm=gemm)
     if threads is None or _blas_threads() == threads:
         return _bench(**kwargs)
     ctx = multiprocessing.get_context("spawn")
@@ -144,7 +152,7 @@ def bench_route(n_small: int = 256, n_large: int = 8, top_k: int = 4, total_para
 
 
 def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, repeats, seed,
-           batch, devices) -> list[dict]:
+           batch, devices, gemm) -> list[dict]:
     train = chunk(load_corpus(None, "train"), _CHUNK)
     windows = BatchSampler(load_corpus(None, "heldout"), context + segment).batch(seed, 0, 0, n_segments)
     segs = Segments.from_windows(windows, context)
@@ -156,13 +164,13 @@ def _bench(n_small, n_large, top_k, total_params, segment, context, n_segments, 
         fit_s = time.perf_counter() - t
         ensemble = _ensemble(clustering, model, top_k, seed)
         for device in devices:  # the weights live on the device before timing, as in serving
-            setups.append((N, device, model, fit_s, ensemble.on(get_ops(device))))
+            setups.append((N, device, model, fit_s, ensemble.on(_ops(device, gemm))))
 
     runs: dict[tuple, list[dict]] = {(N, device): [] for N, device, *_ in setups}
     counted = {}  # (N, device) -> the warm-up's RowCounter, on a device
     for rep in range(repeats + 1):  # round 0 is the warm-up (JIT, caches, kernel compiles), not kept
         for N, device, _, _, ensemble in setups:
-            ops = get_ops(device)
+            ops = _ops(device, gemm)
             result = _run(ensemble, segs, batch, ops, count=ops.on_device and not rep)
             if rep:
                 runs[N, device].append(result)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zosoma.cli.options import device_ops, device_option, emit_json, json_option, positive
+from zosoma.cli.options import device_ops, device_option, emit_json, gemm_option, json_option, positive
 from zosoma.config import ENGINES, PRECISIONS
 
 
@@ -38,8 +38,10 @@ def shape_options(embed: int, hidden: int, layers: int, batch: int, seq_len: int
 @click.option("--engine", type=click.Choice(ENGINES), default="native", show_default=True, help="onnxruntime: also time ONNX Runtime's forward (zosoma's training graph) beside Numba's.")
 @click.option("--forward-precision", "precisions", multiple=True, type=click.Choice([p for p in PRECISIONS if p != "fp32"]), help="Also time the forward emulated in this format (repeat the option for several).")
 @device_option
+@gemm_option
 @json_option
-def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, precisions, device, as_json):
+def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, engine, precisions, device, gemm,
+                      as_json):
     """Tokens/s of the NumPy reference, the Numba path and torch nn.LSTM (if installed) at one
     configuration, and the fraction of the matmul peak measured in the same run. With --device
     cuda: the CuPy forward and torch's cuDNN nn.LSTM on the GPU, beside the GPU's fp32 peak."""
@@ -48,7 +50,7 @@ def bench_forward_cmd(embed, hidden, layers, batch, seq_len, repeats, no_numpy, 
     others = (get_ops("cpu", engine),) if engine != "native" else ()
     others += tuple(get_ops("cpu", precision=p) for p in dict.fromkeys(precisions))
     records = bench_forward(embed=embed, hidden=hidden, layers=layers, batch=batch, seq_len=seq_len,
-                            repeats=repeats, include_numpy=not no_numpy, ops=device_ops(device), others=others)
+                            repeats=repeats, include_numpy=not no_numpy, ops=device_ops(device, gemm), others=others)
     show("forward", records, format_records)
 
 
@@ -80,9 +82,10 @@ def parse_shapes(ctx, param, value):
 @click.option("--forward-precision", "precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True, help="Time the step with its forwards emulated in this format (CPU), beside the fp32 step in the same run.")
 @click.option("--launches", is_flag=True, help="Instead of timing the step: kernel launches per SPSA step of N = 1, 16 and 64 experts on each CUDA path (today's per-timestep kernels, the fused kernel), at SOMA's expert E=16 H=20 L=1, P=64, B=8, T=32 unless given; counted (and timed) on the GPU with --device cuda, else recorded without running anything.")
 @device_option
+@gemm_option
 @json_option
 def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, seq_len, steps, noise, peers, precision,
-                   launches, device, as_json):
+                   launches, device, gemm, as_json):
     """SPSA step throughput split into data, forward passes, noise and the update, beside the same
     step written in PyTorch (a MeZO-style loop, a stacked population with bmm) and the fp32
     matmul peak, all in one run: tokens/s, nominal and executed GFLOP/s, share of the peak; on
@@ -94,7 +97,7 @@ def bench_spsa_cmd(preset, embed, hidden, layers, shapes, perturbations, batch, 
         raise click.UsageError("--shapes sets E and H: give it without --embed and --hidden")
     if launches and (shapes or precision != "fp32"):
         raise click.UsageError("--launches counts one model's fp32 step: give it without --shapes and --forward-precision")
-    ops = device_ops(device)
+    ops = device_ops(device, gemm)
     if launches:
         _bench_launches(embed, hidden, layers, perturbations, batch, seq_len, steps, ops)
         return
@@ -154,15 +157,16 @@ def _format_spsa_shape(r: dict) -> str:
 @click.option("--segments", type=int, default=1024, show_default=True, callback=positive, help="Held-out segments routed per run.")
 @click.option("--repeats", type=int, default=3, show_default=True, callback=positive)
 @device_option
+@gemm_option
 @json_option
-def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, device, as_json):
+def bench_route_cmd(n_small, n_large, top_k, total_params, segments, repeats, device, gemm, as_json):
     """Tokens/s of top-k routed inference (routing included) for N=8 vs N=256 experts of similar
     total size, random weights (the paper: 257k vs 2.36M tokens/s, 9.19x). With --device cuda the
     experts also run on the GPU, beside the CPU in the same run."""
     from zosoma.benchmarks.bench_route import bench_route, format_route
-    devices = tuple(dict.fromkeys(("cpu", device_ops(device).name)))  # the CPU, and the GPU when asked for
+    devices = tuple(dict.fromkeys(("cpu", device_ops(device, gemm).name)))  # the CPU, and the GPU when asked for
     show("route", bench_route(n_small=n_small, n_large=n_large, top_k=top_k, total_params=total_params,
-                              n_segments=segments, repeats=repeats, devices=devices), format_route)
+                              n_segments=segments, repeats=repeats, devices=devices, gemm=gemm), format_route)
 
 
 @bench.command("eggroll")

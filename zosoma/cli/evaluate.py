@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zosoma.cli import render
-from zosoma.cli.options import (device_ops, device_option, emit_json, json_option, positive, previous_option,
+from zosoma.cli.options import (device_ops, device_option, gemm_option, emit_json, json_option, positive, previous_option,
                                 refuse_given, warn_about_results)
 from zosoma.model.protocol import PROTOCOL
 
@@ -21,9 +21,11 @@ from zosoma.model.protocol import PROTOCOL
 @click.option("--context", type=int, default=PROTOCOL.context, show_default=True, callback=positive, help="Bytes before each segment used for warm-up (and routing).")
 @previous_option
 @device_option
+@gemm_option
 @json_option
 @click.pass_context
-def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment, context, previous, device, as_json):
+def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment, context, previous, device, gemm,
+          as_json):
     """Nats/byte on held-out text and WikiText-103 of a checkpoint, a run folder, or a SOMA run
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
@@ -38,7 +40,7 @@ def eval_(ctx, checkpoint, data, wikitext, streams, top_k, temperature, segment,
     else:
         refuse_given(ctx, ("top_k", "temperature"), f"SOMA runs; {checkpoint} is a single model")
     protocol = EvalProtocol(segment, context, top_k)
-    ops = device_ops(device)
+    ops = device_ops(device, gemm)
     corpus = load_corpus(list(data) if data else None, split="heldout")
     wikitext = check_wikitext103(wikitext)  # as train: a file that is not the official one says so
     scored = "the --data files" if data else None

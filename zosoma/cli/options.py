@@ -56,6 +56,11 @@ def device_option(f):
                         help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
 
 
+def gemm_option(f):
+    return click.option("--gemm", type=click.Choice(["fp32", "tf32", "bf16"]), default="fp32", show_default=True,
+                        help="--device cuda: the number format of the forwards' GEMMs; tf32 and bf16 run them on tensor cores (fp32 in memory, the operands rounded inside cuBLAS). fp32 stays the default: at the default eps TF32 moves SPSA's loss differences by 1.6-6.6% and bf16 by 11-82% (results/gemm-precision.txt). The fused kernel of small models has no GEMMs. Refused on the CPU.")(f)
+
+
 def previous_option(f):
     return click.option("--previous", is_flag=True, help="If a run's newest checkpoint is damaged, use the newest intact one (said in a warning line) instead of stopping.")(f)
 
@@ -105,10 +110,10 @@ def usage_errors():
         raise click.UsageError(str(e)) from None
 
 
-def device_ops(device: str):
-    """The engine for --device (zosoma.engines.get_ops); says which one --device auto chose."""
+def device_ops(device: str, gemm: str = "fp32"):
+    """The engine for --device and --gemm (zosoma.engines.get_ops); says which one --device auto chose."""
     from zosoma.engines import device_note, get_ops
-    ops = get_ops(device)
+    ops = get_ops(device, gemm=gemm)
     note = device_note(device, ops)
     if note:
         click.echo(note, err=True)

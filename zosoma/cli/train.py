@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from zosoma.cli import render
-from zosoma.cli.options import (Checked, check_executor_options, device_ops, device_option, executor_options, given,
-                                nonneg, nonneg_float, positive, positive_float, usage_errors)
+from zosoma.cli.options import (Checked, check_executor_options, device_ops, device_option, executor_options,
+                                gemm_option, given, nonneg, nonneg_float, positive, positive_float, usage_errors)
 from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS
 from zosoma.errors import ClusterLost
@@ -67,11 +67,13 @@ _TC = resolve("tiny")[1]  # defaults shown in --help: the default run's
 @click.option("--engine", type=click.Choice(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")
 @click.option("--forward-precision", type=click.Choice(PRECISIONS), help=f"Number format of every forward, emulated on the CPU; master weights and the update stay fp32.  [default: {_TC.forward_precision}]")
 @device_option
+@gemm_option
 @click.option("--log-every", help="Progress as plain lines (the default without a terminal: a log file, nohup, SLURM), every this many seconds (30s) or steps (500).  [default: 30s]")
 @click.option("--quiet", is_flag=True, help="No progress bars or lines: the run's line, warnings and results only.")
 @click.pass_context
 def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor_kind, address, cpus_per_unit,
-          gpus_per_unit, population_workers, chunk_size, top_k, resume, run_dir, device, log_every, quiet, **options):
+          gpus_per_unit, population_workers, chunk_size, top_k, resume, run_dir, device, gemm, log_every, quiet,
+          **options):
     """Train byte-level LSTMs with SPSA (forward passes only), then evaluate.
 
     With --experts N > 1 (SOMA): cluster the corpus into N clusters, train one expert per cluster
@@ -91,7 +93,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     given_placement = {name: value for name, value in (
         ("executor", executor_kind), ("workers", workers), ("population_workers", population_workers),
         ("address", address), ("cpus_per_unit", cpus_per_unit), ("gpus_per_unit", gpus_per_unit),
-        ("device", device)) if given(ctx, "executor_kind" if name == "executor" else name)}
+        ("device", device), ("gemm", gemm)) if given(ctx, "executor_kind" if name == "executor" else name)}
     if "device" in given_placement:
         given_placement["device"] = device_ops(device).device  # auto, resolved
     stop = StopRequest()

@@ -25,14 +25,21 @@ from zosoma.errors import ConfigError
 DEVICES = ("cpu", "cuda", "auto")
 
 
-@lru_cache(maxsize=None)
-def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"):
+def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32", gemm: str = "fp32"):
     """The engine for a device name: "cpu", "cuda" (a ConfigError line when CuPy finds no GPU) or
     "auto" (CUDA when CuPy finds a device, else the CPU; `device_note` says which and why); with
     engine "onnxruntime" the forwards run in ONNX Runtime, with a precision other than fp32 they
     are emulated in that format (both on the CPU; a ConfigError line when the runtime is not
-    installed). The one place in zosoma where these names become an engine."""
+    installed); gemm "tf32" or "bf16" runs the CUDA engine's GEMMs on tensor cores (a ConfigError
+    line where the engine is not CUDA's). The one place in zosoma where these names become an engine;
+    one engine per set of names, however they are passed."""
+    return _engine(device, engine, precision, gemm)
+
+
+@lru_cache(maxsize=None)
+def _engine(device: str, engine: str, precision: str, gemm: str):
     from zosoma.engines.cuda import backend
+    from zosoma.engines.cuda.tensor_cores import check_gemm_format
     from zosoma.engines.ops import Ops
 
     if device not in DEVICES:
@@ -41,6 +48,11 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if precision not in PRECISIONS:
         raise ConfigError(f"forward precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    check_gemm_format(gemm)
+    if gemm != "fp32" and (device == "cpu" or (engine, precision) != ("native", "fp32")
+                           or (device == "auto" and backend.cuda_unavailable_reason() is not None)):
+        raise ConfigError(f"--gemm {gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda "
+                          "and the native fp32 engine (on the CPU, studies/gemm_precision.py emulates it)")
     if (engine, precision) != ("native", "fp32"):
         if device not in ("cpu", "auto"):
             raise ConfigError(f"--engine {engine} --forward-precision {precision} runs on the CPU, not on {device}")
@@ -57,7 +69,10 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
         gemm_path()  # a bad ZOSOMA_CPU_GEMM is refused here, before a run starts
         return Ops()
     from zosoma.engines.cuda.cuda_ops import CudaOps
-    return CudaOps()  # a ConfigError line when CuPy is missing or finds no device
+    return CudaOps(gemm)  # a ConfigError line when CuPy is missing or finds no device
+
+
+get_ops.cache_clear = _engine.cache_clear  # tests that swap the CUDA backend forget the engines made
 
 
 def run_ops(ops, engine: str = "native", precision: str = "fp32"):
@@ -77,12 +92,12 @@ def run_ops(ops, engine: str = "native", precision: str = "fp32"):
 class SendsEngine:
     """A unit of work that carries the run's engine in its `ops` field (a population worker's spec,
     an expert unit): in this process the engine itself; sent to another process, its record
-    (device, engine, precision), which get_ops turns back into the engine there. The one way a
+    (device, engine, precision, gemm), which get_ops turns back into the engine there. The one way a
     process boundary rebuilds an engine."""
 
     def __getstate__(self):
         ops = self.ops
-        return {**self.__dict__, "ops": (ops.device, ops.engine, ops.precision)}
+        return {**self.__dict__, "ops": (ops.device, ops.engine, ops.precision, ops.gemm)}
 
     def __setstate__(self, state):
         self.__dict__.update(state, ops=get_ops(*state["ops"]))  # (frozen dataclasses too)

@@ -70,6 +70,7 @@ class Ops:
     engine = "native"
     on_device = False
     precision = "fp32"
+    gemm = "fp32"  # the GEMMs' number format: tensor cores on CUDA only (CudaOps)
     xp = np
 
     # --- arrays -----------------------------------------------------------------------------
@@ -160,6 +161,11 @@ class Ops:
     def log_probs(self, theta, layout: Layout, tokens, state=None):
         """Next-byte log-probabilities (B, T, V) float32 of one model, and the final state."""
         return forward.log_probs(theta, layout, tokens, state)
+
+    def route(self, router, contexts) -> tuple[np.ndarray, np.ndarray]:
+        """The router's experts (S, K) int64 and weights (S, K) float32 for S contexts
+        (zosoma.mixture.routing.Router.select), computed on this engine's device."""
+        return router.select(contexts)
 
     def models_nll(self, models: Sequence[tuple], rows: Sequence[tuple],
                    scored_from: Sequence[int] = ()) -> list[np.ndarray]:

@@ -35,8 +35,9 @@ right-padded with zeros to the longest row. The LSTM is causal and every row sta
 state at column 0, so padding after a row's last scored column changes nothing before it.
 
 The experts' forwards run on the Ops they are handed (zosoma.engines; on a GPU experts of one
-size run together); routing and mixing stay on the host. The nats agree across engines within
-float32 rounding.
+size run together), and so does routing (Ops.route: on a GPU the embedding, distances and top-k
+run on the device, zosoma.engines.cuda.device_routing); mixing stays on the host. The nats agree
+across engines within float32 rounding.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ class Router:
         norms = np.einsum("ij,ij->i", c, c)
         norms[list(dropped)] = np.inf
         self._fallback = np.argsort(norms, kind="stable")[:self.top_k]
+
+    @property
+    def fallback(self) -> np.ndarray:
+        """(K,) the experts of a context that embeds to zero (the module docstring)."""
+        return self._fallback
 
     @property
     def live(self) -> np.ndarray:
@@ -344,7 +350,7 @@ def evaluate_routed(ensemble: Ensemble, data: np.ndarray, segment: int = PROTOCO
         raise ConfigError(f"batch must be a positive number of segments, got {batch!r}")
     ops = ops or Ops()
     ensemble = ensemble.on(ops)
-    experts, weights = ensemble.router.select(segs.contexts)  # (S, K) each
+    experts, weights = ops.route(ensemble.router, segs.contexts)  # (S, K) each
     S, N = len(segs), ensemble.n_experts
     per_expert = np.empty((N, S))  # nats of each segment under each expert alone
     routed = np.empty(S)

@@ -27,10 +27,15 @@ class Placement:
     cpus_per_unit: float = 1.0  # ray: CPUs (and BLAS threads) per unit or worker
     gpus_per_unit: float = 0.0  # ray: GPUs per unit or worker
     device: str = "cpu"  # where the forwards run (zosoma.engines.get_ops)
+    gemm: str = "fp32"  # the CUDA engine's GEMMs: fp32, or tensor cores (tf32, bf16)
 
     def __post_init__(self):
+        from zosoma.engines.cuda.tensor_cores import check_gemm_format
+
         if self.executor is not None and self.executor not in EXECUTORS:
             raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if check_gemm_format(self.gemm) != "fp32" and self.device == "cpu":
+            raise ConfigError(f"--gemm {self.gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda")
         default = Placement.__dataclass_fields__
         check_options(self.executor, [n for n in RAY_ONLY if getattr(self, n) != default[n].default], self.workers)
 

@@ -148,7 +148,7 @@ class Run:
         cfg = spec.train
         if not spec.is_soma and placement.workers is not None:
             raise _soma_only("workers")
-        ops = get_ops(placement.device)  # "where", resolved once: the run hands its engine down
+        ops = get_ops(placement.device, gemm=placement.gemm)  # "where", resolved once: the run hands its engine down
         run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
         if placement.population_workers:
             check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
@@ -212,7 +212,8 @@ class SingleModel(Run):
 
         placement = placement or self.folder.read_placement()
         _, _, sharding = place(placement, 1)
-        return Training(self.path, resume_run(self.path, should_stop, ops=get_ops(placement.device), sharding=sharding,
+        ops = get_ops(placement.device, gemm=placement.gemm)
+        return Training(self.path, resume_run(self.path, should_stop, ops=ops, sharding=sharding,
                                               placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
@@ -260,7 +261,8 @@ class Soma(Run):
         placement = placement or self.folder.read_placement()
         shape = self.shape
         executor, summed, _ = place(placement, shape.experts, shape.loss)
-        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=get_ops(placement.device),
+        ops = get_ops(placement.device, gemm=placement.gemm)
+        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=ops,
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):

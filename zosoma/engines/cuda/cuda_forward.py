@@ -20,7 +20,8 @@ An SPSA step's population of a small model (one member's weights and state withi
 shared memory: fused_forward.fits) runs instead as ONE launch of kernels/fused.cu, which builds
 each member from its counters and runs the whole forward inside a block (fused_forward). The
 forward above can also be captured once as a CUDA graph and replayed (graph_forward; the "graph"
-path, opt-in until a device has timed it). `forced_path` picks a path for benchmarks and tests.
+path, the default where the kernels path is bound by launches: step_path). `forced_path` picks a
+path for benchmarks and tests.
 
 EGGROLL's population (eggroll_population_loss) shares one theta: members 2i, 2i+1 use
 W +/- c A_i B_i^T, so each product above becomes ONE GEMM of all members' rows with the shared W
@@ -53,6 +54,11 @@ WORKSPACE_BYTES = 4 << 30  # device memory the forward may use for work buffers,
 # the others; on a device, cuBLAS chooses its batched GEMM by the batch count, so chunks of other
 # sizes agree within this relative tolerance (1.7e-8 measured on an H200: 1 ulp of the float32 nll)
 CHUNK_RTOL = 1e-6
+# The kernels path on the H200 of 2026-12-04 (results/gpu-check.txt): the host spends about 42 us per
+# launch (Python, CuPy's dispatch, cuBLAS's), and the paper expert's forward ran at 1.85M tokens/s x
+# 8.17 MFLOP/token = 15 TFLOP/s. Below 42 us of device work per launch the step waits on the host.
+HOST_S_PER_LAUNCH = 42e-6
+DEVICE_FLOPS = 15e12
 
 
 @contextlib.contextmanager
@@ -69,10 +75,28 @@ def forced_path(path: str):
         _forced_path = before
 
 
-def step_path(layout: Layout, B: int) -> str:
-    """The path of an SPSA step's population forward: fused where a member fits shared memory, else
-    the kernels (the graph only when forced, until a device has timed it)."""
-    return _forced_path or ("fused" if fused_forward.fits(layout, B) else "kernels")
+def step_path(layout: Layout, B: int, T: int, M: int) -> str:
+    """The path of an SPSA step's population forward, M members per forward (a chunk) on B rows of
+    T steps: fused where a member fits shared memory (2 launches a step: docs/gpu.md); else the
+    graph where the kernels path is bound by launches, i.e. where its device work per launch
+    (FLOPs at DEVICE_FLOPS) takes less than the host's time per launch (HOST_S_PER_LAUNCH); else
+    the kernels (the paper's expert at P = 64, where a graph saves no time and would hold a second
+    copy of the work buffers)."""
+    if _forced_path:
+        return _forced_path
+    if fused_forward.fits(layout, B):
+        return "fused"
+    flops = M * B * T * layout.config.flops_per_token()
+    return "graph" if flops / kernels_launches(layout, B, T) < DEVICE_FLOPS * HOST_S_PER_LAUNCH else "kernels"
+
+
+def kernels_launches(layout: Layout, B: int, T: int) -> int:
+    """The launches (raw kernels and GEMMs) of one population forward on the kernels path: the
+    layer-0 table GEMM; per chunk of Tc steps, per step and layer a recurrent GEMM and a cell
+    kernel, each upper layer's input GEMM, the logits GEMM and the log-softmax (counted on the
+    emulated runtime: tests/test_graph_forward.py)."""
+    L = layout.config.layers
+    return 1 + 2 * L * T + -(-T // _chunk_steps(B, T)) * (L + 1)
 
 
 def _chunk_steps(B: int, T: int) -> int:
@@ -306,7 +330,9 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
     pairs = range(P) if pairs is None else pairs
     direction, sign = antithetic(pairs) if table is None else table
     B, T = batch.shape[0], batch.shape[1] - 1
-    path = step_path(layout, B)
+    per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
+    size = max(1, min(len(pairs), workspace_bytes // per_direction))  # pairs per forward
+    path = step_path(layout, B, T, 2 * size)
     if path == "fused":
         return fused_forward.table_losses(theta, layout, batch, eps, seed, expert, step, kind, direction, sign)
 
@@ -314,8 +340,6 @@ def spsa_losses(theta, layout: Layout, batch, P: int, eps: float, seed: int, exp
         rows = slice(2 * (chunk.start - pairs.start), 2 * (chunk.stop - pairs.start))
         return perturbed(theta, eps, chunk, seed, expert, step, kind, out=out, table=(direction[rows], sign[rows]))
 
-    per_direction = 2 * (4 * layout.size + member_bytes(layout, B, T))
-    size = max(1, min(len(pairs), workspace_bytes // per_direction))
     chunks = [range(start, min(pairs.stop, start + size)) for start in range(pairs.start, pairs.stop, size)]
     if path == "graph":
         def forward(thetas, tokens, targets):  # what the graph captures

@@ -25,12 +25,14 @@ losses, nll_stream, log_probs and population_nll, which return NumPy like their 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 
 from zosoma.arrays import to_numpy
 from zosoma.engines.cpu.lowrank import eggroll_step
+from zosoma.engines.cuda import device_routing
 from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs, nll_stream, population_loss,
                                              spsa_losses, step_path)
 from zosoma.engines.cuda.cuda_noise import perturb, plain_rows, spsa_gradient, spsa_update
@@ -56,8 +58,13 @@ class CudaOps(Ops):
 
     def __init__(self, gemm: str = "fp32"):
         self.xp = runtime().xp
-        # population_loss's GEMMs: fp32, or tensor cores (tf32, bf16; zosoma.engines.cuda.tensor_cores)
+        # every forward's GEMMs: fp32, or tensor cores (tf32, bf16; zosoma.engines.cuda.tensor_cores);
+        # the fused kernel of small models has none
         self.gemm = check_gemm_format(gemm)
+
+    def _gemms(self):
+        """The GEMMs of the block in this engine's format (fp32: as the caller has them)."""
+        return gemm_format(self.gemm) if self.gemm != "fp32" else contextlib.nullcontext()
 
     def asarray(self, x):
         return to_device(x)
@@ -66,13 +73,20 @@ class CudaOps(Ops):
         return to_numpy(x)
 
     def population_loss(self, thetas, layout: Layout, batch) -> np.ndarray:
-        with gemm_format(self.gemm):
+        with self._gemms():
             return population_loss(thetas, layout, batch)
 
     def perturbed_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
                          timings: dict | None = None):
         pairs = range(pop.P) if pairs is None else pairs
         t0 = time.perf_counter()
+        with self._gemms():
+            result = self._perturbed_losses(theta, layout, batch, pop, pairs)
+        if timings is not None:  # noise is made inside the device population: all of it is forward
+            timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
+        return result
+
+    def _perturbed_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range):
         if pop.rank:
             losses = eggroll_population_loss(theta, layout, batch, pop.scale, pop.rank, pop.seed, pop.expert,
                                              pop.step, len(pairs), first=pairs.start)
@@ -81,8 +95,6 @@ class CudaOps(Ops):
             rows = pop.rows(pairs)
             result = spsa_losses(theta, layout, batch, pop.P, pop.scale, pop.seed, pop.expert, pop.step,
                                  pop.kind, pairs=pairs, table=(pop.direction[rows], pop.sign[rows]))
-        if timings is not None:  # noise is made inside the device population: all of it is forward
-            timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
         return result
 
     def experts_perturbed_losses(self, thetas, layout: Layout, batches, pops: list[Population]) -> list:
@@ -91,15 +103,25 @@ class CudaOps(Ops):
         launches); otherwise one expert after another."""
         batches = self.xp.asarray(batches)
         dense = all(not p.rank for p in pops) and len({p.kind for p in pops}) == 1
-        if dense and step_path(layout, batches.shape[1]) == "fused":
+        if dense and step_path(layout, batches.shape[1], batches.shape[2] - 1, 2 * pops[0].P) == "fused":
             return experts_losses(self.xp.stack([to_device(t) for t in thetas]), layout, batches, pops)
         return super().experts_perturbed_losses(thetas, layout, batches, pops)
 
     def nll_stream(self, theta, layout: Layout, tokens, targets, state=None, scored_from: int = 0):  # every column
-        return nll_stream(theta, layout, tokens, targets, state)
+        with self._gemms():
+            return nll_stream(theta, layout, tokens, targets, state)
 
     def log_probs(self, theta, layout: Layout, tokens, state=None):
-        return log_probs(theta, layout, tokens, state)
+        with self._gemms():
+            return log_probs(theta, layout, tokens, state)
+
+    def route(self, router, contexts):
+        """A c-BTM router's choice on the device (zosoma.engines.cuda.device_routing: the host's
+        experts but at float32 ties, weights within ROUTE_RTOL); a router without a clustering
+        (a single model's) chooses as it does on the host."""
+        if getattr(router, "clustering", None) is None:
+            return router.select(contexts)
+        return device_routing.select(router, contexts)
 
     def models_nll(self, models, rows, scored_from=()) -> list[np.ndarray]:  # scored_from unused: every column
         """Models of one size run as ONE population forward of row tiles (zosoma.engines.cuda.grouped):
@@ -110,7 +132,8 @@ class CudaOps(Ops):
         for i, (_, layout) in enumerate(models):
             groups.setdefault(layout.config, (layout, []))[1].append(i)
         for layout, ids in groups.values():
-            nlls = grouped_nll([models[i][0] for i in ids], layout, [rows[i] for i in ids])
+            with self._gemms():
+                nlls = grouped_nll([models[i][0] for i in ids], layout, [rows[i] for i in ids])
             for i, nll in zip(ids, nlls):
                 out[i] = nll
         return out

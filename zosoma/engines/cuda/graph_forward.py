@@ -8,7 +8,8 @@ the population (M, d), which the perturb kernel fills before each replay (its st
 every step, so it stays outside), and the batch (B, T+1), copied in. The graph writes the nll
 (M, B, T), summed on the host. A step is then perturb + the graph + the update: 3 launches.
 
-Graphs are kept per runtime and shape (layout, M, B, T); the first step of a shape captures it
+Graphs are kept per runtime, shape (layout, M, B, T) and GEMM format (cuBLAS's compute type is
+captured with the GEMMs: zosoma.engines.cuda.tensor_cores); the first step of a shape captures it
 (the runtime's `capture`: cupy stream capture on a GPU; on the emulated runtime of
 tests/test_kernels.py, the launch list recorded and replayed, so a replayed step is checked
 against an uncaptured one on the CPU).
@@ -21,10 +22,11 @@ import weakref
 import numpy as np
 
 from zosoma.arrays import to_numpy
+from zosoma.engines.cuda import tensor_cores
 from zosoma.engines.cuda.custom_kernels import runtime
 from zosoma.model.params import Layout
 
-_graphs = weakref.WeakKeyDictionary()  # runtime -> {(ModelConfig, M, B, T): _Captured}
+_graphs = weakref.WeakKeyDictionary()  # runtime -> {(ModelConfig, M, B, T, GEMM format): _Captured}
 
 
 class _Captured:
@@ -47,7 +49,7 @@ def captured(layout: Layout, M: int, B: int, T: int, forward) -> _Captured:
     tokens, targets) is the population forward to capture (cuda_forward's, handed in so that this
     module does not import it back)."""
     per_runtime = _graphs.setdefault(runtime(), {})
-    key = (layout.config, M, B, T)
+    key = (layout.config, M, B, T, tensor_cores.active())  # cuBLAS's compute type is captured too
     if key not in per_runtime:
         per_runtime[key] = _Captured(layout, M, B, T, forward)
     return per_runtime[key]

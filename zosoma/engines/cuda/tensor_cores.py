@@ -26,6 +26,7 @@ from zosoma.errors import ConfigError
 from zosoma.model.number_formats import round_to
 
 GEMM_FORMATS = ("fp32", "tf32", "bf16")
+_active = "fp32"  # the format of the gemm_format block the engine is in
 FRACTION_BITS = {"fp32": 23, "tf32": 10, "bf16": 7}
 
 
@@ -47,10 +48,27 @@ def round_operand(x, fmt: str) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32).reshape(x.shape)
 
 
+def active() -> str:
+    """The format the engine's GEMMs run in now (a captured graph keeps the format it was captured
+    in: graph_forward keys its graphs by it)."""
+    return _active
+
+
 @contextlib.contextmanager
 def gemm_format(fmt: str):
     """While active, the engine's float32 GEMMs (runtime().xp.matmul) run in `fmt`."""
+    global _active
     check_gemm_format(fmt)
+    before, _active = _active, fmt
+    try:
+        with _gemms_in(fmt):
+            yield
+    finally:
+        _active = before
+
+
+@contextlib.contextmanager
+def _gemms_in(fmt: str):
     xp = runtime().xp
     if fmt == "fp32":
         yield
