@@ -2,15 +2,19 @@
 with the same one-line message, before any run folder is made, and a run opened either way
 answers the same calls."""
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
 
 import zosoma
 from helpers import one_line_error, run_cli
+from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError, DataError
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
 from zosoma.runs.shape import DataPaths, SomaShape
+from zosoma.training.run import SOMA_OPTIONS, Spec
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
 
@@ -61,6 +65,36 @@ def test_the_cli_and_the_api_refuse_the_same_inputs_in_the_same_words(text, args
     with pytest.raises(ConfigError) as refused:
         zosoma.train(**data, **kwargs)
     assert str(refused.value) == message
+    assert nothing_made()
+
+
+# Bad values of each kind of field: (as typed on the command line, as given to the API)
+BAD = {"int": [("-1", -1), ("2.5", 2.5), ("x", "x")], "float": [("-1", -1), ("nan", math.nan), ("x", "x")],
+       "str": [("bogus", "bogus")], "str | None": [("bogus", "bogus")], "tuple": [("bogus", ("bogus",))]}
+
+
+def run_fields() -> list:
+    """Every field of a run's description (Spec), its model's and its training's configuration
+    within: a field added to any of them is covered here without editing this test."""
+    nested = {"ModelConfig": ModelConfig, "TrainConfig": TrainConfig}
+    return [g for f in dataclasses.fields(Spec)
+            for g in (dataclasses.fields(nested[f.type]) if f.type in nested else [f])]
+
+
+FIELD_CASES = [(f.name, typed, value) for f in run_fields() for typed, value in BAD[f.type]]
+
+
+@pytest.mark.parametrize("name, typed, value", FIELD_CASES, ids=[f"{n}={t}" for n, t, _ in FIELD_CASES])
+def test_every_run_option_is_refused_by_the_library_in_the_same_words(text, name, typed, value):
+    """Each field of the configuration, given a bad value: `zosoma train --NAME VALUE` exits 2 with
+    the very line zosoma.train(NAME=VALUE) raises, which names the option; no folder is made."""
+    soma = ["--experts", "2"] if name in SOMA_OPTIONS else []
+    option = "--" + name.replace("_", "-")
+    line = one_line_error(run_cli(["train", "--data", text, *soma, f"{option}={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(data=text, **({"experts": 2} if soma else {}), **{name: value})
+    assert line == f"Error: {refused.value}"
+    assert name in str(refused.value) or option in str(refused.value), refused.value
     assert nothing_made()
 
 

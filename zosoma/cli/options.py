@@ -40,9 +40,13 @@ def nonneg(ctx, param, value):
 class Checked(click.ParamType):
     """A number as typed (else the text itself), checked by the library (zosoma.training.run.Spec,
     TrainConfig): the command line and the Python API refuse the same values in the same words."""
-    name = "integer"
+
+    def __init__(self, name: str = "integer"):
+        self.name = name  # shown in --help: INTEGER or NUMBER
 
     def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):  # a default
+            return value
         for kind in (int, float):
             try:
                 return kind(value)
@@ -51,8 +55,27 @@ class Checked(click.ParamType):
         return value
 
 
+class Named(click.ParamType):
+    """One of `names`, shown in --help and completed as click.Choice does, but passed through as
+    typed: the library refuses any other name in its own words (as the Python API does)."""
+    name = "name"
+
+    def __init__(self, names):
+        self.names = tuple(names)
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return f"[{'|'.join(self.names)}]"
+
+    def convert(self, value, param, ctx):
+        return value
+
+    def shell_complete(self, ctx, param, incomplete):
+        from click.shell_completion import CompletionItem
+        return [CompletionItem(n) for n in self.names if n.startswith(incomplete)]
+
+
 def device_option(f):
-    return click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+    return click.option("--device", type=Named(DEVICES), default="cpu", show_default=True,
                         help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
 
 
