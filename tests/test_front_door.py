@@ -98,6 +98,52 @@ def test_every_run_option_is_refused_by_the_library_in_the_same_words(text, name
     assert nothing_made()
 
 
+@pytest.fixture(scope="module")
+def runs(text, tmp_path_factory):
+    """A single model's run folder and a SOMA run's of two experts, a step each."""
+    root = tmp_path_factory.mktemp("runs")
+    small = dict(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, steps=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("ZOSOMA_WIKITEXT103", raising=False)  # scored on the small text alone
+        return {"single": zosoma.train(run_dir=root / "single", **small).path,
+                "soma": zosoma.train(run_dir=root / "soma", experts=2, chunk_size=256, **small).path}
+
+
+def use_options() -> list:
+    """(command, the API's method, option name, flag) for every option of `zosoma eval` and
+    `zosoma sample` that says how to score or sample (not where from, to or on what device)."""
+    from zosoma.cli.evaluate import eval_
+    from zosoma.cli.sample import sample
+    where = {"checkpoint", "run", "data", "wikitext", "prompt", "previous", "device", "as_json", "help"}
+    return [(command.name, method, p.name, p.opts[0]) for command, method in ((eval_, "evaluate"), (sample, "sample"))
+            for p in command.params if p.name not in where]
+
+
+USE_CASES = [(kind, *option, typed, value) for kind in ("single", "soma") for option in use_options()
+             for typed, value in (("-1", -1), ("x", "x"))]
+
+
+@pytest.mark.parametrize("kind, command, method, name, flag, typed, value", USE_CASES,
+                         ids=[f"{c[0]}-{c[1]}{c[4]}={c[5]}" for c in USE_CASES])
+def test_eval_and_sample_options_are_refused_by_the_run_in_the_same_words(runs, kind, command, method, name, flag,
+                                                                          typed, value):
+    """Each option of eval and sample, given a bad value (or given to the kind of run that does
+    not read it): the command exits 2 with the very line that zosoma.Run's method raises."""
+    line = one_line_error(run_cli([command, runs[kind], f"{flag}={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        getattr(zosoma.open_run(runs[kind]), method)(**{name: value})
+    assert line == f"Error: {refused.value}"
+    assert name in str(refused.value) or flag in str(refused.value), refused.value
+
+
+def test_the_api_resume_refuses_any_key_but_steps_and_wikitext_by_name(runs):
+    for given in (dict(lr=0.1), dict(experts=1), dict(preset="tiny"), dict(data="a.txt"), dict(bogus=None)):
+        (name, _), = given.items()
+        with pytest.raises(ConfigError) as refused:
+            zosoma.train(resume=runs["single"], steps=2, **given)
+        assert str(refused.value) == RESUME.format("--" + name.replace("_", "-"))
+
+
 def test_a_start_that_fails_after_naming_its_folder_takes_it_back(text):
     """The data is read once the run's folder is named: a missing file leaves no folder behind."""
     missing = str(Path(text).parent / "missing.txt")

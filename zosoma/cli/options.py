@@ -100,14 +100,6 @@ def given(ctx, name: str) -> bool:
     return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
 
-def refuse_given(ctx, names, what: str) -> None:
-    """A usage error for the first of `names` given on the command line, an option of `what`
-    only: a flag that would be silently ignored is refused in one line."""
-    for name in names:
-        if given(ctx, name):
-            raise click.UsageError(f"--{name.replace('_', '-')} is an option of {what}")
-
-
 def check_executor_options(ctx, kind: str | None, workers_option: str, workers) -> None:
     """The Ray options given here need --executor ray; a local process count does not go with it
     (zosoma.runs.placement.check_options)."""
