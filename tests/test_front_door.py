@@ -13,6 +13,7 @@ from helpers import one_line_error, run_cli
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError, DataError
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
+from zosoma.runs.placement import RAY_ONLY, Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.training.run import SOMA_OPTIONS, Spec
 
@@ -95,6 +96,35 @@ def test_every_run_option_is_refused_by_the_library_in_the_same_words(text, name
         zosoma.train(data=text, **({"experts": 2} if soma else {}), **{name: value})
     assert line == f"Error: {refused.value}"
     assert name in str(refused.value) or option in str(refused.value), refused.value
+    assert nothing_made()
+
+
+PLACEMENT_BAD = {**BAD, "int | None": BAD["int"]}
+ANY_TEXT = {"address"}  # every text is a value: only the API can give it a bad one (a number)
+
+
+def placement_cases() -> list:
+    """(field, its flag, typed, value) for each field of Placement (where a run's work goes)."""
+    flags = {"executor": "--executor"}  # the rest are --NAME
+    return [(f.name, flags.get(f.name, "--" + f.name.replace("_", "-")), typed, value)
+            for f in dataclasses.fields(Placement) if f.name not in ANY_TEXT for typed, value in PLACEMENT_BAD[f.type]]
+
+
+PLACEMENT_CASES = placement_cases()
+
+
+@pytest.mark.parametrize("name, flag, typed, value", PLACEMENT_CASES, ids=[f"{c[0]}={c[2]}" for c in PLACEMENT_CASES])
+def test_every_placement_option_is_refused_by_the_library_in_the_same_words(text, name, flag, typed, value):
+    """`zosoma train --NAME VALUE` exits 2 with the line Placement(NAME=VALUE) raises (the Ray
+    options with --executor ray, the workers of SOMA's experts with --experts 2)."""
+    ray = {"executor": "ray"} if name in RAY_ONLY else {}
+    soma = ["--experts", "2"] if name == "workers" else []
+    line = one_line_error(run_cli(["train", "--data", text, *soma, *(f"--{k}={v}" for k, v in ray.items()),
+                                   f"{flag}={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        Placement(**ray, **{name: value})
+    assert line == f"Error: {refused.value}"
+    assert name in str(refused.value), refused.value
     assert nothing_made()
 
 

@@ -11,23 +11,12 @@ import math
 import click
 
 from zosoma.engines import DEVICES
+from zosoma.runs.placement import EXECUTORS
 
 
 def positive(ctx, param, value):
     if value is not None and value < 1:
         raise click.BadParameter(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(ctx, param, value):
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise click.BadParameter(f"must be a positive number, got {value}")
-    return value
-
-
-def nonneg_float(ctx, param, value):
-    if value is not None and not (value >= 0 and math.isfinite(value)):
-        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
     return value
 
 
@@ -86,10 +75,10 @@ def previous_option(f):
 def executor_options(f):
     """--executor and the Ray options, shared by train and compare."""
     for option in reversed([
-        click.option("--executor", "executor_kind", type=click.Choice(["inline", "local", "ray"]), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
+        click.option("--executor", "executor_kind", type=Named(EXECUTORS), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
         click.option("--address", help="--executor ray: the cluster to join (HOST:PORT of its head, or auto for the one `ray start` made here; a head with token authentication needs its token here, in RAY_AUTH_TOKEN or ~/.ray/auth_token); default: start Ray on this machine."),
-        click.option("--cpus-per-unit", type=float, default=1.0, show_default=True, callback=positive_float, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
-        click.option("--gpus-per-unit", type=float, default=0.0, show_default=True, callback=nonneg_float, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),
+        click.option("--cpus-per-unit", type=Checked("number"), default=1.0, show_default=True, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
+        click.option("--gpus-per-unit", type=Checked("number"), default=0.0, show_default=True, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),
     ]):
         f = option(f)
     return f

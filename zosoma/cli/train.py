@@ -6,7 +6,7 @@ import click
 
 from zosoma.cli import render
 from zosoma.cli.options import (Checked, Named, check_executor_options, device_ops, device_option, executor_options,
-                                given, positive, usage_errors)
+                                given, usage_errors)
 from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS
 from zosoma.errors import ClusterLost
@@ -28,9 +28,9 @@ _TC = resolve("tiny")[1]  # defaults shown in --help: the default run's
 @click.option("--preset", metavar="[tiny|small|paper]", default="tiny", show_default=True, help="Model size and training defaults; explicit options override it.")
 @click.option("--experts", type=Checked(), default=1, show_default=True, help="N: SOMA experts, one per data cluster (1 = a single monolithic model).")
 @click.option("--loss", type=Named(["independent", "summed"]), default="independent", show_default=True, help="Experts' SPSA scalars: their own losses (SOMA) or the summed loss (ablation).")
-@click.option("--workers", type=int, callback=positive, help="Expert worker processes (default: the machine's cores).")
+@click.option("--workers", type=Checked(), help="Expert worker processes (default: the machine's cores).")
 @executor_options
-@click.option("--population-workers", type=int, callback=positive, help="W: spread one model's P perturbation pairs over W workers (local processes, or Ray actors with --executor ray); per step only the losses and the step's scalars travel.")
+@click.option("--population-workers", type=Checked(), help="W: spread one model's P perturbation pairs over W workers (local processes, or Ray actors with --executor ray); per step only the losses and the step's scalars travel.")
 @click.option("--chunk-size", type=Checked(), default=2048, show_default=True, help="Bytes per document chunk for clustering.")
 @click.option("--top-k", type=Checked(), default=PROTOCOL.top_k, show_default=True, help="Experts mixed per segment in the final routed evaluation.")
 @click.option("--embed", type=Checked(), help="E: embedding width.")

@@ -10,9 +10,12 @@ recorded one (and is recorded in turn).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
-from zosoma.errors import ConfigError
+from zosoma.engines import check_device
+from zosoma.errors import ConfigError, OptionError
 
 EXECUTORS = ("inline", "local", "ray")
 RAY_ONLY = ("address", "cpus_per_unit", "gpus_per_unit")
@@ -30,7 +33,14 @@ class Placement:
 
     def __post_init__(self):
         if self.executor is not None and self.executor not in EXECUTORS:
-            raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+            raise OptionError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        for name in ("workers", "population_workers"):
+            _count(name, getattr(self, name))
+        _amount("cpus_per_unit", self.cpus_per_unit, zero=False)
+        _amount("gpus_per_unit", self.gpus_per_unit, zero=True)
+        if self.address is not None and not isinstance(self.address, str):
+            raise OptionError(f"address must be HOST:PORT or auto, got {self.address!r}")
+        check_device(self.device)
         default = Placement.__dataclass_fields__
         check_options(self.executor, [n for n in RAY_ONLY if getattr(self, n) != default[n].default], self.workers)
 
@@ -48,6 +58,24 @@ class Placement:
         default = Placement()
         return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(self).items()
                         if v != getattr(default, k))
+
+
+def _count(name: str, value) -> None:
+    """None (not given) or a whole number of processes, at least 1; an OptionError names it."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise OptionError(f"{name} must be at least 1, got {value}")
+
+
+def _amount(name: str, value, zero: bool) -> None:
+    """A finite number of CPUs or GPUs, above 0 (or 0 itself where `zero`); an OptionError names it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise OptionError(f"{name} must be a finite number {'>= 0' if zero else '> 0'}, got {value}")
 
 
 def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
