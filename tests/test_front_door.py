@@ -174,6 +174,18 @@ def test_the_api_resume_refuses_any_key_but_steps_and_wikitext_by_name(runs):
         assert str(refused.value) == RESUME.format("--" + name.replace("_", "-"))
 
 
+@pytest.mark.parametrize("option", ["run_dir", "resume"])
+def test_a_file_where_the_run_folder_goes_is_refused_in_the_same_words(text, option):
+    Path("a-file").write_text("mine")
+    data = {} if option == "resume" else {"data": text}
+    line = one_line_error(run_cli(["train", *(f"--{k}={v}" for k, v in data.items()), "--steps", "1",
+                                   f"--{option.replace('_', '-')}", "a-file"]), 1)
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(**data, steps=1, **{option: "a-file"})
+    assert line == f"Error: {refused.value}" == "Error: a-file exists and is not a folder"
+    assert Path("a-file").read_text() == "mine"
+
+
 def test_a_start_that_fails_after_naming_its_folder_takes_it_back(text):
     """The data is read once the run's folder is named: a missing file leaves no folder behind."""
     missing = str(Path(text).parent / "missing.txt")

@@ -62,8 +62,8 @@ _TC = resolve("tiny")[1]  # defaults shown in --help: the default run's
 @click.option("--queries", type=Named(list(QUERIES)), help=f"The pairs per step over the run: constant P, or doubling (P/2, P, 2P, each a third of the forward budget).  [default: {_TC.queries}]")
 @click.option("--transforms", type=Named(list(TRANSFORMS)), multiple=True, help="SPSA, ES: update transforms chained onto the estimate before the step, in the order given (repeat the option): --optimizer es --transforms adam is ES with Adam.  [default: none]")
 @click.option("--readout-lr", type=Checked("number"), help=f"--optimizer readout: the output layer's rate along its exact local gradient (times the schedule's factor).  [default: {STRATEGIES['readout'].defaults['readout_lr']}]")
-@click.option("--run-dir", type=click.Path(file_okay=False), help="Run folder (default: runs/<preset>-<time>).")
-@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
+@click.option("--run-dir", type=click.Path(), help="Run folder (default: runs/<preset>-<time>).")
+@click.option("--resume", type=click.Path(), help="Continue the run in this folder exactly where it stopped; its configuration comes from its checkpoints.")
 @click.option("--engine", type=Named(ENGINES), help=f"Where the forwards run: native (Numba; CuPy with --device cuda) or onnxruntime (an inference-only runtime fed perturbed weights; the update stays on the host).  [default: {_TC.engine}]")
 @click.option("--forward-precision", type=Named(PRECISIONS), help=f"Number format of every forward, emulated on the CPU; master weights and the update stay fp32.  [default: {_TC.forward_precision}]")
 @device_option
