@@ -174,6 +174,15 @@ def test_the_api_resume_refuses_any_key_but_steps_and_wikitext_by_name(runs):
         assert str(refused.value) == RESUME.format("--" + name.replace("_", "-"))
 
 
+@pytest.mark.parametrize("typed, value", BAD["int"], ids=[t for t, _ in BAD["int"]])
+def test_a_resume_refuses_bad_steps_in_the_same_words(runs, typed, value):
+    line = one_line_error(run_cli(["train", "--resume", runs["single"], f"--steps={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(resume=runs["single"], steps=value)
+    assert line == f"Error: {refused.value}"
+    assert "steps" in line
+
+
 @pytest.mark.parametrize("option", ["run_dir", "resume"])
 def test_a_file_where_the_run_folder_goes_is_refused_in_the_same_words(text, option):
     Path("a-file").write_text("mine")
