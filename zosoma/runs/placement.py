@@ -36,8 +36,8 @@ class Placement:
             raise OptionError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         for name in ("workers", "population_workers"):
             _count(name, getattr(self, name))
-        _amount("cpus_per_unit", self.cpus_per_unit, zero=False)
-        _amount("gpus_per_unit", self.gpus_per_unit, zero=True)
+        for name in ("cpus_per_unit", "gpus_per_unit"):  # kept as floats, as click's FLOAT gave them
+            object.__setattr__(self, name, _amount(name, getattr(self, name), zero=name == "gpus_per_unit"))
         if self.address is not None and not isinstance(self.address, str):
             raise OptionError(f"address must be HOST:PORT or auto, got {self.address!r}")
         check_device(self.device)
@@ -70,12 +70,13 @@ def _count(name: str, value) -> None:
         raise OptionError(f"{name} must be at least 1, got {value}")
 
 
-def _amount(name: str, value, zero: bool) -> None:
+def _amount(name: str, value, zero: bool) -> float:
     """A finite number of CPUs or GPUs, above 0 (or 0 itself where `zero`); an OptionError names it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OptionError(f"{name} must be a number, got {value!r}")
     if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
         raise OptionError(f"{name} must be a finite number {'>= 0' if zero else '> 0'}, got {value}")
+    return float(value)
 
 
 def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
