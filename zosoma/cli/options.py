@@ -28,7 +28,8 @@ def nonneg(ctx, param, value):
 
 class Checked(click.ParamType):
     """A number as typed (else the text itself), checked by the library (zosoma.training.run.Spec,
-    TrainConfig): the command line and the Python API refuse the same values in the same words."""
+    TrainConfig, Placement, zosoma.training.run_options): the command line and the Python API
+    refuse the same values in the same words."""
 
     def __init__(self, name: str = "integer"):
         self.name = name  # shown in --help: INTEGER or NUMBER
