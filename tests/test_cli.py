@@ -83,8 +83,8 @@ def test_bad_input_is_one_line_and_destroys_nothing(tmp_path, text_files):
     short.write_bytes(b"abc")
     assert "too small" in one_line_error(run(["train", "--data", str(short), "--run-dir", str(tmp_path / "s")] + TINY))
     assert one_line_error(run(["train", "--steps", "0"]), code=2) == "Error: steps must be at least 1, got 0"  # as zosoma.train
-    assert "--lr" in one_line_error(run(["train", "--lr", "-1"]), code=2)
-    assert "--eps" in one_line_error(run(["train", "--eps", "nan"]), code=2)
+    assert one_line_error(run(["train", "--lr", "-1"]), code=2) == "Error: lr must be positive, got -1.0"
+    assert one_line_error(run(["train", "--eps", "nan"]), code=2) == "Error: eps must be a finite number, got nan"
     assert one_line_error(run(["train", "--optimizer", "lbfgs"]), code=2)
 
     # A run folder that holds a run is never overwritten.

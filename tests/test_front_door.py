@@ -2,15 +2,20 @@
 with the same one-line message, before any run folder is made, and a run opened either way
 answers the same calls."""
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
 
 import zosoma
 from helpers import one_line_error, run_cli
+from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError, DataError
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
+from zosoma.runs.placement import RAY_ONLY, Placement
 from zosoma.runs.shape import DataPaths, SomaShape
+from zosoma.training.run import SOMA_OPTIONS, Spec
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
 
@@ -62,6 +67,132 @@ def test_the_cli_and_the_api_refuse_the_same_inputs_in_the_same_words(text, args
         zosoma.train(**data, **kwargs)
     assert str(refused.value) == message
     assert nothing_made()
+
+
+# Bad values of each kind of field: (as typed on the command line, as given to the API)
+BAD = {"int": [("-1", -1), ("2.5", 2.5), ("x", "x")], "float": [("-1", -1), ("nan", math.nan), ("x", "x")],
+       "str": [("bogus", "bogus")], "str | None": [("bogus", "bogus")], "tuple": [("bogus", ("bogus",))]}
+
+
+def run_fields() -> list:
+    """Every field of a run's description (Spec), its model's and its training's configuration
+    within: a field added to any of them is covered here without editing this test."""
+    nested = {"ModelConfig": ModelConfig, "TrainConfig": TrainConfig}
+    return [g for f in dataclasses.fields(Spec)
+            for g in (dataclasses.fields(nested[f.type]) if f.type in nested else [f])]
+
+
+FIELD_CASES = [(f.name, typed, value) for f in run_fields() for typed, value in BAD[f.type]]
+
+
+@pytest.mark.parametrize("name, typed, value", FIELD_CASES, ids=[f"{n}={t}" for n, t, _ in FIELD_CASES])
+def test_every_run_option_is_refused_by_the_library_in_the_same_words(text, name, typed, value):
+    """Each field of the configuration, given a bad value: `zosoma train --NAME VALUE` exits 2 with
+    the very line zosoma.train(NAME=VALUE) raises, which names the option; no folder is made."""
+    soma = ["--experts", "2"] if name in SOMA_OPTIONS else []
+    option = "--" + name.replace("_", "-")
+    line = one_line_error(run_cli(["train", "--data", text, *soma, f"{option}={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(data=text, **({"experts": 2} if soma else {}), **{name: value})
+    assert line == f"Error: {refused.value}"
+    assert name in str(refused.value) or option in str(refused.value), refused.value
+    assert nothing_made()
+
+
+PLACEMENT_BAD = {**BAD, "int | None": BAD["int"]}
+ANY_TEXT = {"address"}  # every text is a value: only the API can give it a bad one (a number)
+
+
+def placement_cases() -> list:
+    """(field, its flag, typed, value) for each field of Placement (where a run's work goes)."""
+    flags = {"executor": "--executor"}  # the rest are --NAME
+    return [(f.name, flags.get(f.name, "--" + f.name.replace("_", "-")), typed, value)
+            for f in dataclasses.fields(Placement) if f.name not in ANY_TEXT for typed, value in PLACEMENT_BAD[f.type]]
+
+
+PLACEMENT_CASES = placement_cases()
+
+
+@pytest.mark.parametrize("name, flag, typed, value", PLACEMENT_CASES, ids=[f"{c[0]}={c[2]}" for c in PLACEMENT_CASES])
+def test_every_placement_option_is_refused_by_the_library_in_the_same_words(text, name, flag, typed, value):
+    """`zosoma train --NAME VALUE` exits 2 with the line Placement(NAME=VALUE) raises (the Ray
+    options with --executor ray, the workers of SOMA's experts with --experts 2)."""
+    ray = {"executor": "ray"} if name in RAY_ONLY else {}
+    soma = ["--experts", "2"] if name == "workers" else []
+    line = one_line_error(run_cli(["train", "--data", text, *soma, *(f"--{k}={v}" for k, v in ray.items()),
+                                   f"{flag}={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        Placement(**ray, **{name: value})
+    assert line == f"Error: {refused.value}"
+    assert name in str(refused.value), refused.value
+    assert nothing_made()
+
+
+@pytest.fixture(scope="module")
+def runs(text, tmp_path_factory):
+    """A single model's run folder and a SOMA run's of two experts, a step each."""
+    root = tmp_path_factory.mktemp("runs")
+    small = dict(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, steps=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("ZOSOMA_WIKITEXT103", raising=False)  # scored on the small text alone
+        return {"single": zosoma.train(run_dir=root / "single", **small).path,
+                "soma": zosoma.train(run_dir=root / "soma", experts=2, chunk_size=256, **small).path}
+
+
+def use_options() -> list:
+    """(command, the API's method, option name, flag) for every option of `zosoma eval` and
+    `zosoma sample` that says how to score or sample (not where from, to or on what device)."""
+    from zosoma.cli.evaluate import eval_
+    from zosoma.cli.sample import sample
+    where = {"checkpoint", "run", "data", "wikitext", "prompt", "previous", "device", "as_json", "help"}
+    return [(command.name, method, p.name, p.opts[0]) for command, method in ((eval_, "evaluate"), (sample, "sample"))
+            for p in command.params if p.name not in where]
+
+
+USE_CASES = [(kind, *option, typed, value) for kind in ("single", "soma") for option in use_options()
+             for typed, value in (("-1", -1), ("x", "x"))]
+
+
+@pytest.mark.parametrize("kind, command, method, name, flag, typed, value", USE_CASES,
+                         ids=[f"{c[0]}-{c[1]}{c[4]}={c[5]}" for c in USE_CASES])
+def test_eval_and_sample_options_are_refused_by_the_run_in_the_same_words(runs, kind, command, method, name, flag,
+                                                                          typed, value):
+    """Each option of eval and sample, given a bad value (or given to the kind of run that does
+    not read it): the command exits 2 with the very line that zosoma.Run's method raises."""
+    line = one_line_error(run_cli([command, runs[kind], f"{flag}={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        getattr(zosoma.open_run(runs[kind]), method)(**{name: value})
+    assert line == f"Error: {refused.value}"
+    assert name in str(refused.value) or flag in str(refused.value), refused.value
+
+
+def test_the_api_resume_refuses_any_key_but_steps_and_wikitext_by_name(runs):
+    for given in (dict(lr=0.1), dict(experts=1), dict(preset="tiny"), dict(data="a.txt"), dict(bogus=None)):
+        (name, _), = given.items()
+        with pytest.raises(ConfigError) as refused:
+            zosoma.train(resume=runs["single"], steps=2, **given)
+        assert str(refused.value) == RESUME.format("--" + name.replace("_", "-"))
+
+
+@pytest.mark.parametrize("typed, value", BAD["int"], ids=[t for t, _ in BAD["int"]])
+def test_a_resume_refuses_bad_steps_in_the_same_words(runs, typed, value):
+    line = one_line_error(run_cli(["train", "--resume", runs["single"], f"--steps={typed}"]), 2)
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(resume=runs["single"], steps=value)
+    assert line == f"Error: {refused.value}"
+    assert "steps" in line
+
+
+@pytest.mark.parametrize("option", ["run_dir", "resume"])
+def test_a_file_where_the_run_folder_goes_is_refused_in_the_same_words(text, option):
+    Path("a-file").write_text("mine")
+    data = {} if option == "resume" else {"data": text}
+    line = one_line_error(run_cli(["train", *(f"--{k}={v}" for k, v in data.items()), "--steps", "1",
+                                   f"--{option.replace('_', '-')}", "a-file"]), 1)
+    with pytest.raises(ConfigError) as refused:
+        zosoma.train(**data, steps=1, **{option: "a-file"})
+    assert line == f"Error: {refused.value}" == "Error: a-file exists and is not a folder"
+    assert Path("a-file").read_text() == "mine"
 
 
 def test_a_start_that_fails_after_naming_its_folder_takes_it_back(text):

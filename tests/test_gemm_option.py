@@ -28,7 +28,7 @@ def test_get_ops_and_the_placement_refuse_what_the_cli_refuses():
                    {"device": "cuda", "engine": "onnxruntime"}):
         with pytest.raises(ConfigError, match="--gemm bf16 .* needs --device cuda"):
             get_ops(gemm="bf16", **kwargs)
-    with pytest.raises(ConfigError, match="GEMM format must be one of fp32, tf32, bf16"):
+    with pytest.raises(ConfigError, match="gemm must be one of fp32, tf32, bf16"):
         get_ops("cuda", gemm="fp16")
     with pytest.raises(ConfigError, match="--gemm tf32 .* needs --device cuda"):
         Placement(gemm="tf32")

@@ -326,8 +326,9 @@ def test_inputs_are_checked_before_training(text, tmp_path):
     os.mkfifo(fifo)
     for path in ("/dev/zero", fifo):
         assert "not a regular file" in last_line(invoke(["train", "--data", path, "--run-dir", tmp_path / "x"]))
-    assert "--weight-decay" in last_line(invoke(["train", "--weight-decay", "inf"]), code=2)
-    # settings the library refuses are usage errors too (exit code 2), as click's own checks
+    # settings the library refuses are usage errors (exit code 2), in its words
+    line = last_line(invoke(["train", "--weight-decay", "inf"]), code=2)
+    assert line == "Error: weight_decay must be a finite number, got inf"
     assert "finite" in last_line(invoke(["train", "--momentum", "nan", "--optimizer", "momentum"]), code=2)
 
 

@@ -30,7 +30,7 @@ def test_operands_round_to_nearest_even_in_the_format():
         assert not (frac & np.uint32((1 << (23 - bits)) - 1)).any()  # no bits below the format's
     x = np.random.default_rng(1).standard_normal(10).astype(np.float32)
     np.testing.assert_array_equal(round_operand(x, "fp32"), x)
-    with pytest.raises(ConfigError, match="GEMM format must be one of fp32, tf32, bf16"):
+    with pytest.raises(ConfigError, match="gemm must be one of fp32, tf32, bf16"):
         round_operand(x, "fp16")
 
 

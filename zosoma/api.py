@@ -17,7 +17,6 @@ that `zosoma eval`, `info`, `train --resume` and TensorBoard read like any other
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import warnings
 from pathlib import Path
@@ -32,26 +31,29 @@ from zosoma.runs.folder import RunFolder
 __all__ = ["Optimizer", "Run", "SkippedStep", "load_corpus", "open_run", "train"]
 
 
-def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str | None = None,
-          top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None, **options) -> "Run":
+def train(data=None, heldout=None, experts: int | None = None, preset: str | None = None, run_dir=None,
+          loss: str | None = None, top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None,
+          **options) -> "Run":
     """Train a run as `zosoma train` does and return it (its evaluation in Run.results), refusing
     what the command line refuses (zosoma.training.run: a ConfigError in one line, before any folder
-    is made). `data` and `heldout`: paths (default: the shipped corpus); `options`: any TrainConfig
-    or model field (steps, lr, perturbations, shaping, embed, ...); loss, top_k and chunk_size are
-    SOMA's (experts 2 or more). `resume`: a run folder to train on where it stopped, with `steps`
-    (extending it) and `wikitext` alone. The experts of a SOMA run train one after another in this
+    is made). `data` and `heldout`: paths (default: the shipped corpus); `experts` 1 and `preset`
+    "tiny" unless given; `options`: any TrainConfig or model field (steps, lr, perturbations,
+    shaping, embed, ...); loss, top_k and chunk_size are SOMA's (experts 2 or more). `resume`: a
+    run folder to train on where it stopped, with `steps` (extending it) and `wikitext` alone: any
+    other keyword is refused by name. The experts of a SOMA run train one after another in this
     process. A run whose guard stopped it, or that failed, raises ConfigError."""
     from zosoma.runs.placement import Placement
     from zosoma.training.run import Run as Handle, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 
     if resume is not None:
-        given = dict(options, data=data, heldout=heldout, run_dir=run_dir, experts=experts != 1 or None,
-                     loss=loss, preset=preset != "tiny" or None, chunk_size=chunk_size, top_k=top_k)
-        check_resume([k for k, v in given.items() if v is not None])
+        named = dict(data=data, heldout=heldout, run_dir=run_dir, experts=experts, loss=loss, preset=preset,
+                     chunk_size=chunk_size, top_k=top_k)
+        check_resume([*options, *(k for k, v in named.items() if v is not None)])
         run = Handle.open(resume)
         return _trained(run.resume(options.get("steps"), wikitext), run.is_soma)
-    spec = Spec.resolve(preset, options, experts, loss, top_k, chunk_size)
+    spec = Spec.resolve("tiny" if preset is None else preset, options, 1 if experts is None else experts, loss, top_k,
+                        chunk_size)
     training = Handle.start(spec, DataPaths(data, heldout, wikitext), Placement(executor="inline"), run_dir)
     return _trained(training, spec.is_soma)
 
@@ -125,19 +127,30 @@ class Run:
         a single model)."""
         return self.handle.ensemble(top_k)
 
-    def evaluate(self, data=None, wikitext=None, top_k: int = PROTOCOL.top_k) -> dict:
+    def evaluate(self, data=None, wikitext=None, top_k: int | None = None, temperature: float | None = None,
+                 segment: int | None = None, context: int | None = None, streams: int | None = None) -> dict:
         """Nats/byte on `data` (paths; default the shipped held-out slices) and WikiText-103, by
-        the protocol of every table (`zosoma eval`'s result)."""
+        the protocol of every table unless segment and context are given (`zosoma eval`'s result
+        and options: top_k and the routing temperature for SOMA runs, streams for single models,
+        refused for the other kind in its words, zosoma.training.run_options)."""
         from zosoma.download import check_wikitext103
+        from zosoma.training.run_options import eval_options
+        handle = self.handle
+        checked = eval_options(handle, streams, top_k, temperature, segment, context)
         corpus = load_corpus(_paths(data) or None, split="heldout")
         wikitext = check_wikitext103(wikitext)  # a file not the official one: a NotOfficial warning, as train gives
-        return self.handle.evaluate(corpus, wikitext, dataclasses.replace(PROTOCOL, top_k=top_k))
+        return handle.evaluate(corpus, wikitext, **checked)
 
     def sample(self, prompt: bytes = b"", n_bytes: int = 200, temperature: float = 0.8, seed: int = 0,
-               top_k: int = PROTOCOL.top_k) -> bytes:
-        """Bytes generated after `prompt` (bytes, or text read as UTF-8; temperature 0: greedy)."""
+               top_k: int | None = None, reroute_every: int | None = None) -> bytes:
+        """Bytes generated after `prompt` (bytes, or text read as UTF-8; temperature 0: greedy);
+        top_k and reroute_every are SOMA runs' (`zosoma sample`'s options, checked as it checks them)."""
         from zosoma.mixture.sample import prompt_bytes, sample
-        return sample(self.model(top_k), prompt_bytes(prompt), n_bytes=n_bytes, temperature=temperature, seed=seed)
+        from zosoma.training.run_options import sample_options
+        handle = self.handle
+        top_k, reroute_every = sample_options(handle, n_bytes, temperature, seed, top_k, reroute_every)
+        return sample(handle.ensemble(top_k), prompt_bytes(prompt), n_bytes=n_bytes, temperature=temperature,
+                      seed=seed, reroute_every=reroute_every)
 
 
 class SkippedStep(UserWarning):

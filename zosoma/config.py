@@ -124,7 +124,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _typed(self)
-        positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every", "rank")
+        positive = ("steps", "batch", "seq_len", "perturbations", "checkpoint_every", "rank", "normalize_window")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -136,8 +136,9 @@ class TrainConfig:
         if self.eps < 2.0**-150:  # below half the smallest float32: theta +- eps is theta, nothing trains
             raise ConfigError(f"eps must be at least 1e-45, got {self.eps:g} (0 in float32, the parameters' "
                               "precision: every member would equal theta)")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
+        for name in ("lr", "readout_lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("eps", "lr", "weight_decay"):
             if getattr(self, name) > FLOAT32_MAX:
                 raise ConfigError(f"{name} must be at most 3.4e38 (float32's largest, the parameters' precision), "
@@ -150,7 +151,7 @@ class TrainConfig:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.forward_precision not in PRECISIONS:
-            raise ConfigError(f"forward precision must be one of {', '.join(PRECISIONS)}, got "
+            raise ConfigError(f"forward_precision must be one of {', '.join(PRECISIONS)}, got "
                               f"{self.forward_precision!r}")
         if self.on_divergence not in ON_DIVERGENCE:
             raise ConfigError(f"on_divergence must be one of {', '.join(ON_DIVERGENCE)}, got {self.on_divergence!r}")
@@ -171,14 +172,14 @@ class TrainConfig:
             raise ConfigError(f"restart_lr_factor must lie in (0, 1], got {self.restart_lr_factor}")
         if not math.isfinite(self.clip_at) or self.clip_at <= 0:
             raise ConfigError(f"clip_at must be a positive number, got {self.clip_at}")
-        if self.max_restarts < 0 or self.normalize_window < 1:
-            raise ConfigError("max_restarts must not be negative, normalize_window at least 1")
+        for name in ("warmup", "max_restarts", "weight_decay"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(f"schedule must be constant or cosine, got {self.schedule!r}")
-        if self.warmup < 0 or not self.weight_decay >= 0:
-            raise ConfigError("warmup and weight_decay must not be negative")
-        if not (0 <= self.momentum < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError("momentum and beta2 must lie in [0, 1)")
+        for name in ("momentum", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
 

@@ -29,6 +29,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     another configuration made (another lr, budget, evaluation setting, ...) is refused."""
     from zosoma.experiments.compare import Stopped, check_folder, jobs as all_jobs, run_comparison, tuning_jobs
     from zosoma.experiments.compare_config import find_config, load_comparison
+    from zosoma.runs.placement import Placement
 
     check_executor_options(ctx, executor_kind, "--jobs", jobs)
     path = find_config(config)
@@ -36,6 +37,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     out = Path(out or Path("results") / path.stem)
     finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
     device = device_ops(device).name  # --plan too: a plan for a device this machine lacks is no plan
+    placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit,
+                          device=device)  # its options checked before the plan, as train checks them
     budget = f"budget {cmp.flops:.3g} forward FLOPs per run" if cmp.flops else "each method's own steps"
     click.echo(f"{cmp.title}\n{budget}; seeds {list(cmp.seeds)}; output {out}")
     w = max([24] + [len(m.name) for m in cmp.methods + cmp.ablation])
@@ -72,13 +75,10 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
                        + (" (diverged)" if lost(result) else ""))
 
-    from zosoma.runs.placement import Placement
     from zosoma.workers.placing import study_executor
 
     stop = StopRequest(resume=f"zosoma compare {config} --out {out}")
     try:
-        placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit,
-                              device=device)
         paths = run_comparison(cmp, out, study_executor(placement, len(todo), jobs), wikitext, device,
                                should_stop=stop, on_result=report)
     except Stopped as e:

@@ -11,23 +11,12 @@ import math
 import click
 
 from zosoma.engines import DEVICES
+from zosoma.runs.placement import EXECUTORS
 
 
 def positive(ctx, param, value):
     if value is not None and value < 1:
         raise click.BadParameter(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(ctx, param, value):
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise click.BadParameter(f"must be a positive number, got {value}")
-    return value
-
-
-def nonneg_float(ctx, param, value):
-    if value is not None and not (value >= 0 and math.isfinite(value)):
-        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
     return value
 
 
@@ -39,10 +28,15 @@ def nonneg(ctx, param, value):
 
 class Checked(click.ParamType):
     """A number as typed (else the text itself), checked by the library (zosoma.training.run.Spec,
-    TrainConfig): the command line and the Python API refuse the same values in the same words."""
-    name = "integer"
+    TrainConfig, Placement, zosoma.training.run_options): the command line and the Python API
+    refuse the same values in the same words."""
+
+    def __init__(self, name: str = "integer"):
+        self.name = name  # shown in --help: INTEGER or NUMBER
 
     def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):  # a default
+            return value
         for kind in (int, float):
             try:
                 return kind(value)
@@ -51,13 +45,32 @@ class Checked(click.ParamType):
         return value
 
 
+class Named(click.ParamType):
+    """One of `names`, shown in --help and completed as click.Choice does, but passed through as
+    typed: the library refuses any other name in its own words (as the Python API does)."""
+    name = "name"
+
+    def __init__(self, names):
+        self.names = tuple(names)
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return f"[{'|'.join(self.names)}]"
+
+    def convert(self, value, param, ctx):
+        return value
+
+    def shell_complete(self, ctx, param, incomplete):
+        from click.shell_completion import CompletionItem
+        return [CompletionItem(n) for n in self.names if n.startswith(incomplete)]
+
+
 def device_option(f):
-    return click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+    return click.option("--device", type=Named(DEVICES), default="cpu", show_default=True,
                         help="Where the forward passes run; auto uses a GPU when CuPy finds one.")(f)
 
 
 def gemm_option(f):
-    return click.option("--gemm", type=click.Choice(["fp32", "tf32", "bf16"]), default="fp32", show_default=True,
+    return click.option("--gemm", type=Named(["fp32", "tf32", "bf16"]), default="fp32", show_default=True,
                         help="--device cuda: the number format of the forwards' GEMMs; tf32 and bf16 run them on tensor cores (fp32 in memory, the operands rounded inside cuBLAS). fp32 stays the default: at the default eps TF32 moves SPSA's loss differences by 1.6-6.6% and bf16 by 11-82% (results/gemm-precision.txt). The fused kernel of small models has no GEMMs. Refused on the CPU.")(f)
 
 
@@ -68,10 +81,10 @@ def previous_option(f):
 def executor_options(f):
     """--executor and the Ray options, shared by train and compare."""
     for option in reversed([
-        click.option("--executor", "executor_kind", type=click.Choice(["inline", "local", "ray"]), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
+        click.option("--executor", "executor_kind", type=Named(EXECUTORS), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
         click.option("--address", help="--executor ray: the cluster to join (HOST:PORT of its head, or auto for the one `ray start` made here; a head with token authentication needs its token here, in RAY_AUTH_TOKEN or ~/.ray/auth_token); default: start Ray on this machine."),
-        click.option("--cpus-per-unit", type=float, default=1.0, show_default=True, callback=positive_float, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
-        click.option("--gpus-per-unit", type=float, default=0.0, show_default=True, callback=nonneg_float, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),
+        click.option("--cpus-per-unit", type=Checked("number"), default=1.0, show_default=True, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
+        click.option("--gpus-per-unit", type=Checked("number"), default=0.0, show_default=True, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),
     ]):
         f = option(f)
     return f
@@ -80,14 +93,6 @@ def executor_options(f):
 def given(ctx, name: str) -> bool:
     """Whether option `name` was given on the command line (not left at its default)."""
     return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-
-
-def refuse_given(ctx, names, what: str) -> None:
-    """A usage error for the first of `names` given on the command line, an option of `what`
-    only: a flag that would be silently ignored is refused in one line."""
-    for name in names:
-        if given(ctx, name):
-            raise click.UsageError(f"--{name.replace('_', '-')} is an option of {what}")
 
 
 def check_executor_options(ctx, kind: str | None, workers_option: str, workers) -> None:

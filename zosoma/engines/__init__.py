@@ -20,9 +20,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 from zosoma.config import ENGINES, PRECISIONS  # noqa: F401  (re-exported: the engine names)
-from zosoma.errors import ConfigError
+from zosoma.errors import ConfigError, OptionError
 
 DEVICES = ("cpu", "cuda", "auto")
+
+
+def check_device(device) -> None:
+    """A device name get_ops takes, or an OptionError (a usage error: exit code 2) in one line."""
+    if device not in DEVICES:
+        raise OptionError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
 def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32", gemm: str = "fp32"):
@@ -42,8 +48,7 @@ def _engine(device: str, engine: str, precision: str, gemm: str):
     from zosoma.engines.cuda.tensor_cores import check_gemm_format
     from zosoma.engines.ops import Ops
 
-    if device not in DEVICES:
-        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    check_device(device)
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if precision not in PRECISIONS:

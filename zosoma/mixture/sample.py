@@ -32,15 +32,17 @@ import numpy as np
 from zosoma.engines.ops import Ops
 from zosoma.errors import OptionError
 from zosoma.mixture.routing import Ensemble
-from zosoma.model.protocol import PROTOCOL
+from zosoma.model.protocol import PROTOCOL, REROUTE_EVERY
 
 _STREAM = 0x5A4  # random stream of sampling (params use 0x1D1)
 _START = b"\n"  # the experts' first input when the prompt is empty
 MAX_BYTES = 1 << 30  # a request beyond 1 GiB is a typo (1e12 would take years: a forward per byte)
 
 
-def _check(n_bytes, temperature, reroute_every, context) -> float:
-    for name, value, least in (("n_bytes", n_bytes, 0), ("reroute_every", reroute_every, 1),
+def check_sampling(n_bytes, temperature, seed=0, reroute_every=REROUTE_EVERY, context=PROTOCOL.context) -> float:
+    """Sampling's options checked (an OptionError in one line naming the first bad one); the
+    temperature as a float."""
+    for name, value, least in (("n_bytes", n_bytes, 0), ("seed", seed, 0), ("reroute_every", reroute_every, 1),
                                ("context", context, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
             raise OptionError(f"{name} must be an integer >= {least}, got {value!r}")
@@ -79,16 +81,18 @@ def prompt_bytes(prompt) -> bytes:
 
 
 def sample(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
-           seed: int = 0, reroute_every: int = 64, context: int = PROTOCOL.context, ops: Ops | None = None) -> bytes:
+           seed: int = 0, reroute_every: int = REROUTE_EVERY, context: int = PROTOCOL.context,
+           ops: Ops | None = None) -> bytes:
     """The n_bytes generated after `prompt` (the prompt itself is not repeated); the experts run
     on the engine `ops` (zosoma.engines; default the CPU)."""
     return b"".join(generate(ensemble, prompt, n_bytes, temperature, seed, reroute_every, context, ops))
 
 
 def generate(ensemble: Ensemble, prompt: bytes = b"", n_bytes: int = 400, temperature: float = 0.8,
-             seed: int = 0, reroute_every: int = 64, context: int = PROTOCOL.context, ops: Ops | None = None):
+             seed: int = 0, reroute_every: int = REROUTE_EVERY, context: int = PROTOCOL.context,
+             ops: Ops | None = None):
     """sample's bytes one at a time, as each is drawn (the options are checked before the first)."""
-    temperature = _check(n_bytes, temperature, reroute_every, context)
+    temperature = check_sampling(n_bytes, temperature, seed, reroute_every, context)
     return _generate(ensemble, prompt_bytes(prompt), n_bytes, temperature, seed, reroute_every, context, ops or Ops())
 
 

@@ -184,6 +184,8 @@ class RunFolder:
         return self.path / ROUTER
 
     def make(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"{self.path} exists and is not a folder")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as err:

@@ -10,9 +10,12 @@ recorded one (and is recorded in turn).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
-from zosoma.errors import ConfigError
+from zosoma.engines import check_device
+from zosoma.errors import ConfigError, OptionError
 
 EXECUTORS = ("inline", "local", "ray")
 RAY_ONLY = ("address", "cpus_per_unit", "gpus_per_unit")
@@ -33,7 +36,14 @@ class Placement:
         from zosoma.engines.cuda.tensor_cores import check_gemm_format
 
         if self.executor is not None and self.executor not in EXECUTORS:
-            raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+            raise OptionError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        for name in ("workers", "population_workers"):
+            _count(name, getattr(self, name))
+        for name in ("cpus_per_unit", "gpus_per_unit"):  # kept as floats, as click's FLOAT gave them
+            object.__setattr__(self, name, _amount(name, getattr(self, name), zero=name == "gpus_per_unit"))
+        if self.address is not None and not isinstance(self.address, str):
+            raise OptionError(f"address must be HOST:PORT or auto, got {self.address!r}")
+        check_device(self.device)
         if check_gemm_format(self.gemm) != "fp32" and self.device == "cpu":
             raise ConfigError(f"--gemm {self.gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda")
         default = Placement.__dataclass_fields__
@@ -53,6 +63,25 @@ class Placement:
         default = Placement()
         return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(self).items()
                         if v != getattr(default, k))
+
+
+def _count(name: str, value) -> None:
+    """None (not given) or a whole number of processes, at least 1; an OptionError names it."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise OptionError(f"{name} must be at least 1, got {value}")
+
+
+def _amount(name: str, value, zero: bool) -> float:
+    """A finite number of CPUs or GPUs, above 0 (or 0 itself where `zero`); an OptionError names it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise OptionError(f"{name} must be a finite number {'>= 0' if zero else '> 0'}, got {value}")
+    return float(value)
 
 
 def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:

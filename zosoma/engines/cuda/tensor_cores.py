@@ -22,7 +22,7 @@ import numpy as np
 
 from zosoma.engines.cuda import backend
 from zosoma.engines.cuda.custom_kernels import runtime
-from zosoma.errors import ConfigError
+from zosoma.errors import OptionError
 from zosoma.model.number_formats import round_to
 
 GEMM_FORMATS = ("fp32", "tf32", "bf16")
@@ -32,7 +32,7 @@ FRACTION_BITS = {"fp32": 23, "tf32": 10, "bf16": 7}
 
 def check_gemm_format(fmt: str) -> str:
     if fmt not in GEMM_FORMATS:
-        raise ConfigError(f"GEMM format must be one of {', '.join(GEMM_FORMATS)}, got {fmt!r}")
+        raise OptionError(f"gemm must be one of {', '.join(GEMM_FORMATS)}, got {fmt!r}")
     return fmt
 
 

@@ -30,7 +30,7 @@ class Chain:
     def __init__(self, cfg, names):
         unknown = [n for n in names if n not in TRANSFORMS]
         if unknown:
-            raise ConfigError(f"unknown transform {unknown[0]!r} (known: {', '.join(TRANSFORMS)})")
+            raise ConfigError(f"transforms must be among {', '.join(TRANSFORMS)}, got {unknown[0]!r}")
         self.pieces = [TRANSFORMS[n](cfg) for n in names]
         self.reads = frozenset(f for p in self.pieces for f in p.reads)  # the TrainConfig fields they read
         keys = [k for p in self.pieces for k in p.keys]
