@@ -141,10 +141,10 @@ def runs(text, tmp_path_factory):
 
 def use_options() -> list:
     """(command, the API's method, option name, flag) for every option of `zosoma eval` and
-    `zosoma sample` that says how to score or sample (not where from, to or on what device)."""
+    `zosoma sample` that says how to score or sample (not where from, to or on what device and GEMM format)."""
     from zosoma.cli.evaluate import eval_
     from zosoma.cli.sample import sample
-    where = {"checkpoint", "run", "data", "wikitext", "prompt", "previous", "device", "as_json", "help"}
+    where = {"checkpoint", "run", "data", "wikitext", "prompt", "previous", "device", "gemm", "as_json", "help"}
     return [(command.name, method, p.name, p.opts[0]) for command, method in ((eval_, "evaluate"), (sample, "sample"))
             for p in command.params if p.name not in where]
 

@@ -61,7 +61,7 @@ def test_the_engine_with_tensor_core_gemms_computes_what_the_study_does(rt, fmt)
         with gemm_format(fmt):
             assert np.matmul(x, np.float32([[1.0]]))[0, 0] == 1.0
         assert np.matmul(x, np.float32([[1.0]]))[0, 0] == x[0, 0]
-    with pytest.raises(ConfigError, match="GEMM format"):
+    with pytest.raises(ConfigError, match="gemm must be one of"):
         cuda_ops.CudaOps(gemm="int8")
 
 
