@@ -152,7 +152,7 @@ def test_the_circle_check_sees_a_circle():
     assert circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
     graph = import_graph()
     assert "zosoma.runs.folder" in graph["zosoma.training.soma"]  # imports inside functions count too:
-    assert "zosoma.workers.placing" in graph["zosoma.training.run"]
+    assert "zosoma.workers.placement" in graph["zosoma.training.run"]
 
 
 def root_imports(path: Path) -> list[str]:
@@ -295,3 +295,4 @@ def test_run_folder_files_are_named_in_one_module():
                        r"""results?\.json|curve\.jsonl|settings\.json)["']""")
     found = [str(p.relative_to(ROOT)) for p in sources() if names.search(p.read_text())]
     assert found == ["zosoma/runs/folder.py"]
+

@@ -41,7 +41,7 @@ def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_d
     SOMA's (experts 2 or more). `resume`: a run folder to train on where it stopped, with `steps`
     (extending it) and `wikitext` alone. The experts of a SOMA run train one after another in this
     process. A run whose guard stopped it, or that failed, raises ConfigError."""
-    from zosoma.runs.placement import Placement
+    from zosoma.workers.placement import Placement
     from zosoma.training.run import Run as Handle, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 

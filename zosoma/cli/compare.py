@@ -72,8 +72,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
                        + (" (diverged)" if lost(result) else ""))
 
-    from zosoma.runs.placement import Placement
-    from zosoma.workers.placing import study_executor
+    from zosoma.workers.placement import Placement, study_executor
 
     stop = StopRequest(resume=f"zosoma compare {config} --out {out}")
     try:

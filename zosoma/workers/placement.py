@@ -1,0 +1,107 @@
+"""Where a run's work goes: the record (Placement: the executor of SOMA's experts or a study's runs,
+the workers that carry the summed ablation's experts or one model's population, and the device of
+the forwards) and that record made real (executor, study_executor, place).
+
+A training run records its placement in its folder (RunFolder.write_placement), so a plain
+`--resume` continues where the run was running; an option given with the resume replaces the
+recorded one (and is recorded in turn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from zosoma.errors import ConfigError
+from zosoma.workers.executor import Inline, LocalProcesses
+from zosoma.workers.population_workers import InProcess, Processes, Sharding
+from zosoma.workers.ray_executor import RayExecutor, RayWorkers
+
+EXECUTORS = ("inline", "local", "ray")
+RAY_ONLY = ("address", "cpus_per_unit", "gpus_per_unit")
+
+
+@dataclass(frozen=True)
+class Placement:
+    executor: str | None = None  # EXECUTORS; None: local processes (inline for a single unit)
+    workers: int | None = None  # local worker processes for independent units (None: the cores)
+    population_workers: int | None = None  # W: one model's P pairs spread over W workers
+    address: str | None = None  # ray: the cluster to join (None: start Ray on this machine)
+    cpus_per_unit: float = 1.0  # ray: CPUs (and BLAS threads) per unit or worker
+    gpus_per_unit: float = 0.0  # ray: GPUs per unit or worker
+    device: str = "cpu"  # where the forwards run (zosoma.engines.get_ops)
+
+    def __post_init__(self):
+        if self.executor is not None and self.executor not in EXECUTORS:
+            raise ConfigError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        default = Placement.__dataclass_fields__
+        check_options(self.executor, [n for n in RAY_ONLY if getattr(self, n) != default[n].default], self.workers)
+
+    def replaced(self, given: dict) -> "Placement":
+        """This placement with the options in `given` replaced; the Ray options fall away when
+        the executor is no longer Ray (a Ray run resumed with --executor local)."""
+        fields = {**dataclasses.asdict(self), **given}
+        if fields["executor"] != "ray":
+            for name in set(RAY_ONLY) - set(given):
+                fields[name] = Placement.__dataclass_fields__[name].default
+        return Placement(**fields)
+
+    def describe(self) -> str:
+        """The command-line options that make this placement ('' for the defaults)."""
+        default = Placement()
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(self).items()
+                        if v != getattr(default, k))
+
+
+def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
+    """The Ray options set (`ray_options`, by field name) need the Ray executor; a count of local
+    processes (`workers`, given as `workers_option`) does not go with it."""
+    if executor != "ray":
+        if ray_options:
+            raise ConfigError(f"--{ray_options[0].replace('_', '-')} is for --executor ray")
+    elif workers is not None:
+        raise ConfigError(f"{workers_option} counts local processes; on Ray, --cpus-per-unit and the cluster's "
+                          "CPUs decide how many units run at once")
+
+
+def executor(placement: Placement, units: int, workers: int | None = None):
+    """The executor of `units` independent units: inline; `workers` local processes (default
+    placement.workers, else the machine's cores; inline for one); or Ray tasks."""
+    if placement.executor == "ray":
+        return RayExecutor(placement.address, placement.cpus_per_unit, placement.gpus_per_unit)
+    n = max(1, min(units, workers or placement.workers or os.cpu_count() or 1))
+    return Inline() if placement.executor == "inline" or n == 1 else LocalProcesses(n)
+
+
+def study_executor(placement: Placement, units: int, jobs: int | None = None):
+    """The executor of a study's `units` runs: `jobs` of them at once, by default as many as the
+    machine has cores, or one at a time on a GPU (the runs would share its memory)."""
+    from zosoma.engines import get_ops
+    on_device = get_ops(placement.device).on_device
+    return executor(placement, units, jobs or (1 if on_device else os.cpu_count()))
+
+
+def place(placement: Placement, experts: int, loss: str = "independent"):
+    """Where a training run's work goes: (the executor of independent experts, the workers of
+    the summed ablation's experts, the sharding of one model's population), each None when
+    unused."""
+    population = placement.population_workers
+    if population is not None and experts > 1:
+        raise ConfigError("--population-workers spreads one model's population; SOMA's experts already run "
+                          "apart (--executor), and the summed ablation puts each expert on a worker of its own")
+    independent = experts > 1 and loss == "independent"
+    summed = experts > 1 and loss == "summed" and placement.executor in ("local", "ray")  # default: in this process
+    if not (independent or summed or population):
+        if placement.executor == "ray":
+            raise ConfigError("--executor ray spreads SOMA's experts or one model's population "
+                              "(--population-workers W); a single model alone trains in this process")
+        return None, None, None
+    units = executor(placement, experts) if independent or placement.executor == "ray" else None
+    if placement.executor == "ray":  # (connected above: a bad address fails first)
+        transport = RayWorkers(units)
+    else:
+        n = population or experts
+        transport = InProcess() if placement.executor == "inline" else Processes(max(1, (os.cpu_count() or 1) // n))
+    return (units if independent else None, transport if summed else None,
+            Sharding(transport, population) if population else None)
