@@ -10,7 +10,7 @@ import pytest
 
 from helpers import assert_close, random_bytes, scaled_model, streamed_in_halves
 from world import TINY_MODEL_L2
-from zosoma.engines.cpu import forward
+from zosoma.engines.cpu import forward, row_kernels
 from zosoma.model import reference
 from zosoma.config import VOCAB
 from zosoma.model.params import Layout, init_params
@@ -185,13 +185,13 @@ def test_diverged_model_gives_non_finite_loss(column):
 
 def test_fast_math_helpers():
     x = np.linspace(-12, 12, 2001, dtype=np.float32)
-    tanh = np.array([forward._tanh(v) for v in x], np.float64)
-    sig = np.array([forward._sigmoid(v) for v in x], np.float64)
+    tanh = np.array([row_kernels._tanh(v) for v in x], np.float64)
+    sig = np.array([row_kernels._sigmoid(v) for v in x], np.float64)
     x64 = x.astype(np.float64)
     assert_close(tanh, np.tanh(x64), atol=5e-7, rtol=0.0, name="tanh")
     assert_close(sig, 1 / (1 + np.exp(-x64)), atol=3e-7, rtol=0.0, name="sigmoid")
     d = np.linspace(-86, 0, 2001, dtype=np.float32)
-    exp = np.array([forward._exp_nonpos(v) for v in d], np.float64)
+    exp = np.array([row_kernels._exp_nonpos(v) for v in d], np.float64)
     assert_close(exp, np.exp(d.astype(np.float64)), rtol=5e-7, name="exp")
 
 

@@ -13,7 +13,7 @@ from helpers import one_line_error, run_cli
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError, DataError
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
-from zosoma.runs.placement import RAY_ONLY, Placement
+from zosoma.workers.placement import RAY_ONLY, Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.training.run import SOMA_OPTIONS, Spec
 

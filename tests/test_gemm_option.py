@@ -12,7 +12,7 @@ from zosoma.engines.cuda import cuda_forward, cuda_ops, graph_forward
 from zosoma.engines.cuda.tensor_cores import gemm_format
 from zosoma.errors import ConfigError
 from zosoma.model.population import Population
-from zosoma.runs.placement import Placement
+from zosoma.workers.placement import Placement
 
 
 @pytest.mark.parametrize("args", [["train", "--steps", "1"], ["bench", "forward"], ["bench", "spsa", "--launches"],

@@ -6,6 +6,7 @@ import ast
 import configparser
 import fnmatch
 import re
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -152,7 +153,7 @@ def test_the_circle_check_sees_a_circle():
     assert circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
     graph = import_graph()
     assert "zosoma.runs.folder" in graph["zosoma.training.soma"]  # imports inside functions count too:
-    assert "zosoma.workers.placing" in graph["zosoma.training.run"]
+    assert "zosoma.workers.placement" in graph["zosoma.training.run"]
 
 
 def root_imports(path: Path) -> list[str]:
@@ -295,3 +296,34 @@ def test_run_folder_files_are_named_in_one_module():
                        r"""results?\.json|curve\.jsonl|settings\.json)["']""")
     found = [str(p.relative_to(ROOT)) for p in sources() if names.search(p.read_text())]
     assert found == ["zosoma/runs/folder.py"]
+
+
+def drawing() -> str:
+    """The parts of zosoma by floor, top down, each with the parts it imports, as
+    docs/architecture.md draws them: a part stands one floor above the highest it imports."""
+    arrows: dict[str, set[str]] = {}
+    for path in sources():
+        here = part(module_name(path))
+        arrows.setdefault(here, set()).update(part(m) for m in zosoma_imports(path))
+    arrows = {p: below - {p} for p, below in arrows.items()}
+    floors: dict[str, int] = {}
+
+    def floor(p: str) -> int:
+        if p not in floors:
+            floors[p] = 1 + max((floor(q) for q in arrows.get(p, ())), default=0)
+        return floors[p]
+
+    def order(parts):
+        return sorted(parts, key=lambda p: (-floor(p), p))
+
+    rows = [textwrap.fill(", ".join(order(arrows[p])) or "-", 100, initial_indent=f"{floor(p):>5}  {p:<12} ",
+                          subsequent_indent=" " * 20) for p in order(arrows)]
+    return "\n".join(["floor  part         imports (straight, highest first)", *rows]) + "\n"
+
+
+def test_the_architecture_drawing_is_the_import_graph():
+    """docs/architecture.md draws the parts by floor from the code's own imports; a new arrow
+    between parts is drawn there too (the message prints the drawing as the code has it now)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    found = re.search(r"<!-- the import graph \(tests/test_layout.py: drawing\) -->\n```\n(.*?)```", text, re.S)
+    assert found and found.group(1) == drawing(), f"docs/architecture.md should draw, under its Layout:\n{drawing()}"

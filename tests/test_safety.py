@@ -23,7 +23,8 @@ from world import TINY_MODEL, tiny_args
 from zosoma import atomic
 from zosoma.cli.main import cli
 from zosoma.errors import ConfigError, WriteError
-from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder, RunInUse
+from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder
+from zosoma.runs.folder_lock import RunInUse
 
 TINY = tiny_args(4, 2, lr=0.05)
 

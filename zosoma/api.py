@@ -42,7 +42,7 @@ def train(data=None, heldout=None, experts: int | None = None, preset: str | Non
     run folder to train on where it stopped, with `steps` (extending it) and `wikitext` alone: any
     other keyword is refused by name. The experts of a SOMA run train one after another in this
     process. A run whose guard stopped it, or that failed, raises ConfigError."""
-    from zosoma.runs.placement import Placement
+    from zosoma.workers.placement import Placement
     from zosoma.training.run import Run as Handle, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 

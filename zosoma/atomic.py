@@ -5,7 +5,8 @@ error the temporary is fsynced and renamed onto the target (and the folder fsync
 sees the old file or the new one, never a half-written one. On any error the temporary is removed,
 the target is left untouched, and an OSError (full disk, read-only folder, no permission) becomes
 one WriteError line naming the path. `atomic_write` writes bytes or text that way;
-`append_line` appends one whole line or nothing.
+`append_line` appends one whole line or nothing; `set_aside` renames a damaged file out of the way;
+`no_interrupts` holds Ctrl-C back over a chain of renames that must happen whole.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import errno
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator, Union
 
@@ -109,3 +112,35 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def set_aside(path: Path, to: Path) -> None:
+    """Rename a damaged file out of the way (to a name no rotation writes over)."""
+    try:
+        os.replace(path, to)
+    except OSError as err:
+        raise WriteError(f"cannot set aside damaged {path}: {reason(err)}") from None
+
+
+@contextlib.contextmanager
+def no_interrupts():
+    """Hold Ctrl-C (SIGINT) and SIGTERM back during a short critical section: they are recorded
+    and handed to their handlers once it is over (called, not sent again: a watcher of the wakeup
+    fd, zosoma.cli.stop, saw each signal once already). (A signal mask would not do: BLAS threads
+    take the signal, and Python raises it in the main thread at once.) Main thread only, where
+    handlers run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in held:
+            if callable(old[s]):
+                old[s](s, None)
+            else:  # SIG_DFL, SIG_IGN
+                signal.raise_signal(s)

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from zosoma.config import VOCAB, ModelConfig
-from zosoma.engines.cpu.forward import lstm_cell_rows, output_rows
+from zosoma.engines.cpu.row_kernels import lstm_cell_rows, output_rows
 
 GATE_EXPS = 5  # per hidden unit and layer: sigmoid i, f, o, tanh g, tanh(c)
 _KERNEL_ROWS = 1024  # rows per timed kernel call (the forward's chunks are about this size)

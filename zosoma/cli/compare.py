@@ -29,7 +29,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     another configuration made (another lr, budget, evaluation setting, ...) is refused."""
     from zosoma.experiments.compare import Stopped, check_folder, jobs as all_jobs, run_comparison, tuning_jobs
     from zosoma.experiments.compare_config import find_config, load_comparison
-    from zosoma.runs.placement import Placement
+    from zosoma.workers.placement import Placement
 
     check_executor_options(ctx, executor_kind, "--jobs", jobs)
     path = find_config(config)
@@ -75,7 +75,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
                        + (f"{wiki:.4f}" if wiki is not None else "n/a") + f", {result['wall_s']:.0f} s training"
                        + (" (diverged)" if lost(result) else ""))
 
-    from zosoma.workers.placing import study_executor
+    from zosoma.workers.placement import study_executor
 
     stop = StopRequest(resume=f"zosoma compare {config} --out {out}")
     try:

@@ -11,7 +11,7 @@ import math
 import click
 
 from zosoma.engines import DEVICES
-from zosoma.runs.placement import EXECUTORS
+from zosoma.workers.placement import EXECUTORS
 
 
 def positive(ctx, param, value):
@@ -97,8 +97,8 @@ def given(ctx, name: str) -> bool:
 
 def check_executor_options(ctx, kind: str | None, workers_option: str, workers) -> None:
     """The Ray options given here need --executor ray; a local process count does not go with it
-    (zosoma.runs.placement.check_options)."""
-    from zosoma.runs.placement import RAY_ONLY, check_options
+    (zosoma.workers.placement.check_options)."""
+    from zosoma.workers.placement import RAY_ONLY, check_options
 
     with usage_errors():
         check_options(kind, [name for name in RAY_ONLY if given(ctx, name)], workers, workers_option)

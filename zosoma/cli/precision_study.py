@@ -66,8 +66,7 @@ def precision_study(out, steps, formats, multiples, soma_multiples, experts, see
             click.echo(f"finished {job.name}: held-out {result['heldout']['overall']:.4f} nats/byte in {job.fmt} "
                        f"({result['heldout_fp32_eval']:.4f} in fp32), {result['wall_s']:.0f} s training")
 
-    from zosoma.runs.placement import Placement
-    from zosoma.workers.placing import study_executor
+    from zosoma.workers.placement import Placement, study_executor
 
     stop = StopRequest(resume="the same command")
     paths = run_study(study, Path(out), study_executor(Placement(), len(todo), jobs), should_stop=stop,

@@ -84,7 +84,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
-    from zosoma.runs.placement import Placement
+    from zosoma.workers.placement import Placement
     from zosoma.training.run import Run, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 
@@ -102,7 +102,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
                      + [n for n in ("data", "heldout", "run_dir", "experts", "loss", "preset", "chunk_size", "top_k")
                         if given(ctx, n)])
         run = Run.open(resume)
-        recorded = run.folder.read_placement()
+        recorded = run.folder.read_placement(Placement)
         placement = recorded.replaced(given_placement)
         if recorded != type(recorded)():  # say where it goes on: the options are not on this command line
             click.echo(f"placement: {placement.describe() or 'the defaults'} (where the run was, with the "

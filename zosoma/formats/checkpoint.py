@@ -16,7 +16,7 @@ Layout of format "zosoma-checkpoint", version 3:
     /optimizer/<name>    one dataset per optimizer state array (e.g. m, v for Adam)
 
 The file's size does not grow with the run: the step records live in the run's metrics.jsonl
-(zosoma.runs.folder.MetricsLog), which the checkpoint only counts and checksums.
+(zosoma.runs.logs.MetricsLog), which the checkpoint only counts and checksums.
 
 Versions 1 and 2 (still read) held the step records themselves as /metrics, a JSON list (uint8
 text), and no metrics_records or metrics_sha256: read, their records come back as

@@ -10,7 +10,7 @@ A single model's run (or one SOMA expert's folder):
                              (each checkpoint records its line count and their SHA-256: MetricsLog)
     RUN/results.json         the final evaluation, naming the checkpoint step it was computed from
                              (checkpoint_steps): a run that went on since is seen to (RunFolder.stale)
-    RUN/placement.json       where the run trains (zosoma.runs.placement), so a plain resume goes on there
+    RUN/placement.json       where the run trains (zosoma.workers.placement), so a plain resume goes on there
     RUN/scalars.jsonl        a population sharded over workers (zosoma.workers.population_workers): each
                              step's scalars, so a lost worker is rebuilt by replay
 
@@ -53,27 +53,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import fnmatch
-import hashlib
 import json
 import os
 import re
-import signal
-import socket
-import threading
-import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-from zosoma.atomic import append_line, atomic_write, reason
+from zosoma.atomic import append_line, atomic_write, no_interrupts, reason, set_aside
 from zosoma.errors import CheckpointError, ConfigError, WriteError
-from zosoma.formats.checkpoint import EMPTY_SHA256, Checkpoint, load_checkpoint, save_checkpoint, stored_step
+from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, stored_step
+from zosoma.runs import folder_lock
+from zosoma.runs.folder_lock import in_use
 from zosoma.runs.guard import rollback_index
-from zosoma.runs.json_shape import record_problem
-from zosoma.runs.placement import Placement
+from zosoma.runs.json_records import changes, plain, read_record, write_json
+from zosoma.runs import logs
+from zosoma.runs.logs import MetricsLog, MetricsMark, covered, not_held, records_of
+from zosoma.runs.notices import CheckpointFallback, MetricsDamaged, StaleResults, StillTraining
 from zosoma.runs.records import Note
 from zosoma.runs.shape import SomaShape
 
@@ -103,15 +100,6 @@ RUN_FILES = (CHECKPOINT, PREVIOUS, NEXT, OLDER.format(n="[0-9]*"), METRICS, RESU
              EVENTS.format(stamp="*"), EXPERT.format(i="[0-9]*"))
 
 
-class CheckpointFallback(UserWarning):
-    """A damaged newest checkpoint was passed over for an older one (one line: which, why)."""
-
-
-class MetricsDamaged(CheckpointFallback):
-    """A run's metrics.jsonl does not hold the records its checkpoint counts (one line: why, and
-    what was done)."""
-
-
 @contextlib.contextmanager
 def noting_fallbacks():
     """Within the block, warnings are recorded instead of shown (every CheckpointFallback, a
@@ -127,19 +115,6 @@ def noting_fallbacks():
             new, said = caught[said:], len(caught)
             return [Note(str(w.message)) for w in new]
         yield notes
-
-
-class StillTraining(UserWarning):
-    """A run is read while a live process trains it: what is read is its newest checkpoint so far
-    (one line: who trains it, and the step)."""
-
-
-class RunInUse(ConfigError):
-    """Another live process owns the run folder."""
-
-
-class StaleResults(ConfigError):
-    """A run's results are not of its newest checkpoint: it trained on after it was evaluated."""
 
 
 class RunFolder:
@@ -199,8 +174,7 @@ class RunFolder:
         held = sorted(p.name for p in self.path.iterdir() if p.name != LOCK) if self.path.is_dir() else []
         owner = self.owner() if held else None
         if owner:
-            raise RunInUse(f"{self.path} is in use by {owner}: a run folder has one writer; wait for it to "
-                           "finish or stop it first")
+            raise in_use(self.path, owner)
         if held and self.holds_run:
             run = self.soma_run or self
             raise ConfigError(f"{self.path} already holds a run: continue it with --resume {run.path}, or choose "
@@ -212,17 +186,7 @@ class RunFolder:
 
     def owner(self) -> str | None:
         """'pid N on HOST' of the live process that holds this folder's lock, or None."""
-        try:
-            fd = os.open(self.path / LOCK, os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return None
-        except OSError:
-            return _holder(fd)
-        finally:
-            os.close(fd)
+        return folder_lock.owner(self.path / LOCK)
 
     def trained_by(self) -> str | None:
         """'pid N on HOST' of the live process training this run (the owner of this folder, or of
@@ -238,30 +202,8 @@ class RunFolder:
         folder this made and the block left empty (a start that failed) is removed again."""
         created = not self.path.exists()
         self.make()
-        path = self.path / LOCK
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise WriteError(f"cannot lock run folder {self.path}: {reason(err)}") from None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except OSError as err:
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise WriteError(f"cannot lock run folder {self.path}: {reason(err)}") from None
-                owner = _holder(fd)
-                raise RunInUse(f"{self.path} is in use by {owner}: a run folder has one writer; wait for it to "
-                               "finish or stop it first") from None
-            with contextlib.suppress(OSError):  # who holds it: for the message above, best effort
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        with folder_lock.held(self.path / LOCK, self.path, wait, self.remove_if_empty if created else None):
             yield self
-        except (Exception, KeyboardInterrupt):  # a start that failed (not a block merely abandoned)
-            if created:
-                self.remove_if_empty()
-            raise
-        finally:
-            os.close(fd)
 
     def remove_if_empty(self) -> None:
         """Remove this folder if it holds nothing but its lock file (a run that never started)."""
@@ -280,7 +222,7 @@ class RunFolder:
         save_checkpoint(self.path / NEXT, ckpt)
         chain = [CHECKPOINT, PREVIOUS] + [OLDER.format(n=n) for n in range(2, max(2, keep))]
         try:
-            with _no_interrupts():
+            with no_interrupts():
                 for newer, older in reversed(list(zip(chain, chain[1:]))):  # oldest first: one rename each
                     if (self.path / newer).exists():
                         os.replace(self.path / newer, self.path / older)
@@ -383,13 +325,20 @@ class RunFolder:
         return ckpts, damaged
 
     def _set_aside(self, name: str) -> None:
-        _set_aside(self.path / name, self.path / DAMAGED.format(time=_stamp()))
+        set_aside(self.path / name, self.path / DAMAGED.format(time=_stamp()))
 
     # --- logs and results -------------------------------------------------------------------
 
-    def metrics_log(self, mark: "MetricsMark") -> "MetricsLog":
-        """This run's metrics.jsonl, opened to go on from a checkpoint's `mark` (MetricsLog)."""
-        return MetricsLog(self.path, mark)
+    def metrics_log(self, mark: MetricsMark) -> MetricsLog:
+        """This run's metrics.jsonl, opened to go on from a checkpoint's `mark` (MetricsLog). A file
+        that does not hold what the mark covers is said in one line (MetricsDamaged) and set aside
+        as metrics.damaged-<time>.jsonl when the log is cut; the log begins anew from there."""
+        log = MetricsLog(self.path / METRICS, mark)
+        if log.damaged:
+            log.aside = self.path / METRICS_DAMAGED.format(time=_stamp())
+            warnings.warn(f"{log.damaged}: set aside as {log.aside.name}; the log begins anew at the checkpoint",
+                          MetricsDamaged, stacklevel=2)
+        return log
 
     def read_metrics(self, ckpt: Checkpoint | None = None) -> list[dict]:
         """The step records of metrics.jsonl: those `ckpt` covers, checked against the record count
@@ -398,13 +347,13 @@ class RunFolder:
         the log)."""
         path = self.path / METRICS
         if ckpt is None:
-            return _records(path.read_bytes() if path.is_file() else b"")
+            return records_of(path.read_bytes() if path.is_file() else b"")
         if ckpt.stored_metrics is not None:
             return list(ckpt.stored_metrics)
-        head, why = _covered(path, MetricsMark.of(ckpt))
+        head, why = covered(path, MetricsMark.of(ckpt))
         if head is None:
-            raise CheckpointError(_not_held(path, ckpt.metrics_records, why))
-        return _records(head)
+            raise CheckpointError(not_held(path, ckpt.metrics_records, why))
+        return records_of(head)
 
     def last_metrics(self, ckpt: Checkpoint) -> dict | None:
         """The last step record `ckpt` covers (read_metrics), or None: when it covers none, when
@@ -422,7 +371,7 @@ class RunFolder:
     def read_results(self) -> dict | None:
         """The final evaluation (results.json), or None before the run finished; whether it is
         still of the run's newest checkpoint is stale()'s to say."""
-        return _read_record(self.path / RESULTS, f"zosoma train --resume {self.path} evaluates the finished run "
+        return read_record(self.path / RESULTS, f"zosoma train --resume {self.path} evaluates the finished run "
                                                  "again")
 
     def write_results(self, results: dict) -> None:
@@ -482,7 +431,7 @@ class RunFolder:
         trained on since), which the study scores again from the checkpoints. One that is not of
         `shape` (record_problem: the keys its study reads) is reported as damaged, as a record that
         is not JSON."""
-        result = _read_record(self.path / RESULT, "run the same command again: it scores the run again from its "
+        result = read_record(self.path / RESULT, "run the same command again: it scores the run again from its "
                                                   "checkpoints", shape)
         return None if result is None or self.stale(result, RESULT) else result
 
@@ -515,7 +464,7 @@ class RunFolder:
         """Bind this folder of runs to `settings` (JSON-able): the first call records them in
         SETTINGS; a later one with other settings, or another kind of `study`, is refused in one
         line naming what changed. write=False checks only (a plan writes nothing)."""
-        wanted = _plain({"study": study, **settings})
+        wanted = plain({"study": study, **settings})
         path = self.path / SETTINGS
         if path.exists():
             try:
@@ -533,35 +482,24 @@ class RunFolder:
     # --- populations sharded over workers and runs on a cluster ------------------------------
 
     def append_scalars(self, step: int, coeffs) -> None:
-        """Log step `step`'s scalars (JSON floats round-trip float64 exactly)."""
-        append_line(self.path / SCALARS, json.dumps({"step": step, "coeffs": [float(c) for c in coeffs]}),
-                    "scalars")
+        logs.append_scalars(self.path / SCALARS, step, coeffs)
 
     def read_scalars(self, start: int = 0) -> dict[int, list[float]]:
-        """{step: the step's scalars} for the logged steps >= start (a line cut short by a kill ends the log)."""
-        path, out = self.path / SCALARS, {}
-        for line in (path.read_text().splitlines() if path.exists() else []):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                break
-            if record["step"] >= start:
-                out[record["step"]] = record["coeffs"]
-        return out
+        """{step: the step's scalars} for the logged steps >= start (zosoma.runs.logs)."""
+        return logs.read_scalars(self.path / SCALARS, start)
 
     def cut_scalars(self, step: int) -> None:
         """Drop the logged scalars of steps >= step (those past the checkpoint a run resumes from)."""
-        kept = {s: c for s, c in self.read_scalars().items() if s < step}
-        atomic_write(self.path / SCALARS, "".join(json.dumps({"step": s, "coeffs": c}) + "\n"
-                                                  for s, c in sorted(kept.items())), "scalars")
+        logs.cut_scalars(self.path / SCALARS, step)
 
-    def read_placement(self):
-        """Where the run last trained (a Placement; the defaults when none was recorded)."""
+    def read_placement(self, kind):
+        """Where the run last trained, as `kind` (zosoma.workers.placement.Placement, which stands
+        above this module) made from the recorded fields; the defaults when none was recorded."""
         path = self.path / PLACEMENT
         if not path.is_file():
-            return Placement()
+            return kind()
         try:
-            return Placement(**json.loads(path.read_text()))
+            return kind(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError) as e:
             raise ConfigError(f"{path} is damaged ({e}): delete it and give the placement options again") from None
 
@@ -611,96 +549,6 @@ def new_run_dir(prefix: str) -> Path:
     raise WriteError(f"cannot find a free run folder name beside {stem}")
 
 
-@dataclasses.dataclass(frozen=True)
-class MetricsMark:
-    """How far a run's metrics.jsonl went at a checkpoint: its first `records` lines, whose bytes
-    have SHA-256 `sha256`. A checkpoint of format version 1-2 holds the records themselves
-    instead (`stored`)."""
-    records: int = 0
-    sha256: str = EMPTY_SHA256
-    stored: list | None = None
-
-    @classmethod
-    def of(cls, ckpt: Checkpoint) -> "MetricsMark":
-        return cls(ckpt.metrics_records, ckpt.metrics_sha256, ckpt.stored_metrics)
-
-
-class MetricsLog:
-    """RUN/metrics.jsonl as a trainer writes it: one JSON line per step, appended whole. Its
-    `mark` (lines so far and the SHA-256 of their bytes, `head -n N metrics.jsonl | sha256sum`)
-    goes into every checkpoint, so that a run going on from one finds out whether the file still
-    holds what the checkpoint saw. Opened at a mark, it keeps the lines the mark covers (`cut`
-    drops those past it); a file that does not hold them is said in one line (MetricsDamaged),
-    set aside at `cut` as metrics.damaged-<time>.jsonl, and the log begins anew from there."""
-
-    def __init__(self, folder: Path, mark: MetricsMark):
-        self.path = folder / METRICS
-        head, why = _covered(self.path, mark)
-        self._aside = None
-        if head is None:
-            self._aside = folder / METRICS_DAMAGED.format(time=_stamp())
-            warnings.warn(f"{_not_held(self.path, mark.records, why)}: set aside as {self._aside.name}; the log "
-                          "begins anew at the checkpoint", MetricsDamaged, stacklevel=3)
-        self.records = 0 if head is None else mark.records
-        self._head = head or b""  # what the file is cut back to, until `cut`
-        self._rewrite = mark.stored is not None  # a version 1-2 checkpoint's records: written out anew
-        self._hash = hashlib.sha256(self._head)
-
-    @property
-    def mark(self) -> MetricsMark:
-        return MetricsMark(self.records, self._hash.hexdigest())
-
-    def cut(self) -> None:
-        """Make the file hold just the lines the log was opened with (those past its checkpoint
-        dropped, or none after a damaged one was set aside)."""
-        if self._aside is not None and self.path.exists():
-            _set_aside(self.path, self._aside)
-        if self._rewrite or not self.path.is_file() or self.path.stat().st_size != len(self._head):
-            atomic_write(self.path, self._head, "metrics")
-        self._aside, self._rewrite, self._head = None, False, b""
-
-    def append(self, record: dict) -> None:
-        line = json.dumps(record)
-        append_line(self.path, line, "metrics")
-        self._hash.update(line.encode() + b"\n")  # what append_line wrote
-        self.records += 1
-
-
-def _covered(path: Path, mark: MetricsMark) -> tuple[bytes | None, str]:
-    """The bytes of the metrics log at `path` that `mark` covers, or None and why not."""
-    if mark.stored is not None:
-        return b"".join((json.dumps(r) + "\n").encode() for r in mark.stored), ""
-    if not path.exists():
-        return (b"", "") if mark.records == 0 else (None, "it is missing")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        return None, reason(err)
-    end, newline = 0, b"\n"
-    for _ in range(mark.records):
-        end = data.find(newline, end) + 1
-        if end == 0:
-            return None, f"it has only {data.count(newline)} complete lines"
-    if hashlib.sha256(data[:end]).hexdigest() != mark.sha256:
-        return None, f"its first {mark.records} lines are not those the checkpoint saw (SHA-256 differs)"
-    return data[:end], ""
-
-
-def _not_held(path: Path, records: int, why: str) -> str:
-    return f"{path} does not hold the {records} records its checkpoint counts ({why})"
-
-
-def _records(data: bytes) -> list[dict]:
-    """The JSON records of a metrics log's bytes, up to a line cut short by a kill."""
-    records = []
-    for line in data.splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            break
-    return records
-
-
 def last_metrics(path) -> dict | None:
     """The last record of metrics.jsonl, the log beside the checkpoint file `path`, that the
     checkpoint covers (RunFolder.last_metrics)."""
@@ -719,17 +567,6 @@ def checkpoint_path(path, fallback: bool = True) -> Path:
     RunFolder.checkpoint_file)."""
     path = Path(path)
     return RunFolder(path).checkpoint_file(fallback) if path.is_dir() else path
-
-
-def _holder(fd: int) -> str:
-    """'pid N on HOST' from a held lock file. Its owner writes that just after taking the lock, so
-    an empty file is waited on for up to a tenth of a second before the owner goes unnamed."""
-    for _ in range(10):
-        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-        if text:
-            return text
-        time.sleep(0.01)
-    return "another process"
 
 
 def warn_if_training(path, steps) -> str | None:
@@ -756,76 +593,6 @@ def _stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
 
 
-def _set_aside(path: Path, to: Path) -> None:
-    try:
-        os.replace(path, to)
-    except OSError as err:
-        raise WriteError(f"cannot set aside damaged {path}: {reason(err)}") from None
-
-
 def _cause(err: CheckpointError) -> str:
     """The reason part of a checkpoint reader's message ('... is damaged or not ...: REASON')."""
     return str(err).split(": ", 1)[-1] if ": " in str(err) else str(err)
-
-
-@contextlib.contextmanager
-def _no_interrupts():
-    """Hold Ctrl-C (SIGINT) and SIGTERM back during a short critical section: they are recorded
-    and handed to their handlers once it is over (called, not sent again: a watcher of the wakeup
-    fd, zosoma.cli.stop, saw each signal once already). (A signal mask would not do: BLAS threads
-    take the signal, and Python raises it in the main thread at once.) Main thread only, where
-    handlers run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        for s in held:
-            if callable(old[s]):
-                old[s](s, None)
-            else:  # SIG_DFL, SIG_IGN
-                signal.raise_signal(s)
-
-
-def changes(found: dict, wanted: dict, prefix: str = "") -> list[str]:
-    """'KEY was A, now B' for every key whose value differs between a recorded configuration and
-    the one asked for (nested tables by dotted key: train.lr); [] when they agree."""
-    found, wanted = _plain(found), _plain(wanted)
-    out = []
-    for key in dict.fromkeys([*found, *wanted]):
-        a, b = found.get(key), wanted.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += changes(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key} was {json.dumps(a)}, now {json.dumps(b)}")
-    return out
-
-
-def _plain(obj):
-    """obj as JSON reads it back (tuples become lists), so recorded and asked-for values compare."""
-    return json.loads(json.dumps(obj))
-
-
-def write_json(path: Path, obj, what: str = "file") -> None:
-    """Atomically write obj as indented JSON."""
-    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True), what)
-
-
-def _read_record(path: Path, redo: str, shape: dict | None = None) -> dict | None:
-    """A JSON record zosoma wrote, or None when there is none; a damaged one (cut short, edited,
-    or JSON of another shape than `shape`) is one line saying how to write it again."""
-    if not path.exists():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is damaged ({e}): delete it; {redo}") from None
-    problem = record_problem(record, shape) if shape is not None else None
-    if problem:
-        raise ConfigError(f"{path} is damaged ({problem}): delete it; {redo}")
-    return record

@@ -28,13 +28,12 @@ from zosoma.formats.checkpoint import description, load_checkpoint, summary
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
 from zosoma.runs.folder import RunFolder, checkpoint_path, last_metrics, new_run_dir, warn_if_training
-from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
 from zosoma.training.single import evaluate_run, load_model, resume_run, start_run
 from zosoma.training.soma import (DroppedExperts, evaluate_soma, load_ensemble, resume_soma, soma_description,
                                   soma_summary, start_soma)
-from zosoma.workers.placing import place
+from zosoma.workers.placement import Placement, place
 from zosoma.workers.population_workers import check_shardable
 
 SOMA_OPTIONS = ("loss", "top_k", "chunk_size")  # what shapes a SOMA run: refused with one expert
@@ -210,7 +209,7 @@ class SingleModel(Run):
 
     def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
 
-        placement = placement or self.folder.read_placement()
+        placement = placement or self.folder.read_placement(Placement)
         _, _, sharding = place(placement, 1)
         ops = get_ops(placement.device, gemm=placement.gemm)
         return Training(self.path, resume_run(self.path, should_stop, ops=ops, sharding=sharding,
@@ -258,7 +257,7 @@ class Soma(Run):
 
     def resume(self, steps=None, wikitext=None, placement=None, should_stop=lambda: False) -> Training:
 
-        placement = placement or self.folder.read_placement()
+        placement = placement or self.folder.read_placement(Placement)
         shape = self.shape
         executor, summed, _ = place(placement, shape.experts, shape.loss)
         ops = get_ops(placement.device, gemm=placement.gemm)

@@ -26,7 +26,7 @@ from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.events import EventLog
 from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
-from zosoma.runs.placement import Placement
+from zosoma.workers.placement import Placement
 from zosoma.workers.population_workers import Sharding, make_trainer
 from zosoma.runs.records import Diverged, Dropped, Evaluated, Evaluating, Note, Started, Stopped
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train

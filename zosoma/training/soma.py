@@ -39,7 +39,7 @@ from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolde
                                  warn_if_training)
 from zosoma.workers.population_workers import borrower, summed_trainers
 from zosoma.runs.records import Clusters, Diverged, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
-from zosoma.runs.placement import Placement
+from zosoma.workers.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train

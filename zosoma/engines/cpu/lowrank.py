@@ -59,7 +59,7 @@ from numba import njit
 
 from zosoma.arrays import get_array_module
 from zosoma.config import VOCAB
-from zosoma.engines.cpu.forward import JIT_OPTIONS, lstm_cell_rows, output_rows
+from zosoma.engines.cpu.row_kernels import JIT_OPTIONS, lstm_cell_rows, output_rows
 from zosoma.model import reference
 from zosoma.model.noise import check_rank, population_factors
 from zosoma.model.params import Layout

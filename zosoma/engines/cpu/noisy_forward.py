@@ -20,7 +20,7 @@ import numpy as np
 
 from zosoma.config import VOCAB
 from zosoma.engines.cpu import threads
-from zosoma.engines.cpu.forward import lstm_cell_rows, output_rows
+from zosoma.engines.cpu.row_kernels import lstm_cell_rows, output_rows
 from zosoma.model import noise
 from zosoma.model.node_perturbation import width
 from zosoma.model.params import Layout
@@ -47,7 +47,7 @@ def _position_nats(theta, offsets, E, H, L, tokens, targets, Z, scale, index, si
     """nats_out[m, b, t] = nats of row b's target t under theta with its pre-activations
     + sign[m] * scale * Z[index[m], b] (S = L*G: no noise on the logits). offsets:
     embed, (w_ih, w_hh, bias) per layer, out.w, out.b; tokens, targets (B, T) uint8; Z (K, B, T, S)
-    float32. The gate and softmax math is zosoma.engines.cpu.forward's (lstm_cell_rows, output_rows)."""
+    float32. The gate and softmax math is zosoma.engines.cpu.row_kernels' (lstm_cell_rows, output_rows)."""
     M, B, T, S = index.shape[0], Z.shape[1], Z.shape[2], Z.shape[3]
     G = 4 * H
     R = M * B

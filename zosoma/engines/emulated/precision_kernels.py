@@ -24,7 +24,7 @@ from numba import njit
 
 from zosoma.config import VOCAB
 from zosoma.engines.cpu import threads
-from zosoma.engines.cpu.forward import output_rows
+from zosoma.engines.cpu.row_kernels import output_rows
 from zosoma.model.number_formats import (FP16_MAX, FP16_MIN_NORMAL, Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE,
                                          TANH_TABLE, check_format, table_lookup, to_grid)
 from zosoma.model.params import Layout

@@ -1,6 +1,6 @@
-"""Where a run's work goes, as a record: the executor of SOMA's experts (or a study's runs), the
-workers that carry the summed ablation's experts or one model's population, and the device of the
-forwards. zosoma.workers.placing turns it into executors and workers.
+"""Where a run's work goes: the record (Placement: the executor of SOMA's experts or a study's runs,
+the workers that carry the summed ablation's experts or one model's population, and the device of
+the forwards) and that record made real (executor, study_executor, place).
 
 A training run records its placement in its folder (RunFolder.write_placement), so a plain
 `--resume` continues where the run was running; an option given with the resume replaces the
@@ -12,10 +12,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from dataclasses import dataclass
 
 from zosoma.engines import check_device
 from zosoma.errors import ConfigError, OptionError
+from zosoma.workers.executor import Inline, LocalProcesses
+from zosoma.workers.population_workers import InProcess, Processes, Sharding
+from zosoma.workers.ray_executor import RayExecutor, RayWorkers
 
 EXECUTORS = ("inline", "local", "ray")
 RAY_ONLY = ("address", "cpus_per_unit", "gpus_per_unit")
@@ -65,6 +69,59 @@ class Placement:
                         if v != getattr(default, k))
 
 
+def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
+    """The Ray options set (`ray_options`, by field name) need the Ray executor; a count of local
+    processes (`workers`, given as `workers_option`) does not go with it."""
+    if executor != "ray":
+        if ray_options:
+            raise ConfigError(f"--{ray_options[0].replace('_', '-')} is for --executor ray")
+    elif workers is not None:
+        raise ConfigError(f"{workers_option} counts local processes; on Ray, --cpus-per-unit and the cluster's "
+                          "CPUs decide how many units run at once")
+
+
+def executor(placement: Placement, units: int, workers: int | None = None):
+    """The executor of `units` independent units: inline; `workers` local processes (default
+    placement.workers, else the machine's cores; inline for one); or Ray tasks."""
+    if placement.executor == "ray":
+        return RayExecutor(placement.address, placement.cpus_per_unit, placement.gpus_per_unit)
+    n = max(1, min(units, workers or placement.workers or os.cpu_count() or 1))
+    return Inline() if placement.executor == "inline" or n == 1 else LocalProcesses(n)
+
+
+def study_executor(placement: Placement, units: int, jobs: int | None = None):
+    """The executor of a study's `units` runs: `jobs` of them at once, by default as many as the
+    machine has cores, or one at a time on a GPU (the runs would share its memory)."""
+    from zosoma.engines import get_ops
+    on_device = get_ops(placement.device).on_device
+    return executor(placement, units, jobs or (1 if on_device else os.cpu_count()))
+
+
+def place(placement: Placement, experts: int, loss: str = "independent"):
+    """Where a training run's work goes: (the executor of independent experts, the workers of
+    the summed ablation's experts, the sharding of one model's population), each None when
+    unused."""
+    population = placement.population_workers
+    if population is not None and experts > 1:
+        raise ConfigError("--population-workers spreads one model's population; SOMA's experts already run "
+                          "apart (--executor), and the summed ablation puts each expert on a worker of its own")
+    independent = experts > 1 and loss == "independent"
+    summed = experts > 1 and loss == "summed" and placement.executor in ("local", "ray")  # default: in this process
+    if not (independent or summed or population):
+        if placement.executor == "ray":
+            raise ConfigError("--executor ray spreads SOMA's experts or one model's population "
+                              "(--population-workers W); a single model alone trains in this process")
+        return None, None, None
+    units = executor(placement, experts) if independent or placement.executor == "ray" else None
+    if placement.executor == "ray":  # (connected above: a bad address fails first)
+        transport = RayWorkers(units)
+    else:
+        n = population or experts
+        transport = InProcess() if placement.executor == "inline" else Processes(max(1, (os.cpu_count() or 1) // n))
+    return (units if independent else None, transport if summed else None,
+            Sharding(transport, population) if population else None)
+
+
 def _count(name: str, value) -> None:
     """None (not given) or a whole number of processes, at least 1; an OptionError names it."""
     if value is None:
@@ -82,14 +139,3 @@ def _amount(name: str, value, zero: bool) -> float:
     if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
         raise OptionError(f"{name} must be a finite number {'>= 0' if zero else '> 0'}, got {value}")
     return float(value)
-
-
-def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
-    """The Ray options set (`ray_options`, by field name) need the Ray executor; a count of local
-    processes (`workers`, given as `workers_option`) does not go with it."""
-    if executor != "ray":
-        if ray_options:
-            raise ConfigError(f"--{ray_options[0].replace('_', '-')} is for --executor ray")
-    elif workers is not None:
-        raise ConfigError(f"{workers_option} counts local processes; on Ray, --cpus-per-unit and the cluster's "
-                          "CPUs decide how many units run at once")
