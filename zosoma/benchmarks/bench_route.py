@@ -112,7 +112,8 @@ def _run(ensemble: Ensemble, segs: Segments, batch: int, ops, count: bool = Fals
 
 def _ops(device: str, gemm: str):
     """The engine of `device`, its GEMMs in `gemm` on a GPU (the CPU's in fp32)."""
-    return get_ops(device) if device == "cpu" else get_ops(device, gemm=gemm)
+    ops = get_ops(device)
+    return get_ops(device, gemm=gemm) if ops.on_device else ops
 
 
 def _blas_threads() -> int | None:

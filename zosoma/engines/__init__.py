@@ -31,6 +31,14 @@ def check_device(device) -> None:
         raise OptionError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
+def check_gemm(device: str, gemm: str) -> None:
+    """A GEMM format (zosoma.engines.cuda.tensor_cores) that `device` can run: tensor cores need
+    --device cuda (or auto); a ConfigError line otherwise."""
+    from zosoma.engines.cuda.tensor_cores import check_gemm_format
+    if check_gemm_format(gemm) != "fp32" and device == "cpu":
+        raise ConfigError(f"--gemm {gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda")
+
+
 def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32", gemm: str = "fp32"):
     """The engine for a device name: "cpu", "cuda" (a ConfigError line when CuPy finds no GPU) or
     "auto" (CUDA when CuPy finds a device, else the CPU; `device_note` says which and why); with

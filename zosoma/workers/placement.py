@@ -15,7 +15,7 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from zosoma.engines import check_device
+from zosoma.engines import check_device, check_gemm
 from zosoma.errors import ConfigError, OptionError
 from zosoma.workers.executor import Inline, LocalProcesses
 from zosoma.workers.population_workers import InProcess, Processes, Sharding
@@ -37,8 +37,6 @@ class Placement:
     gemm: str = "fp32"  # the CUDA engine's GEMMs: fp32, or tensor cores (tf32, bf16)
 
     def __post_init__(self):
-        from zosoma.engines.cuda.tensor_cores import check_gemm_format
-
         if self.executor is not None and self.executor not in EXECUTORS:
             raise OptionError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         for name in ("workers", "population_workers"):
@@ -48,8 +46,7 @@ class Placement:
         if self.address is not None and not isinstance(self.address, str):
             raise OptionError(f"address must be HOST:PORT or auto, got {self.address!r}")
         check_device(self.device)
-        if check_gemm_format(self.gemm) != "fp32" and self.device == "cpu":
-            raise ConfigError(f"--gemm {self.gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda")
+        check_gemm(self.device, self.gemm)
         default = Placement.__dataclass_fields__
         check_options(self.executor, [n for n in RAY_ONLY if getattr(self, n) != default[n].default], self.workers)
 
