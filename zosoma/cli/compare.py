@@ -35,7 +35,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     cmp = load_comparison(path)
     out = Path(out or Path("results") / path.stem)
     finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
-    device = device_ops(device).name  # --plan too: a plan for a device this machine lacks is no plan
+    ops = device_ops(device)  # --plan too: a plan for a device this machine lacks is no plan
+    device = ops.name
     budget = f"budget {cmp.flops:.3g} forward FLOPs per run" if cmp.flops else "each method's own steps"
     click.echo(f"{cmp.title}\n{budget}; seeds {list(cmp.seeds)}; output {out}")
     w = max([24] + [len(m.name) for m in cmp.methods + cmp.ablation])
@@ -79,7 +80,7 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     try:
         placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit,
                               device=device)
-        paths = run_comparison(cmp, out, study_executor(placement, len(todo), jobs), wikitext, device,
+        paths = run_comparison(cmp, out, study_executor(placement, len(todo), jobs, ops.on_device), wikitext, device,
                                should_stop=stop, on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
