@@ -48,3 +48,24 @@ def test_a_comparison_refuses_a_run_as_train_does(tmp_path, toml, options):
         result = run_cli(["compare", config, "--out", tmp_path / "cmp", "--executor", "inline", *plan])
         assert one_line_error(result) == said
         assert not (tmp_path / "cmp" / "runs").exists()  # refused before anything trained
+
+
+@pytest.mark.slow
+def test_a_study_run_trains_the_bits_train_does(tmp_path):
+    """Run.create then advance (a study's run, a step target at a time) and Run.start (`zosoma
+    train`) are one run: the same spec gives the same parameters at the same step."""
+    import numpy as np
+
+    from zosoma.runs.folder import RunFolder
+    from zosoma.runs.placement import Placement
+    from zosoma.runs.shape import DataPaths
+    from zosoma.training.run import Run, Spec
+
+    spec = Spec.resolve("tiny", dict(steps=4, batch=2, seq_len=16, perturbations=2, embed=8, hidden=16,
+                                     checkpoint_every=2))
+    list(Run.start(spec, DataPaths(), Placement(executor="inline"), tmp_path / "train"))
+    study = Run.create(spec, tmp_path / "study")
+    assert study.advance(2, lambda: False) and study.advance(4, lambda: False) and study.checkpoint_steps == [4]
+    trained, studied = (RunFolder(tmp_path / d).read_checkpoint() for d in ("train", "study"))
+    assert trained.step == studied.step == 4
+    np.testing.assert_array_equal(trained.theta, studied.theta)
