@@ -33,7 +33,8 @@ __all__ = ["Optimizer", "RunHandle", "SkippedStep", "load_corpus", "open_run", "
 
 
 def train(data=None, heldout=None, experts: int = 1, preset: str = "tiny", run_dir=None, loss: str | None = None,
-          top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None, **options) -> "RunHandle":
+          top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None,
+          **options) -> "RunHandle":
     """Train a run as `zosoma train` does and return it (its evaluation in RunHandle.results), refusing
     what the command line refuses (zosoma.training.run: a ConfigError in one line, before any folder
     is made). `data` and `heldout`: paths (default: the shipped corpus); `options`: any TrainConfig

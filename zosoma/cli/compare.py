@@ -80,8 +80,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     try:
         placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit,
                               device=device)
-        paths = run_comparison(cmp, out, study_executor(placement, len(todo), jobs, ops.on_device), wikitext, device,
-                               should_stop=stop, on_result=report)
+        executor = study_executor(placement, len(todo), jobs, ops.on_device)
+        paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=stop, on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
         sys.exit(stop.exit_code)

@@ -112,7 +112,7 @@ class Job:
         if not run.advance(self.steps, stopping):
             return None
         in_format = run.score(run.heldout, ops=run.trainers[0].ops)
-        fp32 = in_format["overall"] if self.fmt == "fp32" else run.score(run.heldout)["overall"]  # run.ops: the CPU, fp32
+        fp32 = in_format["overall"] if self.fmt == "fp32" else run.score(run.heldout)["overall"]  # on run.ops
         logs = [t.folder.read_metrics() for t in run.trainers]
         metrics = [m for log in logs for m in log]
         last = [m["loss"] for log in logs for m in log[-100:] if np.isfinite(m["loss"])]

@@ -45,7 +45,7 @@ from zosoma.experiments.scoring import Scored
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.runs.placement import Placement
 from zosoma.runs.records import Failed, Note, Result
-from zosoma.training.run import Run, Spec, check_run  # what a job's run is (the comparison and the precision study take Spec from here)
+from zosoma.training.run import Run, Spec, check_run  # Spec: what a job's run is (compare and precision take it here)
 from zosoma.workers.executor import Inline
 from zosoma.mixture.cluster import load_clustering
 from zosoma.mixture.routing import Ensemble, Router, Whole

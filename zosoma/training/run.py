@@ -35,8 +35,8 @@ from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
 from zosoma.runs.trainer import train
 from zosoma.strategies import make_strategy
-from zosoma.training.single import (data_record, evaluate_run, load_data, load_model, new_trainer, open_run, resume_run,
-                                    start_run)
+from zosoma.training.single import (data_record, evaluate_run, load_data, load_model, new_trainer, open_run,
+                                    resume_run, start_run)
 from zosoma.training.soma import (DroppedExperts, create_soma, evaluate_soma, load_ensemble, lockstep_trainers,
                                   open_soma, resume_soma, soma_description, soma_summary, start_soma, train_lockstep)
 from zosoma.workers.placing import place
@@ -183,8 +183,8 @@ class Run:
         paths = dict(train_paths=list(data.train) or None, heldout_paths=list(data.heldout) or None,
                      wikitext=data.wikitext)
         if spec.is_soma:
-            records = start_soma(run_dir, spec.model, spec.train, spec.experts, spec.loss, executor, spec.chunk_size,
-                                 top_k=spec.top_k, should_stop=should_stop, ops=ops,
+            records = start_soma(run_dir, spec.model, spec.train, spec.experts, spec.loss, executor,
+                                 spec.chunk_size, top_k=spec.top_k, should_stop=should_stop, ops=ops,
                                  workers=summed, placement=placement, **paths)
         else:
             records = start_run(run_dir, spec.model, spec.train, should_stop=should_stop, ops=ops,
