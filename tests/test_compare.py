@@ -14,7 +14,7 @@ from helpers import one_line_error, run_cli, zosoma_cmd
 from zosoma.engines.ops import Ops
 from zosoma.experiments.compare import Job, check_folder, curve_steps, jobs, run_comparison
 from zosoma.experiments.compare_config import find_config, load_comparison
-from zosoma.experiments.study import Run, run_job
+from zosoma.experiments.study import JobRun, run_job
 from zosoma.errors import ConfigError
 from zosoma.runs.folder import SETTINGS, RunFolder
 from zosoma.model.evaluate import EvalResult
@@ -273,7 +273,7 @@ def test_a_methods_own_steps_and_seeds(tmp_path):
 
 def test_single_model_scored_by_the_segment_protocol(mini, tmp_path):
     """A monolithic model is a one-expert ensemble: its score is the model's own segment nats."""
-    run = Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec)
+    run = JobRun(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec)
     data = run.heldout.docs[0][:3000]
     segs = cut_segments(data, mini.segment, mini.context)
     t = run.trainers[0]
@@ -352,7 +352,7 @@ def test_a_record_the_run_has_trained_past_is_scored_again_never_reused(tmp_path
 
 
 def test_a_changed_config_is_refused(mini, tmp_path):
-    Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec).advance(1, lambda: False)
+    JobRun(RunFolder(tmp_path / "run"), Job("run", mini.methods[1], 0, mini).spec).advance(1, lambda: False)
     other = load_comparison_text(tmp_path, MINI.replace("lr = 0.05", "lr = 0.07"))
     with pytest.raises(ConfigError, match="another configuration"):
         run_job(Job("run", other.methods[1], 0, other), tmp_path / "run")
@@ -360,7 +360,7 @@ def test_a_changed_config_is_refused(mini, tmp_path):
 
 @pytest.mark.slow
 def test_a_soma_run_with_another_expert_count_is_refused(mini, tmp_path):
-    Run(RunFolder(tmp_path / "run"), Job("run", mini.methods[0], 0, mini).spec)
+    JobRun(RunFolder(tmp_path / "run"), Job("run", mini.methods[0], 0, mini).spec)
     other = load_comparison_text(tmp_path, MINI.replace("experts = 2\nmodel", "experts = 3\nmodel", 1))
     with pytest.raises(ConfigError, match="another configuration"):
         run_job(Job("run", other.methods[0], 0, other), tmp_path / "run")
@@ -439,7 +439,7 @@ def test_an_unfinished_run_of_another_config_is_refused_before_any_run_trains(tm
 def test_an_unfinished_soma_run_of_another_config_is_refused(mini, tmp_path):
     """A SOMA run's description and every expert's checkpoint are checked before anything trains."""
     soma = jobs(mini)[0]
-    Run(RunFolder(tmp_path / "out" / "runs" / soma.name), soma.spec)  # created: every expert at step 0
+    JobRun(RunFolder(tmp_path / "out" / "runs" / soma.name), soma.spec)  # created: every expert at step 0
     assert check_folder(mini, tmp_path / "out") == 0
     for old, new, what in [("lr = 0.05}", "lr = 0.07}", "train.lr was 0.05, now 0.07"),
                            ("experts = 2\nmodel", "experts = 3\nmodel", "experts was 2, now 3"),
@@ -458,7 +458,7 @@ def load_comparison_text(tmp_path, text):
 
 @pytest.mark.slow
 def test_ablation_modes_share_start_data_and_noise(mini, tmp_path):
-    runs = [Run(RunFolder(tmp_path / m.loss), Job(m.loss, m, 0, mini, False).spec) for m in mini.ablation]
+    runs = [JobRun(RunFolder(tmp_path / m.loss), Job(m.loss, m, 0, mini, False).spec) for m in mini.ablation]
     for a, b in zip(runs[0].trainers, runs[1].trainers):
         np.testing.assert_array_equal(a.state.theta, b.state.theta)
         np.testing.assert_array_equal(a.sampler.batch(0, a.expert, 2, 2), b.sampler.batch(0, b.expert, 2, 2))

@@ -78,3 +78,27 @@ def test_an_engine_crosses_a_process_boundary_as_its_record(two_domains, precisi
         assert sent.ops is get_ops(unit.ops.device, unit.ops.engine, unit.ops.precision)
         assert (sent.run_dir, sent.expert, sent.corpus.docs[0].tobytes()) == (
             unit.run_dir, unit.expert, unit.corpus.docs[0].tobytes())
+
+
+@pytest.mark.slow
+def test_a_run_resolves_its_engine_in_one_place(tmp_path, two_domains, forwards, monkeypatch):
+    """zosoma.training.run.engine is where every door (Run.start, resume, a study's Run.create)
+    turns a device into an engine: given the tagged engine there, every forward of a SOMA run, its
+    resume and a study's run goes through it."""
+    from zosoma.workers.placement import Placement
+    from zosoma.runs.shape import DataPaths
+    from zosoma.training import run
+
+    monkeypatch.setattr(run, "get_ops", lambda device: Tagged())
+    paths = [str(two_domains / "prose.txt"), str(two_domains / "digits.txt")]
+    options = dict(optimizer="sgd", steps=4, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=2,
+                   embed=8, hidden=16)
+    spec = run.Spec.resolve("tiny", options, experts=2, chunk_size=256)
+    check_all_tagged(list(run.Run.start(spec, DataPaths(paths, paths), Placement(executor="inline"),
+                                        tmp_path / "soma")), forwards)
+    forwards.clear()
+    check_all_tagged(list(run.Run.open(tmp_path / "soma").resume(steps=6)), forwards)
+    forwards.clear()
+    job = run.Run.create(run.Spec.resolve("tiny", options), tmp_path / "job")  # a study's run
+    assert job.advance(2, lambda: False) and job.step == 2 and job.ops.name == "tagged"
+    assert {engine for _, engine in forwards} == {"Tagged"}, sorted(set(forwards))

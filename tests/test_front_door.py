@@ -158,7 +158,7 @@ USE_CASES = [(kind, *option, typed, value) for kind in ("single", "soma") for op
 def test_eval_and_sample_options_are_refused_by_the_run_in_the_same_words(runs, kind, command, method, name, flag,
                                                                           typed, value):
     """Each option of eval and sample, given a bad value (or given to the kind of run that does
-    not read it): the command exits 2 with the very line that zosoma.Run's method raises."""
+    not read it): the command exits 2 with the very line that zosoma.RunHandle's method raises."""
     line = one_line_error(run_cli([command, runs[kind], f"{flag}={typed}"]), 2)
     with pytest.raises(ConfigError) as refused:
         getattr(zosoma.open_run(runs[kind]), method)(**{name: value})

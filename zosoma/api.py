@@ -28,13 +28,13 @@ from zosoma.errors import ConfigError
 from zosoma.model.protocol import PROTOCOL
 from zosoma.runs.folder import RunFolder
 
-__all__ = ["Optimizer", "Run", "SkippedStep", "load_corpus", "open_run", "train"]
+__all__ = ["Optimizer", "RunHandle", "SkippedStep", "load_corpus", "open_run", "train"]
 
 
 def train(data=None, heldout=None, experts: int | None = None, preset: str | None = None, run_dir=None,
           loss: str | None = None, top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None,
-          **options) -> "Run":
-    """Train a run as `zosoma train` does and return it (its evaluation in Run.results), refusing
+          **options) -> "RunHandle":
+    """Train a run as `zosoma train` does and return it (its evaluation in RunHandle.results), refusing
     what the command line refuses (zosoma.training.run: a ConfigError in one line, before any folder
     is made). `data` and `heldout`: paths (default: the shipped corpus); `experts` 1 and `preset`
     "tiny" unless given; `options`: any TrainConfig or model field (steps, lr, perturbations,
@@ -43,22 +43,22 @@ def train(data=None, heldout=None, experts: int | None = None, preset: str | Non
     other keyword is refused by name. The experts of a SOMA run train one after another in this
     process. A run whose guard stopped it, or that failed, raises ConfigError."""
     from zosoma.workers.placement import Placement
-    from zosoma.training.run import Run as Handle, Spec, check_resume
+    from zosoma.training.run import Run, Spec, check_resume
     from zosoma.runs.shape import DataPaths
 
     if resume is not None:
         named = dict(data=data, heldout=heldout, run_dir=run_dir, experts=experts, loss=loss, preset=preset,
                      chunk_size=chunk_size, top_k=top_k)
         check_resume([*options, *(k for k, v in named.items() if v is not None)])
-        run = Handle.open(resume)
+        run = Run.open(resume)
         return _trained(run.resume(options.get("steps"), wikitext), run.is_soma)
     spec = Spec.resolve("tiny" if preset is None else preset, options, 1 if experts is None else experts, loss, top_k,
                         chunk_size)
-    training = Handle.start(spec, DataPaths(data, heldout, wikitext), Placement(executor="inline"), run_dir)
+    training = Run.start(spec, DataPaths(data, heldout, wikitext), Placement(executor="inline"), run_dir)
     return _trained(training, spec.is_soma)
 
 
-def _trained(training, soma: bool) -> "Run":
+def _trained(training, soma: bool) -> "RunHandle":
     """The run once its records end in an evaluation; ConfigError for a run that failed, diverged
     or stopped first."""
     from zosoma.runs.records import Diverged, Dropped, Evaluated, Failed
@@ -69,35 +69,36 @@ def _trained(training, soma: bool) -> "Run":
         if isinstance(r, Diverged) or (isinstance(r, Dropped) and not soma):
             raise ConfigError(f"{training.path}: diverged at step {r.step} ({r.verdict})")
         if isinstance(r, Evaluated):
-            return Run(training.path)
+            return RunHandle(training.path)
     raise ConfigError(f"{training.path}: training ended without an evaluation")
 
 
-def open_run(path) -> "Run":
+def open_run(path) -> "RunHandle":
     """A run folder (a single model or a SOMA run) written by zosoma."""
     if not RunFolder(path).holds_run:
         raise ConfigError(f"{path}: not a zosoma run folder")
-    return Run(Path(path))
+    return RunHandle(Path(path))
 
 
 def _paths(x) -> list:
     return [] if x is None else [x] if isinstance(x, (str, Path)) else list(x)
 
 
-class Run:
-    """A run folder: its results, and what can be done with its model."""
+class RunHandle:
+    """What zosoma.train and zosoma.open_run return: a run folder's results, and what can be done
+    with its model, for a Python user; it opens the run (zosoma.training.run.Run) to do it."""
 
     def __init__(self, path):
         self.path, self.folder = Path(path), RunFolder(path)
 
     @property
     def handle(self):
-        """The run (zosoma.training.run): a single model or a SOMA run, one interface."""
-        from zosoma.training.run import Run as Handle
-        return Handle.open(self.path)
+        """The run (zosoma.training.run.Run): a single model or a SOMA run, one interface."""
+        from zosoma.training.run import Run
+        return Run.open(self.path)
 
     def __repr__(self) -> str:
-        return f"Run({str(self.path)!r})"
+        return f"RunHandle({str(self.path)!r})"
 
     @property
     def is_soma(self) -> bool:

@@ -36,7 +36,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
     cmp = load_comparison(path)
     out = Path(out or Path("results") / path.stem)
     finished = check_folder(cmp, out)  # a folder another configuration left is refused, --plan or not
-    device = device_ops(device).name  # --plan too: a plan for a device this machine lacks is no plan
+    ops = device_ops(device)  # --plan too: a plan for a device this machine lacks is no plan
+    device = ops.name
     placement = Placement(executor_kind, address=address, cpus_per_unit=cpus_per_unit, gpus_per_unit=gpus_per_unit,
                           device=device)  # its options checked before the plan, as train checks them
     budget = f"budget {cmp.flops:.3g} forward FLOPs per run" if cmp.flops else "each method's own steps"
@@ -79,8 +80,8 @@ def compare(ctx, config, out, jobs, executor_kind, address, cpus_per_unit, gpus_
 
     stop = StopRequest(resume=f"zosoma compare {config} --out {out}")
     try:
-        paths = run_comparison(cmp, out, study_executor(placement, len(todo), jobs), wikitext, device,
-                               should_stop=stop, on_result=report)
+        executor = study_executor(placement, len(todo), jobs, ops.on_device)
+        paths = run_comparison(cmp, out, executor, wikitext, device, should_stop=stop, on_result=report)
     except Stopped as e:
         click.echo(str(e), err=True)
         sys.exit(stop.exit_code)

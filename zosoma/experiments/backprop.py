@@ -136,7 +136,7 @@ def flat_grad(model, layout: Layout) -> np.ndarray:
 
 
 class BackpropRun(Scored):
-    """One backprop run of a comparison, with what zosoma.experiments.study.Run offers its job:
+    """One backprop run of a comparison, with what zosoma.experiments.study.JobRun offers its job:
     advance, step, totals, training, score.
 
     It keeps a checkpoint in its run folder (zosoma.formats.checkpoint, written atomically) at step
@@ -147,15 +147,16 @@ class BackpropRun(Scored):
     function of (seed, stream, step), and nothing draws from torch's generator."""
 
     def __init__(self, folder, spec, device: str = "cpu"):
-        from zosoma.engines import get_ops
-        from zosoma.training.single import data_record, load_data
+        from zosoma.workers.placement import Placement
         from zosoma.runs.stepper import stream
+        from zosoma.training.run import engine
+        from zosoma.training.single import data_record, load_data
 
         torch = import_torch()
         torch.set_num_threads(1)  # one core, as each ZO worker's one BLAS thread
         torch.manual_seed(spec.train.seed)  # nothing draws from it; any later use stays seeded
         self.folder, self.spec, self.cfg = folder, spec, spec.train
-        self.ops, self.layout = get_ops(device), Layout(spec.model)
+        self.ops, self.layout = engine(Placement(device=device)), Layout(spec.model)
         train_corpus, self.heldout = load_data(None, None)
         self.data = data_record(train_corpus)  # the shipped corpus, as a single ZO run's checkpoint records it
         self.sampler, self.stream = BatchSampler(train_corpus, self.cfg.seq_len + 1), stream(0, 0)

@@ -60,7 +60,7 @@ from zosoma.errors import ConfigError
 from zosoma.experiments.backprop import import_torch
 from zosoma.experiments.compare_config import Comparison, Method, Tuning, slug
 from zosoma.experiments.report import lost
-from zosoma.experiments.study import Run, Spec, StudyFolder
+from zosoma.experiments.study import JobRun, Spec, StudyFolder
 from zosoma.runs.events import EventLog
 from zosoma.runs.json_shape import NUMBER, ListOf, MayLack, ValuesOf
 
@@ -111,7 +111,7 @@ class Job:
     def expected(self) -> dict:
         return {"method": self.method.name, "series": list(self.method.series), **self.spec.record()}
 
-    def score(self, run: Run, stopping: Callable[[], bool]) -> dict | None:
+    def score(self, run: JobRun, stopping: Callable[[], bool]) -> dict | None:
         """Train the run to its budget, recording the held-out curve, and evaluate it: the result
         record of zosoma.experiments.report's schema, or None when stopping() turned true first."""
         cmp, folder = self.cmp, run.folder

@@ -35,9 +35,8 @@ import numpy as np
 
 from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import PRECISIONS, TrainConfig
-from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
-from zosoma.experiments.study import Run, Spec, StudyFolder
+from zosoma.experiments.study import JobRun, Spec, StudyFolder
 from zosoma.model.params import Layout, init_params
 from zosoma.model.number_formats import format_step
 from zosoma.runs.json_shape import NUMBER
@@ -107,13 +106,13 @@ class Job:
     def expected(self) -> dict:
         return {**{k: getattr(self, k) for k in ("fmt", "experts", "eps", "steps", "seed")}, **self.spec.record()}
 
-    def score(self, run: Run, stopping: Callable[[], bool]) -> dict | None:
+    def score(self, run: JobRun, stopping: Callable[[], bool]) -> dict | None:
         """Train the run to the end and score it on the held-out slices in its format (what the
         device would measure) and with the same weights in fp32 (what the format cost training)."""
         if not run.advance(self.steps, stopping):
             return None
         in_format = run.score(run.heldout, ops=run.trainers[0].ops)
-        fp32 = in_format["overall"] if self.fmt == "fp32" else run.score(run.heldout, ops=get_ops("cpu"))["overall"]
+        fp32 = in_format["overall"] if self.fmt == "fp32" else run.score(run.heldout)["overall"]  # on run.ops
         logs = [t.folder.read_metrics() for t in run.trainers]
         metrics = [m for log in logs for m in log]
         last = [m["loss"] for log in logs for m in log[-100:] if np.isfinite(m["loss"])]

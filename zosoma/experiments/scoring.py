@@ -1,5 +1,5 @@
 """How a study's run is scored: its (routed) model by the segment protocol, on zosoma's own
-evaluator, whatever trained it (zero-order: zosoma.experiments.study.Run; backprop:
+evaluator, whatever trained it (zero-order: zosoma.experiments.study.JobRun; backprop:
 zosoma.experiments.backprop.BackpropRun)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ A study supplies its jobs and their scoring; a job (the Job protocol) says
     spec          what its run is (Spec: model, training configuration, experts, loss, ...)
     device        where its forwards run
     expected()    the configuration its folder must hold: spec.record() and the study's own keys
-    score(run, stopping)   train the opened Run (run.advance) and score it: its record, or None
+    score(run, stopping)   train the opened JobRun (run.advance) and score it: its record, or None
                   when stopping() turned true first
 
 and the runner does the rest, the same for every study:
@@ -40,17 +40,13 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from zosoma.config import ABSENT, RETIRED, ModelConfig, TrainConfig
-from zosoma.corpus import BatchSampler
-from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.experiments.scoring import Scored
 from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
+from zosoma.workers.placement import Placement
 from zosoma.runs.records import Failed, Note, Result
-from zosoma.training.run import Run as RunHandle, Spec  # what a job's run is (the comparison and the precision study take it from here)
-from zosoma.training.single import data_record, load_data, new_trainer, open_run
-from zosoma.training.soma import create_soma, lockstep_trainers, open_soma, train_lockstep
+from zosoma.training.run import Run, Spec, check_run  # Spec: what a job's run is (compare and precision take it here)
 from zosoma.workers.executor import Inline
-from zosoma.runs.trainer import train
 from zosoma.mixture.cluster import load_clustering
 from zosoma.mixture.routing import Ensemble, Router, Whole
 
@@ -69,7 +65,7 @@ class Job(Protocol):
 
     def expected(self) -> dict: ...
 
-    def score(self, run: "Run", stopping: Callable[[], bool]) -> dict | None: ...
+    def score(self, run: "JobRun", stopping: Callable[[], bool]) -> dict | None: ...
 
 
 # ------------------------------------------------------------------ a folder bound to its job
@@ -108,11 +104,14 @@ def check_job(job: Job, folder: RunFolder) -> dict | None:
     """Refuse a job's folder that holds another configuration, reading only: its finished record,
     else its SOMA description and every expert's checkpoint, else its checkpoint. Returns the
     finished record, or None (nothing yet, an unfinished run, or a SOMA run whose creation was cut
-    short: it is redone)."""
+    short: it is redone). A zero-order job's run is first checked as `zosoma train` checks it
+    (zosoma.training.run.check_run: the same one-line refusals)."""
+    if job.spec.train.optimizer != "backprop":
+        check_run(job.spec, Placement(executor="inline", device=job.device))
     result = finished(job, folder)
     if result is not None:
         return result
-    opened = RunHandle.open(folder.path)
+    opened = Run.open(folder.path)
     if opened.is_soma:
         soma = opened.shape
         _check(job, folder, {k: getattr(soma, k) for k in ("experts", "loss", "chunk_size")})
@@ -150,11 +149,11 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
 
 
 def open_job_run(folder: RunFolder, job: Job):
-    """The job's Run; a backprop method's BackpropRun (zosoma.experiments.backprop: PyTorch)."""
+    """The job's JobRun; a backprop method's BackpropRun (zosoma.experiments.backprop: PyTorch)."""
     if job.spec.train.optimizer == "backprop":
         from zosoma.experiments.backprop import BackpropRun
         return BackpropRun(folder, job.spec, job.device)
-    return Run(folder, job.spec, job.device)
+    return JobRun(folder, job.spec, job.device)
 
 
 @dataclass(frozen=True)
@@ -227,70 +226,34 @@ class StudyFolder:
 
 # ------------------------------------------------------------------------------------ the run
 
-class Run(Scored):
-    """The trainers of one job's run folder (one model, or one per SOMA expert), opened from its
-    checkpoints or created at step 0 from the Spec, and how to score them."""
+class JobRun(Scored):
+    """A job's Run (zosoma.training.run.Run.create: one model, or one per SOMA expert, opened from
+    its checkpoints or created at step 0 from the Spec and trained here a step target at a time)
+    and how its study scores it."""
 
     def __init__(self, folder: RunFolder, spec: Spec, device: str = "cpu"):
         self.folder, self.spec, self.cfg = folder, spec, spec.train
-        self.ops = get_ops(device)
-        if spec.is_soma:
-            self._open_soma()
-        else:
-            self._open_single()
-
-    def _open_single(self):
-        if self.folder.has_checkpoint:
-            run = open_run(self.folder.path)
-            trainer, self.heldout = run.trainer(ops=self.ops), run.heldout
-        else:
-            train_corpus, self.heldout = load_data(None, None)
-            sampler = BatchSampler(train_corpus, self.cfg.seq_len + 1)
-            trainer = new_trainer(self.folder, self.spec.model, self.cfg, sampler, data_record(train_corpus),
-                                  self.ops)  # step 0, as `zosoma train` leaves it
-        self.trainers, self.router = [trainer], Whole()
-
-    def _open_soma(self):
-        s = self.spec
-        if not self.folder.is_soma:  # new, or a creation cut short: the job's own folder, redone
-            create_soma(self.folder.path, s.model, s.train, s.experts, s.loss, s.chunk_size, top_k=s.top_k,
-                        new_folder=False)
-        run = open_soma(self.folder.path)
-        self.heldout = run.heldout
-        if s.loss == "summed":
-            self.trainers = lockstep_trainers(run, self.ops)
-        else:
-            self.trainers = [run.trainer(i, self.ops) for i in range(s.experts)]
-        self.router = Router(load_clustering(self.folder.router), s.top_k)
+        self.run = Run.create(spec, folder.path, device)
+        self.ops, self.trainers, self.heldout = self.run.ops, self.run.trainers, self.run.heldout
+        self.router = Router(load_clustering(folder.router), spec.top_k) if spec.is_soma else Whole()
 
     @property
     def step(self) -> int:
-        """How far training got: the step of the least advanced model still training, or once
-        every model has stopped (finished, its compute spent by restarts, dropped), the furthest."""
-        training = [t.state.step for t in self.trainers if not t.done]
-        return min(training) if training else max(t.state.step for t in self.trainers)
+        return self.run.step
 
     def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
-        """Train every expert to step `target` (checkpointed there); False when asked to stop
-        (every expert is checkpointed where it was). A run the divergence guard stopped trains no
-        further: it is scored where it stopped, and its record says so."""
-        if self.diverged:
-            return not stopping()
-        if self.spec.loss == "summed":
-            _drain(train_lockstep(self.trainers, lambda: self.trainers[0].state.step >= target or stopping()))
-        else:
-            for t in self.trainers:
-                _drain(train(t, lambda t=t: t.state.step >= target or stopping() or self.diverged))
-        return not stopping()
+        """Train every expert to step `target` (Run.advance): False when asked to stop. A run the
+        divergence guard stopped is scored where it stopped, and its record says so."""
+        return self.run.advance(target, stopping)
 
     @property
     def diverged(self) -> bool:
-        return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
+        return self.run.diverged
 
     @property
     def checkpoint_steps(self) -> list[int]:
         """The step of each model's checkpoint (what its record is of: RunFolder.stale)."""
-        return [t.state.step for t in self.trainers]
+        return self.run.checkpoint_steps
 
     def training(self) -> dict:
         """Skipped steps summed over experts, the guards' verdicts (a run they stopped), every
@@ -322,7 +285,3 @@ class Run(Scored):
             router = Router(router.clustering, k, router.temperature, dropped)
         return Ensemble(tuple((t.state.theta, t.layout) for t in self.trainers), router)
 
-
-def _drain(records: Iterator) -> None:
-    for _ in records:
-        pass

@@ -1,8 +1,10 @@
-"""A run, through one handle: `Run.start(spec, data, placement)` makes a new run folder and trains
-it, `Run.open(path)` opens one, and a single model and a SOMA run answer the same calls (resume,
-ensemble, evaluate, describe). Whether a run is one model or N experts is decided here, once.
+"""A run, through one class: `Run.start(spec, data, placement)` makes a new run folder and trains
+it, `Run.open(path)` opens one, `Run.create(spec, run_dir)` opens one to train here a step target
+at a time (a study's runs: advance), and a single model and a SOMA run answer the same calls
+(resume, ensemble, evaluate, describe). Whether a run is one model or N experts is decided here,
+once; so is its engine (engine: the one place a run turns its device into an engine).
 
-Every rule about what a run may be lives here too (Spec, check_resume, Run.start): the command
+Every rule about what a run may be lives here too (Spec, check_resume, check_run): the command
 line, zosoma.api, the comparison and the studies refuse the same inputs with the same one-line
 messages (OptionError, a ConfigError the command line answers with exit code 2).
 
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from zosoma.config import LOSSES, PRESETS, ModelConfig, TrainConfig, _typed
-from zosoma.corpus import Corpus
+from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import get_ops, run_ops
 from zosoma.errors import OptionError
 from zosoma.formats.checkpoint import description, load_checkpoint, summary
@@ -30,9 +32,12 @@ from zosoma.model.protocol import PROTOCOL, EvalProtocol
 from zosoma.runs.folder import RunFolder, checkpoint_path, last_metrics, new_run_dir, warn_if_training
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
-from zosoma.training.single import evaluate_run, load_model, resume_run, start_run
-from zosoma.training.soma import (DroppedExperts, evaluate_soma, load_ensemble, resume_soma, soma_description,
-                                  soma_summary, start_soma)
+from zosoma.runs.trainer import train
+from zosoma.strategies import make_strategy
+from zosoma.training.single import (data_record, evaluate_run, load_data, load_model, new_trainer, open_run,
+                                    resume_run, start_run)
+from zosoma.training.soma import (DroppedExperts, create_soma, evaluate_soma, load_ensemble, lockstep_trainers,
+                                  open_soma, resume_soma, soma_description, soma_summary, start_soma, train_lockstep)
 from zosoma.workers.placement import Placement, place
 from zosoma.workers.population_workers import check_shardable
 
@@ -106,6 +111,30 @@ def check_resume(given: Iterable[str]) -> None:
                           + " (--steps extends the run, --wikitext replaces its WikiText-103 file)")
 
 
+def engine(placement: Placement = Placement()):
+    """The engine of a run placed by `placement` (default: the CPU's): the one place a run resolves
+    it, to hand it down; only a process boundary rebuilds one, from the record it was sent
+    (zosoma.engines.SendsEngine)."""
+    return get_ops(placement.device, gemm=placement.gemm)
+
+
+def check_run(spec: Spec, placement: Placement = Placement()):
+    """Refuse a run of `spec` placed by `placement` that cannot train, before any folder is made
+    (Run.start, Run.create: `zosoma train`, zosoma.train and every study's runs): workers for a
+    single model, an engine or forward precision not installed or not for the device, a
+    population that cannot be sharded, a strategy that cannot train the model (where the work
+    cannot go is refused by place, which Run.start calls next). Returns the run's engine."""
+    cfg = spec.train
+    if not spec.is_soma and placement.workers is not None:
+        raise _soma_only("workers")
+    ops = engine(placement)
+    run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+    if placement.population_workers:
+        check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
+    make_strategy(cfg).check(Layout(spec.model))  # e.g. an EGGROLL rank above the matrices' sides
+    return ops
+
+
 class Training:
     """A run's records as it trains (zosoma.runs.records), in the run folder `path`; a folder
     that Run.start named and made is taken back when the run fails before writing in it."""
@@ -127,8 +156,10 @@ class Run:
 
     is_soma = False
 
-    def __init__(self, path):
+    def __init__(self, path, ops=None):
         self.path, self.folder = Path(path), RunFolder(path)
+        self.ops = ops  # the engine it trains on (Run.create), else None: opened to read or resume
+        self.trainers, self.heldout, self.lockstep = [], None, False  # what Run.create opens to train
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r})"
@@ -143,27 +174,82 @@ class Run:
               should_stop: Callable[[], bool] = lambda: False) -> Training:
         """A new run of `spec` on `data`, placed by `placement`, in run_dir (new or empty; default
         runs/<preset>-<time>, made here and taken back if the run fails before writing in it). Every
-        option is checked before any folder is made; training happens as the records are read."""
-        cfg = spec.train
-        if not spec.is_soma and placement.workers is not None:
-            raise _soma_only("workers")
-        ops = get_ops(placement.device, gemm=placement.gemm)  # "where", resolved once: the run hands its engine down
-        run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
-        if placement.population_workers:
-            check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
+        option is checked before any folder is made (check_run); training happens as the records are read."""
+        ops = check_run(spec, placement)
         executor, summed, sharding = place(placement, spec.experts, spec.loss)
         made = None if run_dir else new_run_dir(spec.folder_prefix())
         run_dir = Path(run_dir or made)
         paths = dict(train_paths=list(data.train) or None, heldout_paths=list(data.heldout) or None,
                      wikitext=data.wikitext)
         if spec.is_soma:
-            records = start_soma(run_dir, spec.model, cfg, spec.experts, spec.loss, executor, spec.chunk_size,
-                                 top_k=spec.top_k, should_stop=should_stop, ops=ops,
+            records = start_soma(run_dir, spec.model, spec.train, spec.experts, spec.loss, executor,
+                                 spec.chunk_size, top_k=spec.top_k, should_stop=should_stop, ops=ops,
                                  workers=summed, placement=placement, **paths)
         else:
-            records = start_run(run_dir, spec.model, cfg, should_stop=should_stop, ops=ops,
+            records = start_run(run_dir, spec.model, spec.train, should_stop=should_stop, ops=ops,
                                 sharding=sharding, placement=placement, **paths)
         return Training(run_dir, records, made)
+
+    @staticmethod
+    def create(spec: Spec, run_dir, device: str = "cpu") -> "Run":
+        """The run of `spec` in run_dir (on the shipped corpus, its forwards on `device`) opened to
+        train in this process a step target at a time (advance), as a study trains its runs:
+        resumed from its checkpoints, or made at step 0 as Run.start leaves a new run before its
+        first step (a SOMA run whose creation was cut short is made again: the same files). Checked
+        as Run.start checks (check_run)."""
+        ops = check_run(spec, Placement(executor="inline", device=device))
+        folder = RunFolder(run_dir)
+        if spec.is_soma:
+            if not folder.is_soma:
+                create_soma(folder.path, spec.model, spec.train, spec.experts, spec.loss, spec.chunk_size,
+                            top_k=spec.top_k, new_folder=False)
+            run, opened = Soma(run_dir, ops), open_soma(folder.path)
+            if spec.loss == "summed":
+                run.trainers = lockstep_trainers(opened, ops)
+            else:
+                run.trainers = [opened.trainer(i, ops) for i in range(spec.experts)]
+            run.heldout = opened.heldout
+        elif folder.has_checkpoint:
+            run, opened = SingleModel(run_dir, ops), open_run(folder.path)
+            run.trainers, run.heldout = [opened.trainer(ops)], opened.heldout
+        else:
+            run = SingleModel(run_dir, ops)
+            train_corpus, run.heldout = load_data(None, None)
+            sampler = BatchSampler(train_corpus, spec.train.seq_len + 1)
+            run.trainers = [new_trainer(folder, spec.model, spec.train, sampler, data_record(train_corpus), ops)]
+        run.lockstep = spec.loss == "summed"
+        return run
+
+    # --- a run created to train in this process (Run.create) ---------------------------------
+
+    @property
+    def step(self) -> int:
+        """How far training got: the step of the least advanced model still training, or once
+        every model has stopped (finished, its compute spent by restarts, dropped), the furthest."""
+        training = [t.state.step for t in self.trainers if not t.done]
+        return min(training) if training else max(t.state.step for t in self.trainers)
+
+    def advance(self, target: int, stopping: Callable[[], bool]) -> bool:
+        """Train every model to step `target` (checkpointed there); False when asked to stop
+        (every model is checkpointed where it was). A run the divergence guard stopped trains no
+        further."""
+        if self.diverged:
+            return not stopping()
+        if self.lockstep:
+            _drain(train_lockstep(self.trainers, lambda: self.trainers[0].state.step >= target or stopping()))
+        else:
+            for t in self.trainers:
+                _drain(train(t, lambda t=t: t.state.step >= target or stopping() or self.diverged))
+        return not stopping()
+
+    @property
+    def diverged(self) -> bool:
+        return any(t.state.divergence is not None and t.cfg.on_divergence == "stop" for t in self.trainers)
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        """The step of each model's checkpoint."""
+        return [t.state.step for t in self.trainers]
 
     # --- what every run answers ---------------------------------------------------------------
 
@@ -201,7 +287,12 @@ class Run:
 
 def scoring(ops):
     """The engine a run is scored on: the one given, or the CPU's (resolved here, at the door)."""
-    return get_ops("cpu") if ops is None else ops
+    return engine() if ops is None else ops
+
+
+def _drain(records: Iterator) -> None:
+    for _ in records:
+        pass
 
 
 class SingleModel(Run):
@@ -211,8 +302,7 @@ class SingleModel(Run):
 
         placement = placement or self.folder.read_placement(Placement)
         _, _, sharding = place(placement, 1)
-        ops = get_ops(placement.device, gemm=placement.gemm)
-        return Training(self.path, resume_run(self.path, should_stop, ops=ops, sharding=sharding,
+        return Training(self.path, resume_run(self.path, should_stop, ops=engine(placement), sharding=sharding,
                                               placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
@@ -260,8 +350,7 @@ class Soma(Run):
         placement = placement or self.folder.read_placement(Placement)
         shape = self.shape
         executor, summed, _ = place(placement, shape.experts, shape.loss)
-        ops = get_ops(placement.device, gemm=placement.gemm)
-        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=ops,
+        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=engine(placement),
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):

@@ -1,4 +1,4 @@
-"""The options of scoring and sampling a run (`zosoma eval`, `zosoma sample`, zosoma.Run.evaluate
+"""The options of scoring and sampling a run (`zosoma eval`, `zosoma sample`, zosoma.RunHandle.evaluate
 and .sample), checked once here: the command line and the Python API refuse the same options in
 the same words. An option of SOMA runs given for a single model (or the reverse) is refused, not
 silently ignored; None is an option not given.

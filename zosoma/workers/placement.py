@@ -86,11 +86,10 @@ def executor(placement: Placement, units: int, workers: int | None = None):
     return Inline() if placement.executor == "inline" or n == 1 else LocalProcesses(n)
 
 
-def study_executor(placement: Placement, units: int, jobs: int | None = None):
+def study_executor(placement: Placement, units: int, jobs: int | None = None, on_device: bool = False):
     """The executor of a study's `units` runs: `jobs` of them at once, by default as many as the
-    machine has cores, or one at a time on a GPU (the runs would share its memory)."""
-    from zosoma.engines import get_ops
-    on_device = get_ops(placement.device).on_device
+    machine has cores, or one at a time when they run `on_device` (a GPU: the runs would share its
+    memory)."""
     return executor(placement, units, jobs or (1 if on_device else os.cpu_count()))
 
 
