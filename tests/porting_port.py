@@ -14,9 +14,9 @@ import numpy as np
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, load_corpus
 from zosoma.engines.ops import Ops
-from zosoma.engines.cpu import forward, lowrank
+from zosoma.engines.cpu import forward, lowrank, noisy_forward
 from zosoma.engines.emulated import precision_kernels, precision_reference
-from zosoma.model import noise as noise_spec, number_formats
+from zosoma.model import node_perturbation, noise as noise_spec, number_formats
 from zosoma.model.reference import sigmoid
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
@@ -144,6 +144,34 @@ def port_onesided(kit, layout):
     theta_new = Ops().sgd_update(f["theta"], f["scalars"], pop, float(f["lr"]))  # from the kit's scalars
     return {"losses": np.stack([plus, minus], axis=1).ravel(), "loss": np.float64(loss), "scalars": scalars,
             "theta_new": theta_new}
+
+
+def activity_onesided(kit):
+    """(the stage's inputs, the strategy activity-onesided with its settings, its population)."""
+    f = load(kit, "activity_onesided_step")
+    strategy = make_strategy(TrainConfig(optimizer="activity-onesided", eps=float(f["eps"]), perturbations=int(f["P"]),
+                                         seed=int(f["seed"])))
+    return f, strategy, strategy.ask(int(f["expert"]), int(f["step"]))
+
+
+def port_activity_onesided(kit, layout):
+    """activity-onesided's own pieces, each from the kit's values of the one before: the CPU engine's
+    noise and noisy forward over the 2P members, the strategy's scalars, node_perturbation's credit,
+    the engine's combination of the noise, node_perturbation's estimate (the engine's float32
+    update) and the strategy's step down."""
+    f, strategy, pop = activity_onesided(kit)
+    B, T = f["batch"].shape[0], f["batch"].shape[1] - 1
+    Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(pop.directions), pop.kind,
+                           strategy.readout)
+    plus, minus = strategy.losses(Ops(), f["theta"], layout, f["batch"], pop, {})
+    scalars, _ = strategy.coefficients(f["nats"][0::2], f["nats"][1::2])  # from the kit's nats
+    w = node_perturbation.credit(f["scalars"], causal=True)[0]
+    zeta = noisy_forward.weighted_noise(f["credit"], f["credit"], Z, Z.shape[-1])
+    ghat = node_perturbation.estimate(f["theta"], layout, f["batch"], f["zeta"].astype(np.float32))
+    nats = np.stack([plus, minus], axis=1).reshape((-1, B, T))
+    return {"gate_noise": Z.astype(np.int8), "nats": nats, "loss": np.float64(nats.mean()),
+            "scalars": scalars.reshape(nats.shape), "credit": w, "zeta": zeta, "ghat": ghat,
+            "theta_new": strategy.descend(Ops(), f["theta"], f["ghat"], float(f["lr"]))}
 
 
 def port_momentum(kit, layout):
@@ -510,6 +538,7 @@ def zosoma_port(kit: Path, port: Path) -> dict:
     stages = {"forward": port_forward(kit, layout, cfg), "losses": port_losses(kit, layout), "noise": port_noise(kit),
               "init": port_init(kit), "batches": port_batches(kit), "schedule": port_schedule(kit),
               "spsa_step": port_spsa(kit, layout), "onesided_step": port_onesided(kit, layout),
+              "activity_onesided_step": port_activity_onesided(kit, layout),
               "momentum": port_momentum(kit, layout),
               "adam": port_adam(kit, layout), "es": port_es(kit, layout), "eggroll": port_eggroll(kit, layout),
               "train": port_train(kit, layout), "train_normalize": port_train(kit, layout, stage="train_normalize"),

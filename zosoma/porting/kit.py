@@ -37,8 +37,8 @@ from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import OptionError
 from zosoma.version import __version__
-from zosoma.porting import (kit_approx, kit_data, kit_default_run, kit_files, kit_loop, kit_model, kit_precision, kit_router,
-                            kit_run, kit_training)
+from zosoma.porting import (kit_activity, kit_approx, kit_data, kit_default_run, kit_files, kit_loop, kit_model,
+                            kit_precision, kit_router, kit_run, kit_training)
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
 from zosoma.runs.folder import refuse_run_files
@@ -52,9 +52,9 @@ SAMPLE = 4096  # a misreading of a larger output is stored (and compared) at eve
 MAX_PARAMETERS = 1_000_000
 
 # The stages in the order a port is best written in; each one's file is <name>.npz.
-STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "onesided_step", "momentum",
-          "adam", "es", "eggroll", "train", "train_normalize", "shaping", "restart", "router", "routed", "bf16",
-          "fp16", "int8", "approx", "run", "run_onesided", "run_restart")
+STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "onesided_step",
+          "activity_onesided_step", "momentum", "adam", "es", "eggroll", "train", "train_normalize", "shaping",
+          "restart", "router", "routed", "bf16", "fp16", "int8", "approx", "run", "run_onesided", "run_restart")
 
 
 def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
@@ -88,6 +88,8 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
     # its own generator, so that adding it left every other stage's vectors as they were
     built["onesided_step"] = kit_training.onesided_stage(theta, layout, np.random.default_rng([seed, 0x9019]))
     built["approx"] = kit_approx.approx_stage(theta, layout, np.random.default_rng([seed, 0x901A]))
+    built["activity_onesided_step"] = kit_activity.activity_onesided_stage(theta, layout,
+                                                                           np.random.default_rng([seed, 0x901B]))
     # today's default run and its restart (kit_default_run): no generator, stored reference figures
     built["run_onesided"] = kit_default_run.onesided_stage()
     built["run_restart"] = kit_default_run.restart_stage()
