@@ -54,6 +54,8 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline void sincospif(float x, float* s, float* c) {  // sin(pi x), cos(pi x)
     const double a = 3.14159265358979323846 * (double)x;
     *s = (float)sin(a);
