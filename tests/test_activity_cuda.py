@@ -5,7 +5,7 @@ runtime of test_kernels' `rt` fixture: the emulated one here, CuPy where there i
 import numpy as np
 import pytest
 
-from test_kernels import emulated_libs, rt  # noqa: F401 (fixtures)
+from test_kernels import GAUSSIAN_ATOL, emulated_libs, rt  # noqa: F401 (fixtures)
 from helpers import assert_close
 from zosoma.arrays import to_numpy
 from zosoma.config import ModelConfig, TrainConfig
@@ -41,7 +41,7 @@ def test_the_device_draws_the_cpus_noise(rt, kind, readout):
     if kind == "rademacher":
         assert np.array_equal(got, want)
     else:
-        assert_close(got, want, atol=2e-6, rtol=2e-6, name="gaussian noise")
+        assert_close(got, want, atol=GAUSSIAN_ATOL, rtol=0, name="gaussian noise")
 
 
 @pytest.mark.parametrize("config", [ModelConfig(embed=16, hidden=20, layers=1), ModelConfig(embed=5, hidden=4,

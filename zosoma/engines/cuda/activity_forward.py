@@ -152,7 +152,7 @@ def estimate(theta, layout: Layout, batch, zeta):
     _, outputs, logp = _forward(theta, layout, batch, None, 1, keep=True)
     zt = rt.contiguous(zeta.transpose(1, 0, 2)).reshape(N, -1)  # (N, S)
     ghat = xp.zeros(layout.size, np.float32)
-    tokens = rt.contiguous(batch[:, :-1].T).reshape(N)
+    tokens = rt.contiguous(batch[:, :-1].T).reshape(N).astype(np.int64)  # index arrays: an integer dtype
     onehot = xp.zeros((N, V), np.float32)  # each position's input byte: the embedding's scatter as a GEMM
     onehot[xp.arange(N), tokens] = 1.0
     x = layout.view(theta, "embed")[tokens]  # (N, E): layer 0's input
@@ -170,7 +170,7 @@ def estimate(theta, layout: Layout, batch, zeta):
         z = rt.contiguous(zt[:, L * G:])
     else:  # the readout by its local rule
         z = xp.exp(rt.contiguous(logp.transpose(1, 0, 2)).reshape(N, V))
-        z[xp.arange(N), rt.contiguous(batch[:, 1:].T).reshape(N)] -= 1.0
+        z[xp.arange(N), rt.contiguous(batch[:, 1:].T).reshape(N).astype(np.int64)] -= 1.0
         z *= np.float32(1.0 / (B * T))
     layout.view(ghat, "out.w")[...] = rt.gemm(x.T, z)
     layout.view(ghat, "out.b")[...] = z.sum(axis=0)
