@@ -114,9 +114,9 @@ def test_each_variants_step_on_the_device_is_the_cpus(rt, name):
 
 def test_an_activity_step_launches(rt):
     """The activity step's launches at E=16 H=20, one layer, P=4 one-sided pairs, B=2, T=5: the
-    members' forward is the noise (1 kernel), the table GEMM, per step a recurrent GEMM, a noise
-    kernel and a cell kernel, then one readout GEMM and one softmax kernel (local readout: no logits'
-    noise): 2 + 2T kernels + T + 2 GEMMs; the update: zeta (1 kernel), the clean forward (T + 1
+    members' forward is the noise (1 kernel), the table GEMM, per step a recurrent GEMM and one
+    kernel (the noise and the cell), then one readout GEMM and one softmax kernel (local readout: no
+    logits' noise): 2 + T kernels + T + 2 GEMMs; the update: zeta (1 kernel), the clean forward (T + 1
     kernels, T + 2 GEMMs) and the outer products (w_ih, w_hh, the embedding's two, the readout: 5
     GEMMs)."""
     layout, theta, batch = _setup(ModelConfig(embed=16, hidden=20, layers=1), B=2, T=5)
@@ -127,7 +127,7 @@ def test_an_activity_step_launches(rt):
     T = 5
     with Launches() as forward:
         plus, minus = strategy.losses(ops, theta, layout, batch, pop, {})
-    assert (forward.kernels, forward.gemms) == (2 + 2 * T, T + 2)
+    assert (forward.kernels, forward.gemms) == (2 + T, T + 2)
     coeffs, _ = strategy.coefficients(plus, minus)
     with Launches() as update:
         ops.activity_estimate(theta, layout, batch, coeffs, pop, strategy.readout, strategy.causal)

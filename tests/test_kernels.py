@@ -76,7 +76,8 @@ def test_kernel_compiles_with_nvcc(file, tmp_path):
 def test_kernel_signatures_are_parsed():
     sigs = custom_kernels._signatures()
     assert set(sigs) == {"philox_blocks", "perturb", "spsa_update", "lstm_cell_embed",
-                         "lstm_cell_proj", "log_softmax_nll", "fused_population_loss", "experts_update"}
+                         "lstm_cell_proj", "log_softmax_nll", "fused_population_loss", "experts_update",
+                         "noisy_cell", "add_activity_noise", "weighted_noise"}
     file, params = sigs["perturb"]
     assert file == "noise.cu"
     assert [(p.name, p.ctype, p.pointer) for p in params[:4]] == [

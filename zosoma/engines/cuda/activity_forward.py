@@ -13,9 +13,9 @@ Mirrors the CPU engine one for one and is checked against it (tests/test_activit
 Shapes: M members, B batch, R = M B rows (row m B + b: member m's copy of batch row b), T time,
 E embed, H hidden, G = 4H, L layers, V = 256, S the noisy pre-activations of one position. The
 members share theta, so the forward is ONE model over R rows: per layer one GEMM of the input
-projection (layer 0: the table embed @ w_ih, gathered by byte), per step one recurrent GEMM, one
-noise kernel and one cell kernel; the readout one GEMM, one noise kernel (perturbed logits) and one
-softmax kernel per chunk of time steps. The estimate's outer products sum_t z_t u_t^T are GEMMs
+projection (layer 0: the table embed @ w_ih, gathered by byte), per step one recurrent GEMM and
+one kernel that adds the noise and runs the cell; the readout one GEMM, one noise kernel (perturbed
+logits) and one softmax kernel per chunk of time steps. The estimate's outer products sum_t z_t u_t^T are GEMMs
 over the B T positions of a clean forward's inputs (the embedding's scatter by byte a one-hot GEMM).
 """
 
@@ -49,11 +49,19 @@ def draw(layout: Layout, B: int, T: int, seed: int, expert: int, step: int, dire
 
 
 class _Noise:
-    """Member m's noise sign[m] * scale * Z[index[m]] as the noise kernel reads it (None: no noise)."""
+    """Member m's noise sign[m] * scale * Z[index[m]] as the kernels read it (None: no noise)."""
 
     def __init__(self, Z, index, sign, scale: float, B: int):
         self.Z, self.scale, self.B = Z, np.float32(scale), B
         self.index, self.sign = to_device(index, np.int32), to_device(sign, np.float32)
+
+    def cell(self, gates, table, xproj, rows, embed: int, bias, c, h, hs, t: int, lo: int) -> None:
+        """Step t of one layer: gates (1, R, G) += each row's noise on S columns lo:lo + G, then the
+        cell (table: layer 0's input projection by byte, rows (R, T + 1) the bytes; else xproj)."""
+        J, B, T, S = self.Z.shape
+        R, H = gates.shape[1], gates.shape[2] // 4
+        custom_kernels.launch("noisy_cell", R * H, gates, table, xproj, rows, rows.shape[1], embed, bias, c, h, hs,
+                              R, H, t, self.Z, self.index, self.sign, self.scale, B, T, S, lo)
 
     def add(self, rows, t: int, steps: int, lo: int, hi: int) -> None:
         """rows (steps, R, hi - lo) += each row's noise at time steps t .. t + steps - 1, S columns lo:hi."""
@@ -89,9 +97,10 @@ def _forward(theta, layout: Layout, batch, noise: _Noise | None, M: int, keep: b
         h, c = rt.zeros((1, R, H)), rt.zeros((1, R, H))
         for t in range(T):
             rt.gemm(h, w[f"lstm{layer}.w_hh"], out=gates)
-            if noise is not None:
-                noise.add(gates, t, 1, layer * G, (layer + 1) * G)
-            if layer == 0:
+            if noise is not None:  # the noise and the cell in one launch
+                noise.cell(gates, table, xproj if layer else table, rows, int(layer == 0), bias, c, h, hs, t,
+                           layer * G)
+            elif layer == 0:
                 custom_kernels.launch("lstm_cell_embed", R * H, gates, table, tokens, 0, T + 1, t, bias, c, h, hs,
                                       1, R, H, T, t)
             else:
