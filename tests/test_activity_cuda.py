@@ -114,11 +114,12 @@ def test_each_variants_step_on_the_device_is_the_cpus(rt, name):
 
 def test_an_activity_step_launches(rt):
     """The activity step's launches at E=16 H=20, one layer, P=4 one-sided pairs, B=2, T=5: the
-    members' forward is the noise (1 kernel), the table GEMM, per step a recurrent GEMM and one
-    kernel (the noise and the cell), then one readout GEMM and one softmax kernel (local readout: no
-    logits' noise): 2 + T kernels + T + 2 GEMMs; the update: zeta (1 kernel), the clean forward (T + 1
-    kernels, T + 2 GEMMs) and the outer products (w_ih, w_hh, the embedding's two, the readout: 5
-    GEMMs)."""
+    members' forward (the update's clean rows riding along) is the noise (1 kernel), the table GEMM,
+    per step a recurrent GEMM and one kernel (the noise and the cell), then one readout GEMM and one
+    softmax kernel (local readout: no logits' noise): 2 + T kernels + T + 2 GEMMs. The update: zeta
+    (1 kernel), the readout's delta rule (1 GEMM, 1 softmax kernel) and the outer products (w_ih,
+    w_hh, the embedding's two, the readout: 5 GEMMs). At another theta (a copy) the clean forward
+    runs in the update instead (T kernels, T + 1 GEMMs more), to the same estimate within float32."""
     layout, theta, batch = _setup(ModelConfig(embed=16, hidden=20, layers=1), B=2, T=5)
     cfg = TrainConfig(optimizer="activity-onesided", perturbations=4, batch=2, seq_len=5, shaping=(), warmup=0)
     strategy, ops = make_strategy(cfg), cuda_ops.CudaOps()
@@ -130,8 +131,12 @@ def test_an_activity_step_launches(rt):
     assert (forward.kernels, forward.gemms) == (2 + T, T + 2)
     coeffs, _ = strategy.coefficients(plus, minus)
     with Launches() as update:
-        ops.activity_estimate(theta, layout, batch, coeffs, pop, strategy.readout, strategy.causal)
-    assert (update.kernels, update.gemms) == (1 + T + 1, T + 2 + 5)
+        kept = ops.activity_estimate(theta, layout, batch, coeffs, pop, strategy.readout, strategy.causal)
+    assert (update.kernels, update.gemms) == (2, 6)
+    with Launches() as fresh:
+        ghat = ops.activity_estimate(theta.copy(), layout, batch, coeffs, pop, strategy.readout, strategy.causal)
+    assert (fresh.kernels, fresh.gemms) == (2 + T, 6 + T + 1)
+    assert_close(to_numpy(kept), to_numpy(ghat), atol=1e-7, rtol=1e-5, name="kept vs fresh clean forward")
 
 
 @pytest.fixture

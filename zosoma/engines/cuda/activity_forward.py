@@ -15,8 +15,9 @@ E embed, H hidden, G = 4H, L layers, V = 256, S the noisy pre-activations of one
 members share theta, so the forward is ONE model over R rows: per layer one GEMM of the input
 projection (layer 0: the table embed @ w_ih, gathered by byte), per step one recurrent GEMM and
 one kernel that adds the noise and runs the cell; the readout one GEMM, one noise kernel (perturbed
-logits) and one softmax kernel per chunk of time steps. The estimate's outer products sum_t z_t u_t^T are GEMMs
-over the B T positions of a clean forward's inputs (the embedding's scatter by byte a one-hot GEMM).
+logits) and one softmax kernel per chunk of time steps. The update's clean forward rides along as B
+rows more (a member with sign 0). The estimate's outer products sum_t z_t u_t^T are GEMMs over the
+B T positions of the clean forward's inputs (the embedding's scatter by byte a one-hot GEMM).
 """
 
 from __future__ import annotations
@@ -71,11 +72,11 @@ class _Noise:
                               R, B, T, S, t, steps, lo, hi - lo)
 
 
-def _forward(theta, layout: Layout, batch, noise: _Noise | None, M: int, keep: bool = False):
+def _forward(theta, layout: Layout, batch, noise: _Noise | None, M: int, readout: bool = True):
     """The forward of M members over R = M B rows of the (B, T + 1) device batch, one theta, noise
     added to every layer's gates before its cell and (S > L G) to the logits before the softmax.
-    Returns nll (R, T) device float32 and, when keep, every layer's outputs (T, R, H) and the
-    log-probabilities (R, T, V) (a clean forward's inputs for the estimate)."""
+    Returns every layer's outputs (T, R, H) device float32 and, with the readout, nll (R, T)
+    (else None)."""
     rt = runtime()
     xp = rt.xp
     cfg = layout.config
@@ -107,29 +108,37 @@ def _forward(theta, layout: Layout, batch, noise: _Noise | None, M: int, keep: b
                 custom_kernels.launch("lstm_cell_proj", R * H, gates, xproj, bias, c, h, hs, 1, R, H, T, t)
         below = hs
         outputs.append(hs[0])
+    if not readout:
+        return outputs, None
     nll = xp.empty((1, R, T), np.float32)
-    logp = xp.empty((1, R, T, V) if keep else (1,), np.float32)
     Tc = max(1, min(T, LOGIT_FLOATS // (R * V)))
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
         logits = rt.gemm(below[:, t0:t0 + n].reshape(1, n * R, H), w["out.w"])  # (1, n R, V): rows (t, r)
         if S > L * G:
             noise.add(logits, t0, n, L * G, S)
-        custom_kernels.launch("log_softmax_nll", n * R, logits, w["out.b"], targets, 0, T + 1, nll, logp,
-                              int(keep), 1, R, T, t0, n)
-    return nll[0], outputs, (logp[0] if keep else None)
+        custom_kernels.launch("log_softmax_nll", n * R, logits, w["out.b"], targets, 0, T + 1, nll, nll, 0, 1, R, T,
+                              t0, n)
+    return outputs, nll[0]
 
 
-def member_nats(theta, layout: Layout, batch, scale: float, Z, index, sign):
+def member_nats(theta, layout: Layout, batch, scale: float, Z, index, sign, clean: bool = False):
     """(M, B, T) device float32: the nats of every row's every target under member m, its
     pre-activations plus sign[m] * scale * Z[index[m]] (noisy_forward.member_losses). Z (J, B, T, S)
-    device float32 (draw); index (M,) and sign (M,) the member table; batch (B, T + 1) uint8."""
+    device float32 (draw); index (M,) and sign (M,) the member table; batch (B, T + 1) uint8.
+    clean: one more member without noise (sign 0) rides in the same forward, and (nats, its every
+    layer's outputs (T, B, H)) come back: the update's clean forward (`estimate`'s outputs)."""
     theta = to_device(theta)
     batch = runtime().xp.ascontiguousarray(runtime().xp.asarray(batch, np.uint8))
     B, T = batch.shape[0], batch.shape[1] - 1
     M = len(index)
-    nll, _, _ = _forward(theta, layout, batch, _Noise(Z, index, sign, scale, B), M)
-    return nll.reshape(M, B, T)
+    if clean:
+        index, sign = np.append(np.asarray(index, np.int32), 0), np.append(np.asarray(sign, np.float32), 0)
+    outputs, nll = _forward(theta, layout, batch, _Noise(Z, index, sign, scale, B), len(index))
+    nats = nll[:M * B].reshape(M, B, T)
+    if not clean:
+        return nats
+    return nats, [runtime().contiguous(hs[:, M * B:]) for hs in outputs]
 
 
 def weighted_noise(w_gates, w_logits, Z, gates: int):
@@ -144,12 +153,13 @@ def weighted_noise(w_gates, w_logits, Z, gates: int):
     return zeta
 
 
-def estimate(theta, layout: Layout, batch, zeta):
+def estimate(theta, layout: Layout, batch, zeta, outputs=None):
     """ghat (d,) device float32: the outer products of zeta (B, T, S) device float32 with the inputs
     of a clean forward at theta on the (B, T + 1) batch (node_perturbation.estimate): per layer
     w_ih += u_t^T z_t, w_hh += h_(t-1)^T z_t, bias += z_t; the embedding's rows by byte through
     layer 0's w_ih^T; the readout from the logits' noise, or with none in zeta (S = L G) its exact
-    delta rule (softmax - onehot) / (B T) of the same clean forward."""
+    delta rule (softmax - onehot) / (B T) of the same clean forward. outputs: that forward's every
+    layer's outputs (T, B, H), when the members' forward ran it (member_nats' clean); None: run here."""
     rt = runtime()
     xp = rt.xp
     theta = to_device(theta)
@@ -158,7 +168,8 @@ def estimate(theta, layout: Layout, batch, zeta):
     H, G, L, V = cfg.hidden, 4 * cfg.hidden, cfg.layers, VOCAB
     B, T = batch.shape[0], batch.shape[1] - 1
     N = T * B  # positions, time-major: row t B + b, as the forward's outputs
-    _, outputs, logp = _forward(theta, layout, batch, None, 1, keep=True)
+    if outputs is None:
+        outputs, _ = _forward(theta, layout, batch, None, 1, readout=False)
     zt = rt.contiguous(zeta.transpose(1, 0, 2)).reshape(N, -1)  # (N, S)
     ghat = xp.zeros(layout.size, np.float32)
     tokens = rt.contiguous(batch[:, :-1].T).reshape(N).astype(np.int64)  # index arrays: an integer dtype
@@ -177,8 +188,12 @@ def estimate(theta, layout: Layout, batch, zeta):
         x = hs
     if zt.shape[1] > L * G:
         z = rt.contiguous(zt[:, L * G:])
-    else:  # the readout by its local rule
-        z = xp.exp(rt.contiguous(logp.transpose(1, 0, 2)).reshape(N, V))
+    else:  # the readout by its local rule, from the clean forward's log-probabilities
+        logits = rt.gemm(x[None], layout.view(theta, "out.w")[None])  # (1, N, V): rows (t, b)
+        nll, logp = xp.empty((1, B, T), np.float32), xp.empty((1, B, T, V), np.float32)
+        custom_kernels.launch("log_softmax_nll", N, logits, layout.view(theta, "out.b"), batch[None, :, 1:], 0, T + 1,
+                              nll, logp, 1, 1, B, T, 0, T)
+        z = xp.exp(rt.contiguous(logp[0].transpose(1, 0, 2)).reshape(N, V))
         z[xp.arange(N), rt.contiguous(batch[:, 1:].T).reshape(N).astype(np.int64)] -= 1.0
         z *= np.float32(1.0 / (B * T))
     layout.view(ghat, "out.w")[...] = rt.gemm(x.T, z)
