@@ -221,11 +221,12 @@ def test_the_engines_noise_combination_is_the_references(causal):
 
 
 def test_an_engine_that_is_not_the_cpus_fp32_forward_refuses_it():
-    """Activity perturbation has no emulated-precision, ONNX Runtime or CUDA forward yet: such an
-    engine says so in one line instead of training in fp32 on the host."""
+    """Activity perturbation has no emulated-precision or ONNX Runtime forward yet (the CUDA
+    engine's: tests/test_activity_cuda.py): such an engine says so in one line instead of training
+    in fp32 on the host."""
     from zosoma.engines import get_ops
 
     layout, theta, batch = setup(ModelConfig(embed=4, hidden=3, layers=1))
     ops = get_ops("cpu", "native", "bf16")
-    with pytest.raises(ConfigError, match="activity perturbation runs on the CPU engine's fp32 forward only"):
+    with pytest.raises(ConfigError, match="activity perturbation runs on the fp32 forwards of the CPU and CUDA engines only, not on cpu-bf16"):
         ops.activity_losses(theta.astype(np.float32), layout, batch, Population(2, 1e-2, 0, 0, 0))

@@ -77,7 +77,7 @@ def test_kernel_signatures_are_parsed():
     sigs = custom_kernels._signatures()
     assert set(sigs) == {"philox_blocks", "perturb", "spsa_update", "lstm_cell_embed",
                          "lstm_cell_proj", "log_softmax_nll", "fused_population_loss", "experts_update",
-                         "route_embed"}
+                         "route_embed", "noisy_cell", "add_activity_noise", "weighted_noise"}
     file, params = sigs["perturb"]
     assert file == "noise.cu"
     assert [(p.name, p.ctype, p.pointer) for p in params[:4]] == [

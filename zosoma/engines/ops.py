@@ -227,7 +227,8 @@ class Ops:
         (zosoma.engines.cpu.noisy_forward); the noise is kept for activity_estimate of the same
         population."""
         if self.precision != "fp32" or self.device != "cpu" or type(self).population_loss is not Ops.population_loss:
-            raise ConfigError(f"activity perturbation runs on the CPU engine's fp32 forward only, not on {self.name}")
+            raise ConfigError("activity perturbation runs on the fp32 forwards of the CPU and CUDA engines only, "
+                              f"not on {self.name}")
         pairs = range(pop.P) if pairs is None else pairs
         timings = {} if timings is None else timings
         batch = np.asarray(batch)

@@ -17,6 +17,8 @@ studies/gpu_check.py):
     spsa_update(theta, coeffs, lr, seed, ...)          zosoma.engines.ops.Ops.sgd_update (fused)
     spsa_losses(theta, layout, batch, P, eps, ...)     Ops.perturbed_losses of a dense Population
     experts_losses(thetas, layout, batches, pops)      Ops.experts_perturbed_losses: N experts, one launch
+    activity_forward.member_nats / .estimate            Ops.activity_losses / activity_estimate (node
+                                                       perturbation: zosoma.engines.cpu.noisy_forward)
 
 Inputs may be NumPy or CuPy arrays (NumPy ones are copied to the device on each call, so keep theta
 on the device across steps: `to_device`); array results stay on the device, except the per-member
@@ -32,7 +34,7 @@ import numpy as np
 
 from zosoma.arrays import to_numpy
 from zosoma.engines.cpu.lowrank import eggroll_step
-from zosoma.engines.cuda import device_routing
+from zosoma.engines.cuda import activity_forward, device_routing
 from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs, nll_stream, population_loss,
                                              spsa_losses, step_path)
 from zosoma.engines.cuda.cuda_noise import perturb, plain_rows, spsa_gradient, spsa_update
@@ -41,6 +43,7 @@ from zosoma.engines.cuda.fused_forward import experts_losses
 from zosoma.engines.cuda.grouped import grouped_nll
 from zosoma.engines.cuda.tensor_cores import check_gemm_format, gemm_format
 from zosoma.engines.ops import Ops
+from zosoma.model import node_perturbation
 from zosoma.model.noise import KINDS, noise_length, split_factors
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
@@ -157,3 +160,55 @@ class CudaOps(Ops):
         factors = split_factors(z.astype(np.float64), layout, r)
         return eggroll_step(theta, layout, self.xp.asarray(np.asarray(coeffs, np.float64)), lr,
                                     pop.scale, r, pop.seed, pop.expert, pop.step, factors=factors)
+
+    # --- activity (node) perturbation: zosoma.engines.cuda.activity_forward ------------------------
+
+    # (Population, directions, (J, B, T, S) device float32, theta, batch, outputs): the noise last drawn and
+    # the clean forward's every layer's outputs (T, B, H), which rode with the members at that theta and batch
+    _activity_kept = None
+
+    def activity_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
+                        timings: dict | None = None, readout: str = "perturb", positions: bool = False):
+        """Ops.activity_losses on the device: the noise drawn there from the same counters, the
+        2 len(pairs) members as one forward over their 2 len(pairs) B rows, with the update's clean
+        forward as B rows more; only the nats (one per member, row and target) reach the host. The
+        noise and the clean forward's outputs stay on the device for activity_estimate."""
+        pairs = range(pop.P) if pairs is None else pairs
+        t0 = time.perf_counter()
+        B, T = np.shape(batch)[0], np.shape(batch)[1] - 1
+        table = pop.direction[pop.rows(pairs)]
+        directions = sorted(set(table.tolist()))  # each noise drawn once: a pair's two members may share it
+        Z = activity_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, directions, pop.kind, readout)
+        with gemm_format(self.gemm):
+            nats, outputs = activity_forward.member_nats(theta, layout, batch, pop.scale, Z,
+                                                         np.searchsorted(directions, table), pop.sign[pop.rows(pairs)],
+                                                         clean=True)
+        nats = self.to_numpy(nats).astype(np.float64)
+        plus, minus = np.ascontiguousarray(nats[0::2]), np.ascontiguousarray(nats[1::2])
+        if not positions:
+            plus, minus = plus.mean(axis=-1), minus.mean(axis=-1)
+        self._activity_kept = (pop, directions, Z, theta, np.array(self.to_numpy(batch)), outputs)
+        if timings is not None:  # noise and forward both on the device: all of it is forward
+            timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
+        return plus, minus
+
+    def activity_estimate(self, theta, layout: Layout, batch, coeffs, pop: Population, readout: str = "perturb",
+                          causal: bool = False):
+        """Ops.activity_estimate on the device: the scalars' weights (node_perturbation.credit, on the
+        host) go up, zeta and the outer products are made there, ghat stays there. The clean
+        forward's outputs are activity_losses' when it ran this population at this very theta (the
+        same array: theta is never changed in place) and batch; else the clean forward runs here."""
+        B, T = np.shape(batch)[0], np.shape(batch)[1] - 1
+        kept = self._activity_kept
+        S, J = node_perturbation.width(layout, readout), pop.directions
+        ours = kept is not None and kept[0] == pop
+        if ours and kept[1] == list(range(J)) and kept[2].shape[3] == S:
+            Z = kept[2]
+        else:
+            Z = activity_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, range(J), pop.kind, readout)
+        same = ours and kept[3] is theta and np.array_equal(kept[4], self.to_numpy(batch))
+        coeffs = np.asarray(coeffs, np.float64).reshape((J, B, T) if causal else (J, B))
+        gates = 4 * layout.config.hidden * layout.config.layers
+        zeta = activity_forward.weighted_noise(*node_perturbation.credit(coeffs, causal), Z, gates)
+        with gemm_format(self.gemm):
+            return activity_forward.estimate(theta, layout, batch, zeta, kept[5] if same else None)

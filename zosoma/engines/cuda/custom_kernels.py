@@ -21,7 +21,7 @@ import numpy as np
 from zosoma.engines.cuda import backend
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-KERNEL_FILES = ("noise.cu", "lstm.cu", "fused.cu", "route.cu")
+KERNEL_FILES = ("noise.cu", "lstm.cu", "fused.cu", "route.cu", "activity.cu")
 BLOCK = 256  # threads per block of the kernels launched by `launch`
 
 
