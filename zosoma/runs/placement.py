@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from zosoma.errors import ConfigError
 
-EXECUTORS = ("inline", "local", "ray")
+EXECUTORS = ("inline", "local", "ray", "together")
 RAY_ONLY = ("address", "cpus_per_unit", "gpus_per_unit")
 
 
 @dataclass(frozen=True)
 class Placement:
-    executor: str | None = None  # EXECUTORS; None: local processes (inline for a single unit)
+    executor: str | None = None  # EXECUTORS; None: local processes (inline for a single unit), together on a device
     workers: int | None = None  # local worker processes for independent units (None: the cores)
     population_workers: int | None = None  # W: one model's P pairs spread over W workers
     address: str | None = None  # ray: the cluster to join (None: start Ray on this machine)

@@ -137,6 +137,18 @@ class Strategy:
         the counters by the engine (a probe design's)."""
         return self.probes is not None
 
+    @property
+    def engine_losses(self) -> bool:
+        """Whether its losses are the engine's perturbed_losses of its population (all pairs), so an
+        engine may evaluate several models' steps together (Ops.experts_perturbed_losses)."""
+        return type(self).losses is Strategy.losses and not self.host_members
+
+    @property
+    def fused_update(self) -> bool:
+        """Whether its update is the engine's fused regenerate-and-apply step (Ops.sgd_update)
+        alone, so an engine may apply several models' steps together (Ops.experts_sgd_update)."""
+        return type(self).update is Strategy.update and self.probes is None and not self.transforms
+
     _kept = None  # (pop, state, U): the directions of the step in progress, for its update
 
     def directions(self, pop: Population, layout: Layout, d: int, state: dict) -> np.ndarray:
@@ -162,7 +174,7 @@ class Strategy:
         """(new theta, new state) from the step's scalars; the inputs are left untouched. A dense
         strategy's: the estimate, its update transforms, a step down the result; with neither a
         probe design nor a transform, the engine's fused regenerate-and-apply step (the paper's)."""
-        if self.probes is None and not self.transforms:
+        if self.fused_update:
             return ops.sgd_update(theta, coeffs, pop, lr, self.cfg.weight_decay), state
         direction, state = self.transforms(self.estimate(ops, layout, theta, state, coeffs, pop), state, pop.step)
         if self.probes is not None:
@@ -221,6 +233,27 @@ class Told:
     lr: float
     skipped: bool
     record: dict
+
+
+def apply_together(steps: list[tuple]) -> list[tuple]:
+    """Strategy.apply of several models' steps, each (ops, strategy, layout, theta, state, coeffs,
+    pop, restarts), as its results in order: those whose update is the engine's fused step (finite
+    scalars, Strategy.fused_update) in one ops.experts_sgd_update call per engine (one launch on a
+    GPU), each with the rate and state Strategy.apply gives it; the others one by one."""
+    out: list = [None] * len(steps)
+    fused: dict = {}
+    for i, (ops, strategy, layout, theta, state, coeffs, pop, restarts) in enumerate(steps):
+        if strategy.fused_update and finite(coeffs):
+            fused.setdefault(id(ops), []).append(i)
+        else:
+            out[i] = strategy.apply(ops, layout, theta, state, coeffs, pop, restarts)
+    for ids in fused.values():
+        ops, lrs = steps[ids[0]][0], [lr_at(steps[i][1].cfg, steps[i][6].step, steps[i][7]) for i in ids]
+        thetas = ops.experts_sgd_update([steps[i][3] for i in ids], [steps[i][5] for i in ids],
+                                        [steps[i][6] for i in ids], lrs, [steps[i][1].cfg.weight_decay for i in ids])
+        for i, lr, theta in zip(ids, lrs, thetas):
+            out[i] = (theta, steps[i][4], lr, False)
+    return out
 
 
 def finite(coeffs: np.ndarray) -> bool:

@@ -18,6 +18,7 @@ The folder's files are zosoma.runs.folder's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -281,6 +282,16 @@ class ExpertUnit(SendsEngine):
     ops: Ops  # the run's engine: this one inline, rebuilt from its record in another process
 
     def __call__(self, stopping: Callable[[], bool]) -> Iterator:
+        with self.opened() as (trainer, notes):
+            yield from notes
+            # cores that other experts left free at the end of the run share this one's population
+            yield from train(trainer, stopping, borrower(trainer))
+
+    @contextlib.contextmanager
+    def opened(self):
+        """Within the block, the expert's folder locked and (its Trainer at the newest checkpoint,
+        the Note records of a damaged checkpoint or metrics.jsonl passed over): `train` it, or
+        train it together with others (zosoma.workers.executor.Together)."""
         folder = RunFolder(self.run_dir).expert(self.expert)
         # wait: a worker of a killed run may still be finishing its step in this folder
         with folder.lock(wait=True), noting_fallbacks() as fallbacks:
@@ -289,9 +300,7 @@ class ExpertUnit(SendsEngine):
             trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
                               from_checkpoint(ckpt), self.ops, expert=self.expert,
                               extra={"data": self.soma.data.to_json(), "loss": self.soma.loss})
-            yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
-            # cores that other experts left free at the end of the run share this one's population
-            yield from train(trainer, stopping, borrower(trainer))
+            yield trainer, fallbacks()
 
 
 def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:

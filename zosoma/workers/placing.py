@@ -9,18 +9,27 @@ import os
 
 from zosoma.errors import ConfigError
 from zosoma.runs.placement import Placement
-from zosoma.workers.executor import Inline, LocalProcesses
+from zosoma.workers.executor import Inline, LocalProcesses, Together
 from zosoma.workers.population_workers import InProcess, Processes, Sharding
 from zosoma.workers.ray_executor import RayExecutor, RayWorkers
 
 
 def executor(placement: Placement, units: int, workers: int | None = None):
     """The executor of `units` independent units: inline; `workers` local processes (default
-    placement.workers, else the machine's cores; inline for one); or Ray tasks."""
+    placement.workers, else the machine's cores; inline for one); Ray tasks; or SOMA's experts
+    together in this process (the default on a device: its launches, not its FLOPs, set the pace)."""
     if placement.executor == "ray":
         return RayExecutor(placement.address, placement.cpus_per_unit, placement.gpus_per_unit)
+    if placement.executor == "together" or (placement.executor is None and on_device(placement)):
+        return Together()
     n = max(1, min(units, workers or placement.workers or os.cpu_count() or 1))
     return Inline() if placement.executor == "inline" or n == 1 else LocalProcesses(n)
+
+
+def on_device(placement: Placement) -> bool:
+    """Whether the placement's forwards run on an accelerator."""
+    from zosoma.engines import get_ops
+    return placement.device != "cpu" and get_ops(placement.device).on_device
 
 
 def study_executor(placement: Placement, units: int, jobs: int | None = None):
