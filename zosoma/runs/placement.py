@@ -36,11 +36,14 @@ class Placement:
 
     def replaced(self, given: dict) -> "Placement":
         """This placement with the options in `given` replaced; the Ray options fall away when
-        the executor is no longer Ray (a Ray run resumed with --executor local)."""
+        the executor is no longer Ray (a Ray run resumed with --executor local), the local
+        processes' count when it is together."""
         fields = {**dataclasses.asdict(self), **given}
         if fields["executor"] != "ray":
             for name in set(RAY_ONLY) - set(given):
                 fields[name] = Placement.__dataclass_fields__[name].default
+        if fields["executor"] == "together" and "workers" not in given:  # nor local processes
+            fields["workers"] = None
         return Placement(**fields)
 
     def describe(self) -> str:
@@ -52,7 +55,9 @@ class Placement:
 
 def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
     """The Ray options set (`ray_options`, by field name) need the Ray executor; a count of local
-    processes (`workers`, given as `workers_option`) does not go with it."""
+    processes (`workers`, given as `workers_option`) goes with neither Ray nor together."""
+    if executor == "together" and workers is not None:
+        raise ConfigError(f"{workers_option} counts local processes; --executor together runs every unit in this process")
     if executor != "ray":
         if ray_options:
             raise ConfigError(f"--{ray_options[0].replace('_', '-')} is for --executor ray")
