@@ -28,7 +28,7 @@ import numpy as np
 
 from zosoma.runs.records import Continued, Dropped, Failed, Finished, Stopped
 from zosoma.runs.trainer import Trainer
-from zosoma.strategies.base import apply_together
+from zosoma.strategies.base import Pending, apply_together
 from zosoma.workers.executor import one_line
 
 
@@ -107,8 +107,8 @@ def step_together(trainers: Sequence[Trainer]) -> list:
     coefficients = [t.coefficients(*pair) for t, pair in zip(trainers, losses)]
     t0 = time.perf_counter()
     shaped = [t.shaped(c) for t, (c, _) in zip(trainers, coefficients)]
-    applied = apply_together([(t.ops, t.strategy, t.layout, t.state.theta, t.state.optimizer, coeffs, pop,
-                               t.stepper.restarts) for t, (pop, coeffs, _, _) in zip(trainers, shaped)])
+    applied = apply_together([Pending(t.ops, t.strategy, t.layout, t.state.theta, t.state.optimizer, coeffs, pop,
+                                      t.stepper.restarts) for t, (pop, coeffs, _, _) in zip(trainers, shaped)])
     _share(trainers, pops, "update", time.perf_counter() - t0)
     return [t.commit(loss, pop, a, shaping, record)
             for t, (_, loss), (pop, _, shaping, record), a in zip(trainers, coefficients, shaped, applied)]

@@ -37,6 +37,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -235,24 +236,38 @@ class Told:
     record: dict
 
 
-def apply_together(steps: list[tuple]) -> list[tuple]:
-    """Strategy.apply of several models' steps, each (ops, strategy, layout, theta, state, coeffs,
-    pop, restarts), as its results in order: those whose update is the engine's fused step (finite
-    scalars, Strategy.fused_update) in one ops.experts_sgd_update call per engine (one launch on a
-    GPU), each with the rate and state Strategy.apply gives it; the others one by one."""
+class Pending(NamedTuple):
+    """One model's step whose shaped scalars await Strategy.apply (apply_together)."""
+    ops: object  # the model's engine
+    strategy: Strategy
+    layout: Layout
+    theta: object  # (d,) float32 engine array
+    state: dict  # the strategy's state
+    coeffs: np.ndarray  # the step's shaped scalars
+    pop: Population
+    restarts: int
+
+
+def apply_together(steps: list[Pending]) -> list[tuple]:
+    """Strategy.apply of several models' steps, its results in order: those whose update is the
+    engine's fused step (finite scalars, Strategy.fused_update) in one ops.experts_sgd_update call
+    per engine (one launch on a GPU), each at the rate and with the state Strategy.apply gives it;
+    the others one by one."""
     out: list = [None] * len(steps)
     fused: dict = {}
-    for i, (ops, strategy, layout, theta, state, coeffs, pop, restarts) in enumerate(steps):
-        if strategy.fused_update and finite(coeffs):
-            fused.setdefault(id(ops), []).append(i)
+    for i, s in enumerate(steps):
+        if s.strategy.fused_update and finite(s.coeffs):
+            fused.setdefault(id(s.ops), []).append(i)
         else:
-            out[i] = strategy.apply(ops, layout, theta, state, coeffs, pop, restarts)
+            out[i] = s.strategy.apply(s.ops, s.layout, s.theta, s.state, s.coeffs, s.pop, s.restarts)
     for ids in fused.values():
-        ops, lrs = steps[ids[0]][0], [lr_at(steps[i][1].cfg, steps[i][6].step, steps[i][7]) for i in ids]
-        thetas = ops.experts_sgd_update([steps[i][3] for i in ids], [steps[i][5] for i in ids],
-                                        [steps[i][6] for i in ids], lrs, [steps[i][1].cfg.weight_decay for i in ids])
-        for i, lr, theta in zip(ids, lrs, thetas):
-            out[i] = (theta, steps[i][4], lr, False)
+        group = [steps[i] for i in ids]
+        lrs = [lr_at(s.strategy.cfg, s.pop.step, s.restarts) for s in group]
+        thetas = group[0].ops.experts_sgd_update([s.theta for s in group], [s.coeffs for s in group],
+                                                 [s.pop for s in group], lrs,
+                                                 [s.strategy.cfg.weight_decay for s in group])
+        for i, s, lr, theta in zip(ids, group, lrs, thetas):
+            out[i] = (theta, s.state, lr, False)
     return out
 
 
