@@ -20,6 +20,7 @@ The Ray line also gives its overhead per expert-step against the local processes
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import tempfile
@@ -97,7 +98,8 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
         tmp = Path(tmp)
         create_soma(tmp / "soma", model, cfg, experts)
         run = open_soma(tmp / "soma")
-        executors = [("inline", Inline()), (f"local processes ({experts})", LocalProcesses(experts)),
+        workers = min(experts, os.cpu_count() or 1)  # as `zosoma train` places them by default
+        executors = [("inline", Inline()), (f"local processes ({workers})", LocalProcesses(workers)),
                      ("together (this process)", Together())]
         if ray_executor is not None:
             executors.append((f"Ray tasks ({experts} x 1 CPU)", ray_executor))
