@@ -168,3 +168,22 @@ def test_train_executor_together_from_the_command_line(tmp_path, two_domains):
     with pytest.raises(ConfigError, match="--executor together runs every unit"):
         Placement(executor="together", workers=2)
     assert Placement(executor="local", workers=2).replaced({"executor": "together"}).workers is None
+
+
+def test_together_is_the_default_on_a_device_and_asked_for_on_the_cpu(monkeypatch):
+    """SOMA's experts go together where the forwards run on an accelerator, and where asked; on
+    the CPU they stay in local processes (results/soma-together.txt); units that open no model
+    (a study's runs) run inline under together."""
+    from zosoma import engines
+    from zosoma.runs.placement import Placement
+    from zosoma.workers.executor import LocalProcesses
+    from zosoma.workers.placing import executor
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert isinstance(executor(Placement(), 4), LocalProcesses)
+    assert isinstance(executor(Placement(executor="together"), 4), Together)
+    monkeypatch.setattr(engines, "get_ops", lambda device: type("Device", (), {"on_device": True})())
+    assert isinstance(executor(Placement(device="cuda"), 4), Together)
+    assert isinstance(executor(Placement(device="cuda", executor="local"), 4), LocalProcesses)
+    ran = list(Together().run([lambda stopping: iter(["a"]), lambda stopping: iter(["b"])]))
+    assert ran == ["a", "b"]
