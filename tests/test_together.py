@@ -187,3 +187,39 @@ def test_together_is_the_default_on_a_device_and_asked_for_on_the_cpu(monkeypatc
     assert isinstance(executor(Placement(device="cuda", executor="local"), 4), LocalProcesses)
     ran = list(Together().run([lambda stopping: iter(["a"]), lambda stopping: iter(["b"])]))
     assert ran == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it_held(tmp_path, monkeypatch):
+    """Together as Inline: an expert whose folder cannot be read is Failed (its unit index), the
+    others train; a step that raises fails every expert still training (they shared it), once."""
+    from zosoma.runs import together
+    from zosoma.runs.records import Failed
+
+    text = text_corpus(tmp_path)
+    cfg = dataclasses.replace(CFG, steps=3)
+    create_soma(tmp_path / "r", MODEL, cfg, 3, chunk_size=256, train_paths=[str(text)])
+    run = open_soma(tmp_path / "r")
+    for f in RunFolder(tmp_path / "r").expert(1).path.glob("checkpoint*.h5"):
+        f.unlink()
+    units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, Ops()) for i in range(3)]
+    records = list(Together().run(units))
+    assert [r.unit for r in records if isinstance(r, Failed)] == [1]
+    assert {r.expert for r in records if isinstance(r, Finished)} == {0, 2}
+
+    create_soma(tmp_path / "s", MODEL, cfg, 2, chunk_size=256, train_paths=[str(text)])
+    run = open_soma(tmp_path / "s")
+    real, calls = together.step_together, []
+
+    def failing(trainers):
+        calls.append(len(trainers))
+        if len(calls) == 2:
+            raise RuntimeError("the device fell over\nand more")
+        return real(trainers)
+
+    monkeypatch.setattr(together, "step_together", failing)
+    units = [ExpertUnit(str(run.folder), run.soma, run.corpora[i], i, Ops()) for i in range(2)]
+    records = list(Together().run(units))
+    assert [(r.unit, r.error) for r in records if isinstance(r, Failed)] == [
+        (0, "RuntimeError: the device fell over"), (1, "RuntimeError: the device fell over")]
+    assert [RunFolder(tmp_path / "s").expert(i).read_checkpoint().step for i in range(2)] == [0, 0]  # none taken
