@@ -223,3 +223,21 @@ def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it
     assert [(r.unit, r.error) for r in records if isinstance(r, Failed)] == [
         (0, "RuntimeError: the device fell over"), (1, "RuntimeError: the device fell over")]
     assert [RunFolder(tmp_path / "s").expert(i).read_checkpoint().step for i in range(2)] == [0, 0]  # none taken
+
+
+@pytest.mark.slow
+def test_the_summed_ablation_evaluates_every_experts_members_in_one_launch(tmp_path, rt, monkeypatch):
+    """The summed-loss ablation's lockstep (zosoma.training.soma.train_lockstep) takes its losses
+    together too: on the CUDA engine one fused launch a step for all its experts' members."""
+    from zosoma.engines.cuda import custom_kernels
+    from zosoma.engines.cuda.cuda_ops import CudaOps
+    from zosoma.training.soma import lockstep_trainers, train_lockstep
+
+    text = text_corpus(tmp_path)
+    cfg = TrainConfig(optimizer="sgd", steps=2, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
+    create_soma(tmp_path / "s", MODEL, cfg, 3, loss="summed", chunk_size=256, train_paths=[str(text)])
+    names, real = [], custom_kernels.launch_blocks
+    monkeypatch.setattr(custom_kernels, "launch_blocks", lambda *a, **k: names.append(a[0]) or real(*a, **k))
+    records = list(train_lockstep(lockstep_trainers(open_soma(tmp_path / "s"), CudaOps())))
+    assert {r.expert for r in records if isinstance(r, Finished)} == {0, 1, 2}
+    assert names == ["fused_population_loss"] * cfg.steps

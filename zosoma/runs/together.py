@@ -86,24 +86,8 @@ def _finished(t: Trainer) -> Iterator:
 def step_together(trainers: Sequence[Trainer]) -> list:
     """One step of every trainer (none done), their populations evaluated together and their
     updates applied together; returns each one's Step record (Trainer.update's)."""
-    losses, pops = [None] * len(trainers), [t.ask() for t in trainers]
-    groups: dict = {}
-    for i, (t, pop) in enumerate(zip(trainers, pops)):
-        if t.strategy.engine_losses:
-            t0 = time.perf_counter()
-            batch = t.stepper.batch(pop.step)
-            t.timings["data"] = time.perf_counter() - t0
-            groups.setdefault((id(t.ops), t.layout.config, batch.shape), []).append((i, batch))
-        else:
-            losses[i] = t.stepper.losses(t.state.theta, t.state.optimizer, pop, timings=t.timings)
-    for members in groups.values():
-        ts, ps = [trainers[i] for i, _ in members], [pops[i] for i, _ in members]
-        t0 = time.perf_counter()
-        out = ts[0].ops.experts_perturbed_losses([t.state.theta for t in ts], ts[0].layout,
-                                                 np.stack([b for _, b in members]), ps)
-        _share(ts, ps, "forward", time.perf_counter() - t0)
-        for (i, _), pair in zip(members, out):
-            losses[i] = pair
+    losses = losses_together(trainers)
+    pops = [t.asked for t in trainers]
     coefficients = [t.coefficients(*pair) for t, pair in zip(trainers, losses)]
     t0 = time.perf_counter()
     shaped = [t.shaped(c) for t, (c, _) in zip(trainers, coefficients)]
@@ -112,6 +96,33 @@ def step_together(trainers: Sequence[Trainer]) -> list:
     _share(trainers, pops, "update", time.perf_counter() - t0)
     return [t.commit(loss, pop, a, shaping, record)
             for t, (_, loss), (pop, _, shaping, record), a in zip(trainers, coefficients, shaped, applied)]
+
+
+def losses_together(trainers: Sequence[Trainer]) -> list:
+    """Trainer.losses of every trainer, for the step each now begins: (plus, minus) each. Those
+    whose strategy takes the engine's losses (Strategy.engine_losses) go to their engine in one
+    Ops.experts_perturbed_losses call per engine and model shape; the others (a strategy's own
+    losses, a trainer whose model lives on workers) take their own."""
+    losses, groups = [None] * len(trainers), {}
+    for i, t in enumerate(trainers):
+        if type(t).losses is not Trainer.losses or not t.strategy.engine_losses:
+            losses[i] = t.losses()
+            continue
+        pop = t.ask()
+        t0 = time.perf_counter()
+        batch = t.stepper.batch(pop.step)
+        t.timings["data"] = time.perf_counter() - t0
+        groups.setdefault((id(t.ops), t.layout.config, batch.shape), []).append((i, batch))
+    for members in groups.values():
+        ts = [trainers[i] for i, _ in members]
+        ps = [t.asked for t in ts]
+        t0 = time.perf_counter()
+        out = ts[0].ops.experts_perturbed_losses([t.state.theta for t in ts], ts[0].layout,
+                                                 np.stack([b for _, b in members]), ps)
+        _share(ts, ps, "forward", time.perf_counter() - t0)
+        for (i, _), pair in zip(members, out):
+            losses[i] = pair
+    return losses
 
 
 def _share(trainers: Sequence[Trainer], pops, key: str, seconds: float) -> None:

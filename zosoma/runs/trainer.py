@@ -142,6 +142,11 @@ class Trainer:
         self.timings, self._pop = {}, self.stepper.ask(self.state.step)
         return self._pop
 
+    @property
+    def asked(self):
+        """The population of the step in progress (asked, its update not yet taken), else None."""
+        return self._pop
+
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
         """The step's scalars and the minibatch loss estimate at theta."""
         return self.strategy.coefficients(plus, minus)

@@ -7,7 +7,8 @@ a crash or a stop in one loses nothing of the others.
 
 Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting weights, batches
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
-couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
+couples the experts at every step, so they run in lockstep in one process (every expert's members
+evaluated together: zosoma.runs.together.losses_together); a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
 that was already one checkpoint ahead). Given `workers` (zosoma.workers.population_workers: local processes
 or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
@@ -43,6 +44,7 @@ from zosoma.runs.records import Clusters, Diverged, Dropped, Evaluated, Evaluati
 from zosoma.runs.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
+from zosoma.runs.together import losses_together
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -323,7 +325,7 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
                 t.checkpoint()
                 yield Stopped(t.expert, t.state.step)
             return
-        shared, losses = summed.coefficients([t.losses() for t in trainers])
+        shared, losses = summed.coefficients(losses_together(trainers))  # all members at once
         for t, loss in zip(trainers, losses):
             yield t.update(shared, loss)
             if said := t.went_on():
