@@ -192,7 +192,8 @@ def test_together_is_the_default_on_a_device_and_asked_for_on_the_cpu(monkeypatc
 @pytest.mark.slow
 def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it_held(tmp_path, monkeypatch):
     """Together as Inline: an expert whose folder cannot be read is Failed (its unit index), the
-    others train; a step that raises fails every expert still training (they shared it), once."""
+    others train; a step that raises fails every expert still training (they shared it), once;
+    what one expert's own bookkeeping raises fails it alone."""
     from zosoma.runs import together
     from zosoma.runs.records import Failed
 
@@ -223,6 +224,16 @@ def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it
     assert [(r.unit, r.error) for r in records if isinstance(r, Failed)] == [
         (0, "RuntimeError: the device fell over"), (1, "RuntimeError: the device fell over")]
     assert [RunFolder(tmp_path / "s").expert(i).read_checkpoint().step for i in range(2)] == [0, 0]  # none taken
+
+    monkeypatch.setattr(together, "step_together", real)  # now one expert's own bookkeeping fails, alone
+    from zosoma.runs.trainer import Trainer
+    went_on = Trainer.went_on
+    monkeypatch.setattr(Trainer, "went_on", lambda t: (_ for _ in ()).throw(OSError("disk full")) if t.expert == 1
+                        and t.state.step == 2 else went_on(t))
+    records = list(Together().run(units))
+    assert [(r.unit, r.error) for r in records if isinstance(r, Failed)] == [(1, "OSError: disk full")]
+    assert [r.expert for r in records if isinstance(r, Finished)] == [0]
+    assert max(r.step for r in records if isinstance(r, Step) and r.expert == 1) == 2
 
 
 @pytest.mark.slow

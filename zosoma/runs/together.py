@@ -43,7 +43,7 @@ def train_together(trainers: Sequence[Trainer], should_stop: Callable[[], bool] 
         while live:
             for unit, t in [(u, t) for u, t in live if t.done]:
                 live.remove((unit, t))
-                yield from _finished(t)
+                yield from _alone(unit, _finished(t))
             if not live:
                 return
             if should_stop():
@@ -59,19 +59,37 @@ def train_together(trainers: Sequence[Trainer], should_stop: Callable[[], bool] 
                 return
             for (unit, t), record in zip(list(live), steps):
                 yield record
-                if said := t.went_on():
-                    yield said
-                if t.halted:
-                    yield t.halt()
+                going = []
+                yield from _alone(unit, _after_step(t, going))
+                if not going:
                     live.remove((unit, t))
-                elif t.restarting:
-                    record = t.restart()
-                    yield record
-                    if isinstance(record, Dropped):
-                        live.remove((unit, t))
     finally:
         for t in trainers:
             t.events.close()
+
+
+def _alone(unit, records: Iterator) -> Iterator:
+    """One model's records; what it raises fails that model alone (Failed, as Inline says it)."""
+    try:
+        yield from records
+    except Exception as e:
+        yield Failed(unit, one_line(e))
+
+
+def _after_step(t: Trainer, going: list) -> Iterator:
+    """What `train` does after a model's step: goes on past a verdict, halts, restarts or drops it;
+    `going` gets True when it trains on."""
+    if said := t.went_on():
+        yield said
+    if t.halted:
+        yield t.halt()
+        return
+    if t.restarting:
+        record = t.restart()
+        yield record
+        if isinstance(record, Dropped):
+            return
+    going.append(True)
 
 
 def _finished(t: Trainer) -> Iterator:
