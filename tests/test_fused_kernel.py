@@ -150,8 +150,9 @@ def test_experts_update_in_one_launch_equals_separate_updates(rt):
 
 def test_launches_per_step_are_counted_without_running_them(rt):
     """The recording runtime (launches recorded, none run) counts what the emulated runtime runs;
-    the fused path takes 2 launches a step whatever N, the graph path 3 per expert (perturb, the
-    graph, the update), the kernels path 2T + 5 per expert."""
+    the fused path takes 2 launches a step whatever N, and so does SOMA's training stepping its
+    experts together; the graph path 3 per expert (perturb, the graph, the update), the kernels
+    path 2T + 5 per expert."""
     from zosoma.benchmarks.bench_launches import count_launches, format_launches
 
     shape = dict(model=ModelConfig(embed=8, hidden=12, layers=1), P=2, B=2, T=5, experts=(1, 3))
@@ -162,7 +163,8 @@ def test_launches_per_step_are_counted_without_running_them(rt):
     launches = {(r["path"], r["experts"]): (r["kernels"], r["gemms"]) for r in recorded}
     assert launches == {("kernels", 1): (5 + 3, 5 + 2), ("kernels", 3): (3 * 8, 3 * 7),
                         ("graph", 1): (2, 0), ("graph", 3): (3 * 2, 0),  # + one graph per expert
-                        ("fused", 1): (2, 0), ("fused", 3): (2, 0)}
+                        ("fused", 1): (2, 0), ("fused", 3): (2, 0),
+                        ("together", 1): (2, 0), ("together", 3): (2, 0)}  # SOMA's training: the fused path's
     assert [r["launches"] for r in recorded if r["path"] == "graph"] == [3, 9]
     text = format_launches(ran, "emulated")
     assert "fused       3        2      0      0         2        0.67" in text, text

@@ -8,6 +8,9 @@
     fused     every expert's members in ONE fused.cu launch (fused_forward.experts_losses), then
               every expert's update in ONE launch (fused_forward.experts_update): 2 launches a
               step, whatever N
+    together  SOMA's training stepping its N experts together (zosoma.runs.together, `--executor
+              together`): each expert's Trainer (batch, coefficients, shaping, guard, records) around
+              the engine's calls for all of them (zosoma.benchmarks.bench_together)
 
 Counted with zosoma.engines.cuda.launches.Launches on the device when there is one (and timed
 there), else on the recording runtime (NumPy arrays, every launch recorded and none run: a
@@ -23,14 +26,14 @@ import numpy as np
 
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.engines.cuda import cuda_forward, cuda_noise, custom_kernels, fused_forward
-from zosoma.engines.cuda.launches import Launches, RecordingRuntime
+from zosoma.engines.cuda.launches import Launches
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 
 SOMA_EXPERT = ModelConfig(embed=16, hidden=20, layers=1)
 SOMA_STEP = dict(P=64, B=8, T=32)
 EXPERTS = (1, 16, 64)
-PATHS = ("kernels", "graph", "fused")
+PATHS = ("kernels", "graph", "fused", "together")
 
 
 def experts_step(path: str, thetas, layout: Layout, batches, pops: list[Population], lr: float):
@@ -59,7 +62,8 @@ def count_launches(model: ModelConfig = SOMA_EXPERT, P: int = SOMA_STEP["P"], B:
     custom_kernels.runtime()), and the median seconds of timed_steps further steps."""
     layout = Layout(model)
     rows = []
-    rt = RecordingRuntime() if rt is None else rt
+    from zosoma.benchmarks.bench_together import ZeroedRecording, together_launches
+    rt = ZeroedRecording() if rt is None else rt
     with custom_kernels.using(rt), np.errstate(all="ignore"):
         xp = rt.xp
         sync = xp.cuda.runtime.deviceSynchronize if hasattr(xp, "cuda") else (lambda: None)
@@ -69,6 +73,9 @@ def count_launches(model: ModelConfig = SOMA_EXPERT, P: int = SOMA_STEP["P"], B:
                                                np.uint8)
             for path in paths:
                 if path == "fused" and not fused_forward.fits(layout, B):
+                    continue
+                if path == "together":
+                    rows += together_launches(model, P, B, T, (N,), rt, timed_steps)
                     continue
                 pops = lambda step: [Population(P, 1e-3, 0, n, step) for n in range(N)]  # noqa: E731
                 experts_step(path, thetas, layout, batches, pops(0), 1e-4)
@@ -100,5 +107,6 @@ def format_launches(rows: list[dict], where: str) -> str:
                      f"{r['launches']:>9} {r['per_expert']:>11.2f}" + timed)
     lines.append("  kernels: each expert through the per-timestep kernels (today's path); graph: those captured once "
                  "as a CUDA graph (per expert: perturb, the graph, the update); fused: every expert's members in one "
-                 "fused.cu launch, every update in one")
+                 "fused.cu launch, every update in one; together: SOMA's training stepping every expert together "
+                 "(--executor together)")
     return "\n".join(lines)

@@ -199,11 +199,17 @@ def bench_comm_cmd(workers, as_json):
 @click.option("--preset", type=click.Choice(["tiny", "small", "paper"]), default="tiny", show_default=True)
 @click.option("--experts", type=int, default=2, show_default=True, callback=positive, help="SOMA's N.")
 @click.option("--steps", type=int, default=200, show_default=True, callback=positive)
+@click.option("--embed", type=int, callback=positive, help="E over the preset's.")
+@click.option("--hidden", type=int, callback=positive, help="H over the preset's.")
 @click.option("--no-ray", is_flag=True, help="Leave Ray out.")
+@click.option("--no-population", is_flag=True, help="Leave out one model's population over workers (SOMA's rows only).")
 @click.option("--address", help="A Ray cluster to join (default: start Ray on this machine).")
 @json_option
-def bench_executors_cmd(preset, experts, steps, no_ray, address, as_json):
-    """Training time by where it runs: SOMA's experts inline, in local processes and as Ray tasks;
-    one model's population here and over W = 1 and 2 workers (local processes, Ray actors)."""
+def bench_executors_cmd(preset, experts, steps, embed, hidden, no_ray, no_population, address, as_json):
+    """Training time by where it runs: SOMA's experts inline, in local processes, together in this
+    process and as Ray tasks; one model's population here and over W = 1 and 2 workers (local
+    processes, Ray actors). Wall and CPU seconds."""
     from zosoma.benchmarks.bench_executors import bench_executors, format_executors
-    show("executors", bench_executors(preset, experts, steps, not no_ray, address), format_executors)
+    model = {k: v for k, v in (("embed", embed), ("hidden", hidden)) if v is not None}
+    show("executors", bench_executors(preset, experts, steps, not no_ray, address, model=model,
+                                      population=not no_population), format_executors)

@@ -81,7 +81,8 @@ def previous_option(f):
 def executor_options(f):
     """--executor and the Ray options, shared by train and compare."""
     for option in reversed([
-        click.option("--executor", "executor_kind", type=Named(EXECUTORS), help="Where units of work run: inline in this process, local worker processes (the default), or Ray tasks and actors on this machine or a cluster (needs the ray extra)."),
+        click.option("--executor", "executor_kind", type=Named(EXECUTORS), help="Where units of work run: inline in this process, local worker processes (the default on the CPU), Ray tasks and actors on this machine or a cluster (needs the ray extra), or together: SOMA's experts stepped together in this process, each step of all of them in one population (the default on a GPU)."),
+
         click.option("--address", help="--executor ray: the cluster to join (HOST:PORT of its head, or auto for the one `ray start` made here; a head with token authentication needs its token here, in RAY_AUTH_TOKEN or ~/.ray/auth_token); default: start Ray on this machine."),
         click.option("--cpus-per-unit", type=Checked("number"), default=1.0, show_default=True, help="--executor ray: CPUs (and as many BLAS threads) per expert, run or population worker."),
         click.option("--gpus-per-unit", type=Checked("number"), default=0.0, show_default=True, help="--executor ray: GPUs per expert, run or population worker (1 with --device cuda)."),

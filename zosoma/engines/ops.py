@@ -29,6 +29,7 @@ what it is only through the attributes below, never by its name. The interface:
     updates    noise_sum(coeffs, d, pop)  (1/D) sum_j coeffs[j] delta_j over the population's D
                                         directions, every delta regenerated
                sgd_update(theta, coeffs, pop, lr, weight_decay)   theta - lr (noise_sum + wd theta)
+               experts_sgd_update(thetas, coeffs, pops, lrs, wds)  N experts' sgd_update (a GPU: one launch)
                lowrank_update(theta, layout, coeffs, pop, lr)     EGGROLL's theta + lr N^-1/2 sum c E
     activity   activity_losses(theta, layout, batch, pop, pairs)  (plus, minus) (K, B): each row's
                                         loss with noisy pre-activations (node perturbation), the
@@ -201,6 +202,12 @@ class Ops:
         if weight_decay:
             new -= np.float32(lr * weight_decay) * theta
         return new.astype(np.float32)
+
+    def experts_sgd_update(self, thetas, coeffs, pops: list[Population], lrs, weight_decays) -> list:
+        """The fused steps of N experts: sgd_update(thetas[n], coeffs[n], pops[n], lrs[n],
+        weight_decays[n]) for each n, as N calls of it (an engine may apply them together:
+        CudaOps, one launch for all N)."""
+        return [self.sgd_update(*args) for args in zip(thetas, coeffs, pops, lrs, weight_decays)]
 
     _kept = None  # (Population, d, (D, d) float32): the dense Gaussian directions last evaluated
 

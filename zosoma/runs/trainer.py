@@ -135,8 +135,17 @@ class Trainer:
 
     def losses(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's members' losses on its minibatch: plus (P,) and minus (P,)."""
+        return self.stepper.losses(self.state.theta, self.state.optimizer, self.ask(), timings=self.timings)
+
+    def ask(self):
+        """The population of the step now beginning (its timings start afresh)."""
         self.timings, self._pop = {}, self.stepper.ask(self.state.step)
-        return self.stepper.losses(self.state.theta, self.state.optimizer, self._pop, timings=self.timings)
+        return self._pop
+
+    @property
+    def asked(self):
+        """The population of the step in progress (asked, its update not yet taken), else None."""
+        return self._pop
 
     def coefficients(self, plus: np.ndarray, minus: np.ndarray) -> tuple[np.ndarray, float]:
         """The step's scalars and the minibatch loss estimate at theta."""
@@ -147,11 +156,22 @@ class Trainer:
         them (Strategy.shape, then self.apply); a non-finite scalar skips the step (a NaN would
         poison theta and the optimizer state). Returns the step's record."""
         t0 = time.perf_counter()
-        cfg, state, step = self.cfg, self.state, self.state.step
-        pop = self._pop if self._pop is not None else self.stepper.ask(step)
-        coeffs, shaping, shaped = self.strategy.shape(coeffs, state.shaping)
-        theta, opt, lr, skipped = self.apply(coeffs, pop)
+        pop, coeffs, shaping, shaped = self.shaped(coeffs)
+        applied = self.apply(coeffs, pop)
         self.timings["update"] = self.timings.get("update", 0.0) + time.perf_counter() - t0
+        return self.commit(loss, pop, applied, shaping, shaped)
+
+    def shaped(self, coeffs: np.ndarray) -> tuple:
+        """The first half of `update`: (the step's population, its scalars shaped, the new shaping
+        state, the shaping's record); commit takes the step once they are applied."""
+        pop = self._pop if self._pop is not None else self.stepper.ask(self.state.step)
+        return (pop, *self.strategy.shape(coeffs, self.state.shaping))
+
+    def commit(self, loss: float, pop, applied: tuple, shaping: dict, shaped: dict) -> Step:
+        """The second half of `update`: take the step whose shaped scalars were applied (`applied`,
+        as `apply` returns it: theta, optimizer state, lr, skipped); record, judge, checkpoint."""
+        cfg, state, step = self.cfg, self.state, self.state.step
+        theta, opt, lr, skipped = applied
         dt = sum(self.timings.values())
         tokens = self.tokens_per_pair * pop.P
         record = {"step": step + 1, "expert": self.expert, "loss": loss, "lr": lr,

@@ -37,6 +37,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -137,6 +138,18 @@ class Strategy:
         the counters by the engine (a probe design's)."""
         return self.probes is not None
 
+    @property
+    def engine_losses(self) -> bool:
+        """Whether its losses are the engine's perturbed_losses of its population (all pairs), so an
+        engine may evaluate several models' steps together (Ops.experts_perturbed_losses)."""
+        return type(self).losses is Strategy.losses and not self.host_members
+
+    @property
+    def fused_update(self) -> bool:
+        """Whether its update is the engine's fused regenerate-and-apply step (Ops.sgd_update)
+        alone, so an engine may apply several models' steps together (Ops.experts_sgd_update)."""
+        return type(self).update is Strategy.update and self.probes is None and not self.transforms
+
     _kept = None  # (pop, state, U): the directions of the step in progress, for its update
 
     def directions(self, pop: Population, layout: Layout, d: int, state: dict) -> np.ndarray:
@@ -162,7 +175,7 @@ class Strategy:
         """(new theta, new state) from the step's scalars; the inputs are left untouched. A dense
         strategy's: the estimate, its update transforms, a step down the result; with neither a
         probe design nor a transform, the engine's fused regenerate-and-apply step (the paper's)."""
-        if self.probes is None and not self.transforms:
+        if self.fused_update:
             return ops.sgd_update(theta, coeffs, pop, lr, self.cfg.weight_decay), state
         direction, state = self.transforms(self.estimate(ops, layout, theta, state, coeffs, pop), state, pop.step)
         if self.probes is not None:
@@ -221,6 +234,41 @@ class Told:
     lr: float
     skipped: bool
     record: dict
+
+
+class Pending(NamedTuple):
+    """One model's step whose shaped scalars await Strategy.apply (apply_together)."""
+    ops: object  # the model's engine
+    strategy: Strategy
+    layout: Layout
+    theta: object  # (d,) float32 engine array
+    state: dict  # the strategy's state
+    coeffs: np.ndarray  # the step's shaped scalars
+    pop: Population
+    restarts: int
+
+
+def apply_together(steps: list[Pending]) -> list[tuple]:
+    """Strategy.apply of several models' steps, its results in order: those whose update is the
+    engine's fused step (finite scalars, Strategy.fused_update) in one ops.experts_sgd_update call
+    per engine (one launch on a GPU), each at the rate and with the state Strategy.apply gives it;
+    the others one by one."""
+    out: list = [None] * len(steps)
+    fused: dict = {}
+    for i, s in enumerate(steps):
+        if s.strategy.fused_update and finite(s.coeffs):
+            fused.setdefault(id(s.ops), []).append(i)
+        else:
+            out[i] = s.strategy.apply(s.ops, s.layout, s.theta, s.state, s.coeffs, s.pop, s.restarts)
+    for ids in fused.values():
+        group = [steps[i] for i in ids]
+        lrs = [lr_at(s.strategy.cfg, s.pop.step, s.restarts) for s in group]
+        thetas = group[0].ops.experts_sgd_update([s.theta for s in group], [s.coeffs for s in group],
+                                                 [s.pop for s in group], lrs,
+                                                 [s.strategy.cfg.weight_decay for s in group])
+        for i, s, lr, theta in zip(ids, group, lrs, thetas):
+            out[i] = (theta, s.state, lr, False)
+    return out
 
 
 def finite(coeffs: np.ndarray) -> bool:

@@ -176,7 +176,7 @@ class Run:
         runs/<preset>-<time>, made here and taken back if the run fails before writing in it). Every
         option is checked before any folder is made (check_run); training happens as the records are read."""
         ops = check_run(spec, placement)
-        executor, summed, sharding = place(placement, spec.experts, spec.loss)
+        executor, summed, sharding = place(placement, spec.experts, spec.loss, ops.on_device)
         made = None if run_dir else new_run_dir(spec.folder_prefix())
         run_dir = Path(run_dir or made)
         paths = dict(train_paths=list(data.train) or None, heldout_paths=list(data.heldout) or None,
@@ -349,8 +349,9 @@ class Soma(Run):
 
         placement = placement or self.folder.read_placement(Placement)
         shape = self.shape
-        executor, summed, _ = place(placement, shape.experts, shape.loss)
-        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=engine(placement),
+        ops = engine(placement)
+        executor, summed, _ = place(placement, shape.experts, shape.loss, ops.on_device)
+        return Training(self.path, resume_soma(self.path, executor, should_stop, ops=ops,
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):

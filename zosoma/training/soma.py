@@ -7,7 +7,8 @@ a crash or a stop in one loses nothing of the others.
 
 Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting weights, batches
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
-couples the experts at every step, so they run in lockstep in one process; a resumed run restarts
+couples the experts at every step, so they run in lockstep in one process (every expert's members
+evaluated together: zosoma.runs.together.losses_together); a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
 that was already one checkpoint ahead). Given `workers` (zosoma.workers.population_workers: local processes
 or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
@@ -18,6 +19,7 @@ The folder's files are zosoma.runs.folder's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from zosoma.runs.records import Clusters, Diverged, Dropped, Evaluated, Evaluati
 from zosoma.workers.placement import Placement
 from zosoma.runs.shape import DataPaths, SomaShape
 from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
+from zosoma.runs.together import losses_together
 from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
@@ -281,6 +284,16 @@ class ExpertUnit(SendsEngine):
     ops: Ops  # the run's engine: this one inline, rebuilt from its record in another process
 
     def __call__(self, stopping: Callable[[], bool]) -> Iterator:
+        with self.opened() as (trainer, notes):
+            yield from notes
+            # cores that other experts left free at the end of the run share this one's population
+            yield from train(trainer, stopping, borrower(trainer))
+
+    @contextlib.contextmanager
+    def opened(self):
+        """Within the block, the expert's folder locked and (its Trainer at the newest checkpoint,
+        the Note records of a damaged checkpoint or metrics.jsonl passed over): `train` it, or
+        train it together with others (zosoma.workers.executor.Together)."""
         folder = RunFolder(self.run_dir).expert(self.expert)
         # wait: a worker of a killed run may still be finishing its step in this folder
         with folder.lock(wait=True), noting_fallbacks() as fallbacks:
@@ -289,9 +302,7 @@ class ExpertUnit(SendsEngine):
             trainer = Trainer(folder, ckpt.model, cfg, BatchSampler(self.corpus, cfg.seq_len + 1),
                               from_checkpoint(ckpt), self.ops, expert=self.expert,
                               extra={"data": self.soma.data.to_json(), "loss": self.soma.loss})
-            yield from fallbacks()  # a damaged checkpoint or metrics.jsonl passed over
-            # cores that other experts left free at the end of the run share this one's population
-            yield from train(trainer, stopping, borrower(trainer))
+            yield trainer, fallbacks()
 
 
 def lockstep_trainers(run: SomaRun, ops: Ops) -> list[Trainer]:
@@ -314,7 +325,7 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
                 t.checkpoint()
                 yield Stopped(t.expert, t.state.step)
             return
-        shared, losses = summed.coefficients([t.losses() for t in trainers])
+        shared, losses = summed.coefficients(losses_together(trainers))  # all members at once
         for t, loss in zip(trainers, losses):
             yield t.update(shared, loss)
             if said := t.went_on():

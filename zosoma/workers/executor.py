@@ -13,6 +13,9 @@ a unit that raised:
                            Once every unit has started, the cores that no unit uses are lent to the
                            units still running (spare_cores: a SOMA expert spreads its population
                            over them), so no core idles while a unit still has work
+    Together()             units that open a model (SOMA's experts) stepped together in this
+                           process, each step of all of them in one population (one launch on a
+                           GPU: zosoma.runs.together); other units inline
     RayExecutor(...)       Ray tasks on this machine or a cluster, retried when a worker or node
                            dies (zosoma.workers.ray_executor; units name their folder as unit.run_dir)
 
@@ -57,6 +60,29 @@ class Inline:
                 yield from unit(should_stop)
             except Exception as e:  # one failed unit must not take the others with it
                 yield Failed(i, one_line(e))
+
+
+class Together:
+    """Units that open a model to train (unit.opened(): SOMA's experts) trained together in this
+    process, each step of all of them in one population (zosoma.runs.together: on a GPU, one
+    launch for every expert's members); other units inline."""
+
+    def run(self, units: Sequence[Unit], should_stop: Callable[[], bool] = lambda: False) -> Iterator:
+        if not all(hasattr(u, "opened") for u in units):
+            yield from Inline().run(units, should_stop)
+            return
+        from zosoma.runs.together import train_together
+        with contextlib.ExitStack() as stack:
+            opened = []
+            for i, unit in enumerate(units):
+                try:
+                    trainer, notes = stack.enter_context(unit.opened())
+                except Exception as e:  # one that cannot open must not take the others with it
+                    yield Failed(i, one_line(e))
+                    continue
+                yield from notes
+                opened.append((i, trainer))
+            yield from train_together([t for _, t in opened], should_stop, [i for i, _ in opened])
 
 
 class LocalProcesses:

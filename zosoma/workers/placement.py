@@ -17,17 +17,17 @@ from dataclasses import dataclass
 
 from zosoma.engines import check_device, check_gemm
 from zosoma.errors import ConfigError, OptionError
-from zosoma.workers.executor import Inline, LocalProcesses
+from zosoma.workers.executor import Inline, LocalProcesses, Together
 from zosoma.workers.population_workers import InProcess, Processes, Sharding
 from zosoma.workers.ray_executor import RayExecutor, RayWorkers
 
-EXECUTORS = ("inline", "local", "ray")
+EXECUTORS = ("inline", "local", "ray", "together")
 RAY_ONLY = ("address", "cpus_per_unit", "gpus_per_unit")
 
 
 @dataclass(frozen=True)
 class Placement:
-    executor: str | None = None  # EXECUTORS; None: local processes (inline for a single unit)
+    executor: str | None = None  # EXECUTORS; None: local processes (inline for a single unit), together on a device
     workers: int | None = None  # local worker processes for independent units (None: the cores)
     population_workers: int | None = None  # W: one model's P pairs spread over W workers
     address: str | None = None  # ray: the cluster to join (None: start Ray on this machine)
@@ -52,11 +52,14 @@ class Placement:
 
     def replaced(self, given: dict) -> "Placement":
         """This placement with the options in `given` replaced; the Ray options fall away when
-        the executor is no longer Ray (a Ray run resumed with --executor local)."""
+        the executor is no longer Ray (a Ray run resumed with --executor local), the local
+        processes' count when it is together."""
         fields = {**dataclasses.asdict(self), **given}
         if fields["executor"] != "ray":
             for name in set(RAY_ONLY) - set(given):
                 fields[name] = Placement.__dataclass_fields__[name].default
+        if fields["executor"] == "together" and "workers" not in given:  # nor local processes
+            fields["workers"] = None
         return Placement(**fields)
 
     def describe(self) -> str:
@@ -68,7 +71,9 @@ class Placement:
 
 def check_options(executor: str | None, ray_options, workers, workers_option: str = "--workers") -> None:
     """The Ray options set (`ray_options`, by field name) need the Ray executor; a count of local
-    processes (`workers`, given as `workers_option`) does not go with it."""
+    processes (`workers`, given as `workers_option`) goes with neither Ray nor together."""
+    if executor == "together" and workers is not None:
+        raise ConfigError(f"{workers_option} counts local processes; --executor together runs every unit in this process")
     if executor != "ray":
         if ray_options:
             raise ConfigError(f"--{ray_options[0].replace('_', '-')} is for --executor ray")
@@ -77,11 +82,15 @@ def check_options(executor: str | None, ray_options, workers, workers_option: st
                           "CPUs decide how many units run at once")
 
 
-def executor(placement: Placement, units: int, workers: int | None = None):
+def executor(placement: Placement, units: int, workers: int | None = None, on_device: bool = False):
     """The executor of `units` independent units: inline; `workers` local processes (default
-    placement.workers, else the machine's cores; inline for one); or Ray tasks."""
+    placement.workers, else the machine's cores; inline for one); Ray tasks; or SOMA's experts
+    together in this process (the default `on_device`, an accelerator: its launches, not its FLOPs,
+    set the pace)."""
     if placement.executor == "ray":
         return RayExecutor(placement.address, placement.cpus_per_unit, placement.gpus_per_unit)
+    if placement.executor == "together" or (placement.executor is None and on_device):
+        return Together()
     n = max(1, min(units, workers or placement.workers or os.cpu_count() or 1))
     return Inline() if placement.executor == "inline" or n == 1 else LocalProcesses(n)
 
@@ -93,10 +102,10 @@ def study_executor(placement: Placement, units: int, jobs: int | None = None, on
     return executor(placement, units, jobs or (1 if on_device else os.cpu_count()))
 
 
-def place(placement: Placement, experts: int, loss: str = "independent"):
+def place(placement: Placement, experts: int, loss: str = "independent", on_device: bool = False):
     """Where a training run's work goes: (the executor of independent experts, the workers of
     the summed ablation's experts, the sharding of one model's population), each None when
-    unused."""
+    unused; `on_device`: the run's engine is an accelerator's (its experts go together)."""
     population = placement.population_workers
     if population is not None and experts > 1:
         raise ConfigError("--population-workers spreads one model's population; SOMA's experts already run "
@@ -108,7 +117,7 @@ def place(placement: Placement, experts: int, loss: str = "independent"):
             raise ConfigError("--executor ray spreads SOMA's experts or one model's population "
                               "(--population-workers W); a single model alone trains in this process")
         return None, None, None
-    units = executor(placement, experts) if independent or placement.executor == "ray" else None
+    units = executor(placement, experts, on_device=on_device) if independent or placement.executor == "ray" else None
     if placement.executor == "ray":  # (connected above: a bad address fails first)
         transport = RayWorkers(units)
     else:

@@ -19,6 +19,8 @@ studies/gpu_check.py):
     experts_losses(thetas, layout, batches, pops)      Ops.experts_perturbed_losses: N experts, one launch
     activity_forward.member_nats / .estimate            Ops.activity_losses / activity_estimate (node
                                                        perturbation: zosoma.engines.cpu.noisy_forward)
+    experts_update(thetas, coeffs, pops, lr, wd)       Ops.experts_sgd_update: N experts, one launch
+
 
 Inputs may be NumPy or CuPy arrays (NumPy ones are copied to the device on each call, so keep theta
 on the device across steps: `to_device`); array results stay on the device, except the per-member
@@ -39,7 +41,7 @@ from zosoma.engines.cuda.cuda_forward import (eggroll_population_loss, log_probs
                                              spsa_losses, step_path)
 from zosoma.engines.cuda.cuda_noise import perturb, plain_rows, spsa_gradient, spsa_update
 from zosoma.engines.cuda.custom_kernels import runtime, to_device
-from zosoma.engines.cuda.fused_forward import experts_losses
+from zosoma.engines.cuda.fused_forward import experts_losses, experts_update
 from zosoma.engines.cuda.grouped import grouped_nll
 from zosoma.engines.cuda.tensor_cores import check_gemm_format, gemm_format
 from zosoma.engines.ops import Ops
@@ -148,6 +150,17 @@ class CudaOps(Ops):
     def sgd_update(self, theta, coeffs, pop: Population, lr: float, weight_decay: float = 0.0):
         pop.check_scalars(coeffs)
         return spsa_update(theta, coeffs, lr, pop.seed, pop.expert, pop.step, pop.kind, weight_decay)
+
+    def experts_sgd_update(self, thetas, coeffs, pops: list[Population], lrs, weight_decays) -> list:
+        """N experts' fused steps of one noise kind and as many scalars each in ONE launch
+        (fused_forward.experts_update: each row bitwise spsa_update's); otherwise one by one."""
+        for c, p in zip(coeffs, pops):
+            p.check_scalars(c)
+        if len({p.kind for p in pops}) > 1 or len({len(c) for c in coeffs}) > 1:
+            return super().experts_sgd_update(thetas, coeffs, pops, lrs, weight_decays)
+        new = experts_update(self.xp.stack([to_device(t) for t in thetas]), np.stack(coeffs), pops,
+                             np.asarray(lrs, np.float64), np.asarray(weight_decays, np.float64))
+        return list(new)
 
     def lowrank_update(self, theta, layout: Layout, coeffs, pop: Population, lr: float):
         """The factors are regenerated on the device (float32 Box-Muller, within float32 rounding
