@@ -30,3 +30,9 @@ class ClusterLost(ZosomaError):
 class OptionError(ConfigError):
     """Options that cannot go together, refused before anything is written (zosoma.training.run): the
     command line exits 2 for them, as for its own usage errors."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

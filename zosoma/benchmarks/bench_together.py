@@ -48,14 +48,14 @@ def together_launches(model: ModelConfig, P: int, B: int, T: int, experts, rt=No
     """One row per N in `experts` (bench_launches.count_launches' fields, path "together"): the
     launches of one step_together of N experts' Trainers on the CUDA engine, after a first
     untimed step, and the median seconds of timed_steps further steps."""
-    from zosoma.engines.cuda.cuda_ops import CudaOps
+    from zosoma.engines import cuda_engine_here
 
     rt = ZeroedRecording() if rt is None else rt
     cfg = soma_config(P, B, T, steps=1000)  # no checkpoint, and not done, within the steps timed
     rng = np.random.default_rng(0)
     rows = []
     with custom_kernels.using(rt), np.errstate(all="ignore"), tempfile.TemporaryDirectory() as tmp:
-        ops, xp = CudaOps(), rt.xp
+        ops, xp = cuda_engine_here(), rt.xp
         sync = xp.cuda.runtime.deviceSynchronize if hasattr(xp, "cuda") else (lambda: None)
         for N in experts:
             trainers = []

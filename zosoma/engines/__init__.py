@@ -31,6 +31,13 @@ def check_device(device) -> None:
         raise OptionError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
+def cuda_engine_here():
+    """The CUDA engine on the runtime custom_kernels is using now, not cached: the emulated one
+    where a benchmark counts a step's launches on the CPU (zosoma.benchmarks.bench_together)."""
+    from zosoma.engines.cuda.cuda_ops import CudaOps
+    return CudaOps()
+
+
 def check_gemm(device: str, gemm: str) -> None:
     """A GEMM format (zosoma.engines.cuda.tensor_cores) that `device` can run: tensor cores need
     --device cuda (or auto); a ConfigError line otherwise."""

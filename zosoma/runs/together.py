@@ -29,7 +29,7 @@ import numpy as np
 from zosoma.runs.records import Continued, Dropped, Failed, Finished, Stopped
 from zosoma.runs.trainer import Trainer
 from zosoma.strategies.base import Pending, apply_together
-from zosoma.workers.executor import one_line
+from zosoma.errors import one_line
 
 
 def train_together(trainers: Sequence[Trainer], should_stop: Callable[[], bool] = lambda: False,

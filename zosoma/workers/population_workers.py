@@ -57,8 +57,8 @@ from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines import SendsEngine
 from zosoma.engines.ops import Ops
-from zosoma.errors import ConfigError, ZosomaError
-from zosoma.workers.executor import child_threads, exit_with_parent, one_line, spare_cores
+from zosoma.errors import ConfigError, ZosomaError, one_line
+from zosoma.workers.executor import child_threads, exit_with_parent, spare_cores
 from zosoma.runs.folder import RunFolder
 from zosoma.runs.stepper import Stepper
 from zosoma.runs.trainer import RunState, Trainer

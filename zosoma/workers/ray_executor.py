@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from zosoma.errors import ClusterLost, ConfigError
+from zosoma.errors import ClusterLost, ConfigError, one_line
 from zosoma.workers import reaper
-from zosoma.workers.executor import THREAD_VARS, one_line
+from zosoma.workers.executor import THREAD_VARS
 from zosoma.runs.folder import RunFolder
 from zosoma.workers.population_workers import Shard, ShardSpec, WorkerLost, error_line
 from zosoma.runs.records import Failed
