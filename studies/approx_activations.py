@@ -19,9 +19,9 @@ from zosoma.corpus import load_corpus
 from zosoma.engines.ops import Ops
 from zosoma.model.params import Layout
 from zosoma.porting.approx_activations import MODES, ApproxOps
-from zosoma.runs.folder import RESULTS, RunFolder
+from zosoma.training.folder import RESULTS, RunFolder
 from zosoma.strategies.settings import resolve
-from zosoma.training.single import evaluate_run, start_run
+from zosoma.runs.single import evaluate_run, start_run
 
 
 def run(run_dir: Path, steps: int, mode: str | None) -> dict:

@@ -27,10 +27,10 @@ from zosoma.corpus import Corpus, load_corpus
 from zosoma.engines.ops import Ops
 from zosoma.config import PRESETS, TrainConfig
 from zosoma.model.params import Layout
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Evaluated
-from zosoma.training.single import evaluate_run, resume_run, start_run
-from zosoma.runs.trainer import Trainer
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Evaluated
+from zosoma.runs.single import evaluate_run, resume_run, start_run
+from zosoma.training.trainer import Trainer
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.settings import resolve
@@ -122,7 +122,7 @@ def _sampler(ckpt):
 
 
 def _state(ckpt):
-    from zosoma.runs.trainer import from_checkpoint
+    from zosoma.training.trainer import from_checkpoint
     return from_checkpoint(ckpt)
 
 

@@ -25,8 +25,8 @@ from zosoma.engines.onnxruntime.onnxrt_ops import OnnxRuntimeOps
 from zosoma.engines.ops import Ops
 from zosoma.model import reference
 from zosoma.model.params import Layout
-from zosoma.runs.folder import RESULTS, RunFolder
-from zosoma.training.single import start_run
+from zosoma.training.folder import RESULTS, RunFolder
+from zosoma.runs.single import start_run
 
 ENGINES = ("native", "onnxruntime")
 PAIRS, EPS = 96, 1e-3  # the scalar check: perturbation pairs, at the default eps

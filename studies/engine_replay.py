@@ -31,9 +31,9 @@ from zosoma.engines.cpu import forward
 from zosoma.engines.ops import Ops, perturbed
 from zosoma.model import reference
 from zosoma.model.params import Layout
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Diverged, Finished, Step, Stopped
-from zosoma.training.single import resume_run, start_run
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Diverged, Finished, Step, Stopped
+from zosoma.runs.single import resume_run, start_run
 from zosoma.strategies import make_strategy
 
 CLIFF = 10.0  # a step whose scalars' sd exceeds CLIFF x the run's median sd is an outlier step

@@ -464,7 +464,7 @@ class Transfers:
 
 
 def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None, path=None):
-    """The trainer's own step on the CUDA engine (zosoma.runs.trainer, theta resident on the
+    """The trainer's own step on the CUDA engine (zosoma.training.trainer, theta resident on the
     device): seconds split into data, forward (the perturbed population, its noise built by the
     perturb kernel inside), update (the fused regenerate-and-apply kernel, synchronised), and the
     host <-> device copies and kernel launches of one step, counted. The noise alone is timed
@@ -473,7 +473,7 @@ def device_step(cp, config, P, B, T, sync, optimizer="sgd", steps=3, name=None, 
     import tempfile
 
     from zosoma.corpus import BatchSampler, Corpus
-    from zosoma.runs.trainer import Trainer, new_state
+    from zosoma.training.trainer import Trainer, new_state
 
     name = (name or optimizer) + (f" {path}" if path else "")
     print(f"timing: {name} training step on the device, P={P}", flush=True)

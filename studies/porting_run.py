@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from zosoma.porting import kit_run
-from zosoma.runs.folder import RESULTS, RunFolder
+from zosoma.training.folder import RESULTS, RunFolder
 
 ENGINES = ("native", "onnxruntime")
 

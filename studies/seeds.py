@@ -69,7 +69,7 @@ def run(out: Path, name: str, args: list[str], seed: int, threads: int, log) -> 
 
 def stopped_early(folder: Path, seed: int, line: str) -> dict:
     """A run that ended without an evaluation: its guard stopped it (diverged), or it failed."""
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
     run = RunFolder(folder)
     try:
         ckpts = ([run.expert(i).read_checkpoint() for i in range(run.read_soma()["experts"])] if run.is_soma

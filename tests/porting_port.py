@@ -23,8 +23,8 @@ from zosoma.model.params import Layout, init_params
 from zosoma.porting import approx_activations, kit_default_run, kit_run
 from zosoma.model.population import Population
 from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
-from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
-from zosoma.runs.stepper import stream
+from zosoma.training.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
+from zosoma.training.stepper import stream
 from zosoma.config import ClusterConfig
 from zosoma.mixture.cluster import Clustering, _ngram_counts, _tfidf
 from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums

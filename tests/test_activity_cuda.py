@@ -162,7 +162,7 @@ def test_activity_onesided_trains_on_the_device_as_on_the_cpu(cuda_cli, tmp_path
     from click.testing import CliRunner
 
     from zosoma.cli.main import cli
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
 
     text = tmp_path / "t.txt"
     text.write_bytes(b"zero-order training needs nothing but forward passes, on any device. " * 300)

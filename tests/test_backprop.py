@@ -20,7 +20,7 @@ from zosoma.experiments.price import ladder, price, time_to
 from zosoma.mixture.routing import cut_segments
 from zosoma.model import reference
 from zosoma.model.params import Layout, init_params
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 
 torch = pytest.importorskip("torch", reason="PyTorch is the backprop extra (and in the test extra)")
 
@@ -278,7 +278,7 @@ def test_a_stopped_backprop_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path
     stopped = RunFolder(tmp_path / "part").read_checkpoint().step
     assert 3 <= stopped < 12 and [p["step"] for p in RunFolder(tmp_path / "part").read_curve()][-1] <= stopped
     from zosoma.errors import ConfigError
-    from zosoma.training.single import resume_run
+    from zosoma.runs.single import resume_run
     with pytest.raises(ConfigError, match="is a backprop run of a comparison: run the same zosoma compare command"):
         list(resume_run(tmp_path / "part", ops=Ops()))  # zosoma train --resume: it is not zosoma's to train
     resumed = run_job(part, tmp_path / "part")

@@ -17,7 +17,7 @@ from zosoma.config import ModelConfig, TrainConfig
 from zosoma import atomic
 from zosoma.errors import CheckpointError, WriteError
 from zosoma.model.params import Layout, init_params
-from zosoma.runs.folder import last_metrics
+from zosoma.training.folder import last_metrics
 
 from helpers import assert_close
 

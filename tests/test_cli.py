@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from helpers import cli_json, one_line_error, zosoma_cmd
 from world import tiny_args
 from zosoma.formats.checkpoint import load_checkpoint
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 from zosoma.cli.main import cli
 
 TINY = tiny_args(4, 2, checkpoint_every=3)
@@ -212,7 +212,7 @@ def test_data_show_and_download(tmp_path, request):
 
 
 def test_sample_a_single_model_and_greedy(tmp_path, text_files):
-    from zosoma.training.single import load_model
+    from zosoma.runs.single import load_model
     from zosoma.mixture.sample import sample
     from zosoma.engines.ops import Ops
     run_dir = tmp_path / "one"

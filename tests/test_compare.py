@@ -16,7 +16,7 @@ from zosoma.experiments.compare import Job, check_folder, curve_steps, jobs, run
 from zosoma.experiments.compare_config import find_config, load_comparison
 from zosoma.experiments.study import JobRun, run_job
 from zosoma.errors import ConfigError
-from zosoma.runs.folder import SETTINGS, RunFolder
+from zosoma.training.folder import SETTINGS, RunFolder
 from zosoma.model.evaluate import EvalResult
 from zosoma.engines.cpu.forward import nll_stream
 from zosoma.mixture.routing import cut_segments
@@ -240,7 +240,7 @@ def test_a_result_record_of_the_wrong_shape_is_one_line_saying_how_to_write_it_a
     ({"heldout_by_k": []}, "heldout_by_k is [], not a JSON object"),
 ])
 def test_every_part_of_a_result_record_the_report_reads_is_checked(mini, damage, problem):
-    from zosoma.runs.json_shape import record_problem
+    from zosoma.training.json_shape import record_problem
     job = jobs(mini)[0]
     assert job.name == "soma-n-2-seed0" and record_problem(GOOD, job.record_shape) is None
     assert record_problem({**GOOD, **damage}, job.record_shape) == problem
@@ -251,7 +251,7 @@ def test_every_part_of_a_result_record_the_report_reads_is_checked(mini, damage,
 def test_a_comparison_with_a_price_table_needs_its_runs_cpu_seconds(tmp_path):
     cmp = load_comparison_text(tmp_path, MINI.replace('title = "mini"', 'title = "mini"\nprice_levels = [3.0]'))
     point = {k: v for k, v in GOOD["curve"][0].items() if k != "cpu_s"}
-    from zosoma.runs.json_shape import record_problem
+    from zosoma.training.json_shape import record_problem
     assert record_problem({**GOOD, "curve": [point]}, jobs(cmp)[0].record_shape) == "no curve[0].cpu_s"
 
 
@@ -333,7 +333,7 @@ train = {perturbations = 2, lr = 1000.0, on_divergence = "stop"}
 
 @pytest.mark.slow
 def test_a_record_the_run_has_trained_past_is_scored_again_never_reused(tmp_path):
-    from zosoma.training.single import resume_run
+    from zosoma.runs.single import resume_run
     cmp = load_comparison_text(tmp_path, WILD)
     job, run = Job("run", cmp.methods[0], 0, cmp), tmp_path / "run"
     first = run_job(job, run)

@@ -12,9 +12,9 @@ from zosoma.config import TrainConfig
 from zosoma.corpus import load_corpus
 from zosoma.engines import get_ops
 from zosoma.engines.ops import Ops
-from zosoma.runs.records import Evaluated, Started
-from zosoma.training.single import start_run
-from zosoma.training.soma import ExpertUnit, start_soma
+from zosoma.training.records import Evaluated, Started
+from zosoma.runs.single import start_run
+from zosoma.runs.soma import ExpertUnit, start_soma
 from zosoma.workers.executor import Inline
 from zosoma.workers.population_workers import InProcess, ShardSpec, Sharding
 
@@ -82,12 +82,12 @@ def test_an_engine_crosses_a_process_boundary_as_its_record(two_domains, precisi
 
 @pytest.mark.slow
 def test_a_run_resolves_its_engine_in_one_place(tmp_path, two_domains, forwards, monkeypatch):
-    """zosoma.training.run.engine is where every door (Run.start, resume, a study's Run.create)
+    """zosoma.runs.run.engine is where every door (Run.start, resume, a study's Run.create)
     turns a device into an engine: given the tagged engine there, every forward of a SOMA run, its
     resume and a study's run goes through it."""
     from zosoma.workers.placement import Placement
-    from zosoma.runs.shape import DataPaths
-    from zosoma.training import run
+    from zosoma.training.shape import DataPaths
+    from zosoma.runs import run
 
     monkeypatch.setattr(run, "get_ops", lambda device: Tagged())
     paths = [str(two_domains / "prose.txt"), str(two_domains / "digits.txt")]

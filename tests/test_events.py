@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 
 from helpers import run_cli, zosoma_cmd  # noqa: E402
 from world import tiny_args  # noqa: E402
-from zosoma.runs.folder import CHECKPOINT, METRICS, RunFolder  # noqa: E402
+from zosoma.training.folder import CHECKPOINT, METRICS, RunFolder  # noqa: E402
 
 TINY = tiny_args(4, 4)
 
@@ -130,7 +130,7 @@ def test_a_restarted_run_shows_the_course_it_kept(text, tmp_path):
 def test_a_run_without_tensorboardx_trains_and_says_so_once(text, tmp_path, monkeypatch):
     """The events are a view: a checkout run where tensorboardX is missing (the first device run's
     gpu_check stopped there) trains, writes metrics.jsonl and says once that it writes no events."""
-    from zosoma.runs import events
+    from zosoma.training import events
 
     def missing():
         raise ModuleNotFoundError("No module named 'tensorboardX'", name="tensorboardX")

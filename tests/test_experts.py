@@ -13,10 +13,10 @@ from zosoma.engines.cpu import forward
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Cores, Inline, LocalProcesses
-from zosoma.runs.folder import SOMA, RunFolder
+from zosoma.training.folder import SOMA, RunFolder
 from zosoma.workers.population_workers import exchange_bytes
-from zosoma.runs.records import Clusters, Evaluated, Step
-from zosoma.training.soma import resume_soma, start_soma
+from zosoma.training.records import Clusters, Evaluated, Step
+from zosoma.runs.soma import resume_soma, start_soma
 
 CFG = TrainConfig(optimizer="sgd", steps=6, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)
 

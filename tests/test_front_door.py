@@ -1,4 +1,4 @@
-"""One front door (zosoma.training.run): the command line and the Python API refuse the same inputs
+"""One front door (zosoma.runs.run): the command line and the Python API refuse the same inputs
 with the same one-line message, before any run folder is made, and a run opened either way
 answers the same calls."""
 
@@ -14,8 +14,8 @@ from zosoma.config import ModelConfig, TrainConfig
 from zosoma.errors import ConfigError, DataError
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
 from zosoma.workers.placement import RAY_ONLY, Placement
-from zosoma.runs.shape import DataPaths, SomaShape
-from zosoma.training.run import SOMA_OPTIONS, Spec
+from zosoma.training.shape import DataPaths, SomaShape
+from zosoma.runs.run import SOMA_OPTIONS, Spec
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
 
@@ -228,7 +228,7 @@ def test_the_records_read_and_write_what_run_folders_hold():
 def test_the_api_resumes_a_run_as_train_resume_does(text, tmp_path):
     """zosoma.train(resume=RUN, steps=N) goes on from the checkpoint, bit for bit the run that was
     never stopped (a constant schedule: an extended cosine is laid out again)."""
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
     small = dict(data=text, heldout=text, embed=8, hidden=16, batch=4, seq_len=16, perturbations=2, lr=0.05,
                  schedule="constant", checkpoint_every=1)
     whole = zosoma.train(steps=4, run_dir=tmp_path / "whole", **small)

@@ -14,8 +14,8 @@ from zosoma.engines.cpu import forward
 from zosoma.errors import ConfigError
 from zosoma.model import reference
 from zosoma.model.params import Layout, init_params
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.training.folder import RunFolder
+from zosoma.training.trainer import Trainer, from_checkpoint, new_state, train
 
 LOSS_RTOL = 1e-5  # tests/test_forward.py's accuracy requirement against the float64 reference
 PATHS = ["blas", "loops"]

@@ -8,10 +8,10 @@ from world import TINY_MODEL as MODEL
 from zosoma.engines.ops import Ops
 from zosoma.config import TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.runs import guard as g
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Diverged, Finished, Step
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.training import guard as g
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Diverged, Finished, Step
+from zosoma.training.trainer import Trainer, from_checkpoint, new_state, train
 
 
 def verdicts(losses, skipped=None, window=g.WINDOW):

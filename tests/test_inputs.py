@@ -19,7 +19,7 @@ from helpers import one_line_error, run_cli, zosoma_cmd
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.download import NotOfficial
 from zosoma.errors import ConfigError
-from zosoma.runs.folder import CHECKPOINT, RunFolder
+from zosoma.training.folder import CHECKPOINT, RunFolder
 from zosoma.strategies import make_strategy
 from zosoma.strategies.settings import SlowStep, check_memory, resolve
 
@@ -119,7 +119,7 @@ def test_a_model_trained_into_nothing_ends_non_zero(text, tmp_path):
 def test_a_run_whose_every_loss_was_non_finite_is_no_result():
     import numpy as np
 
-    from zosoma.training.single import check_trained
+    from zosoma.runs.single import check_trained
     theta = np.zeros(3, np.float32)
     check_trained(theta, skipped=4, step=5, where="run")  # one step updated it
     check_trained(theta, skipped=0, step=0, where="run")  # not trained yet: nothing to judge

@@ -791,7 +791,7 @@ def test_trainer_and_evaluation_on_the_device_match_the_cpu(rt, tmp_path):
     from zosoma.config import TrainConfig
     from zosoma.corpus import BatchSampler, Corpus
     from zosoma.model.evaluate import evaluate_bytes
-    from zosoma.runs.trainer import Trainer, new_state
+    from zosoma.training.trainer import Trainer, new_state
 
     model = TINY_MODEL_L2
     cfg = TrainConfig(optimizer="sgd", steps=2, batch=3, seq_len=12, perturbations=3)
@@ -819,8 +819,8 @@ def test_a_device_resident_run_matches_the_cpu_run(rt, tmp_path, monkeypatch, op
     reaches the host only when a checkpoint is written."""
     from zosoma.config import TrainConfig
     from zosoma.corpus import BatchSampler, Corpus
-    from zosoma.runs.folder import RunFolder
-    from zosoma.runs.trainer import Trainer, new_state, train
+    from zosoma.training.folder import RunFolder
+    from zosoma.training.trainer import Trainer, new_state, train
 
     model = ModelConfig(embed=8, hidden=12, layers=2)
     extra = {"eggroll": dict(eps=0.01, lr=0.5, rank=2), "es": dict(eps=0.02, lr=0.002),

@@ -25,21 +25,21 @@ ALLOWED = {
     "mixture": {"foundation", "model", "formats", "engines", "mixture"},
     "yardsticks": {"foundation", "model", "mixture", "yardsticks"},  # n-grams and compressors beside models
     # a run's folder, loop and records; the workers and executors on them; single and SOMA runs on both
-    "runs": {"foundation", "model", "formats", "engines", "strategies", "runs"},
-    "workers": {"foundation", "model", "formats", "engines", "strategies", "runs", "workers"},
-    "training": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
-                 "workers", "training"},
-    "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
-                    "workers", "training", "experiments"},
+    "training": {"foundation", "model", "formats", "engines", "strategies", "training"},
+    "workers": {"foundation", "model", "formats", "engines", "strategies", "training", "workers"},
+    "runs": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "training",
+             "workers", "runs"},
+    "experiments": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "training",
+                    "workers", "runs", "experiments"},
     # the benchmarks sit beside the experiments: the same parts below, neither imports the other
-    "benchmarks": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs",
-                   "workers", "training", "benchmarks"},
-    "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "runs", "workers", "training",
+    "benchmarks": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "training",
+                   "workers", "runs", "benchmarks"},
+    "porting": {"foundation", "model", "formats", "engines", "strategies", "mixture", "training", "workers", "runs",
                 "porting"},
-    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "workers",
-            "training", "experiments", "api"},
-    "cli": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "runs", "workers",
-            "training", "experiments", "benchmarks", "porting", "api", "cli"},
+    "api": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "training", "workers",
+            "runs", "experiments", "api"},
+    "cli": {"foundation", "model", "formats", "engines", "strategies", "mixture", "yardsticks", "training", "workers",
+            "runs", "experiments", "benchmarks", "porting", "api", "cli"},
 }
 DEVICE_NAMES = {"cpu", "cuda", "gpu"}  # and "auto" beside a device (Ray has an address "auto")
 
@@ -88,13 +88,13 @@ def test_imports_point_down_the_layout(path):
 
 
 def modules() -> dict[str, Path]:
-    """Every module by its import name; a package by its own name (zosoma.runs is runs/__init__.py)."""
+    """Every module by its import name; a package by its own name (zosoma.training is training/__init__.py)."""
     return {module_name(p).removesuffix(".__init__"): p for p in sources()}
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the modules it imports, at the top or inside a function alike (`from zosoma.runs.folder
-    import RunFolder` is an arrow to zosoma.runs.folder; `from zosoma.engines import get_ops` to the
+    """module -> the modules it imports, at the top or inside a function alike (`from zosoma.training.folder
+    import RunFolder` is an arrow to zosoma.training.folder; `from zosoma.engines import get_ops` to the
     package zosoma.engines)."""
     known = modules()
 
@@ -152,8 +152,8 @@ def test_the_circle_check_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
     graph = import_graph()
-    assert "zosoma.runs.folder" in graph["zosoma.training.soma"]  # imports inside functions count too:
-    assert "zosoma.workers.placement" in graph["zosoma.training.run"]
+    assert "zosoma.training.folder" in graph["zosoma.runs.soma"]  # imports inside functions count too:
+    assert "zosoma.workers.placement" in graph["zosoma.runs.run"]
 
 
 def root_imports(path: Path) -> list[str]:
@@ -295,7 +295,7 @@ def test_run_folder_files_are_named_in_one_module():
     names = re.compile(r"""["'](checkpoint(\.prev|\.next)?\.h5|soma\.json|router\.h5|metrics\.jsonl|"""
                        r"""results?\.json|curve\.jsonl|settings\.json)["']""")
     found = [str(p.relative_to(ROOT)) for p in sources() if names.search(p.read_text())]
-    assert found == ["zosoma/runs/folder.py"]
+    assert found == ["zosoma/training/folder.py"]
 
 
 def drawing() -> str:

@@ -1,4 +1,4 @@
-"""One run object under every door (zosoma.training.run.Run): `zosoma train`, zosoma.train and a
+"""One run object under every door (zosoma.runs.run.Run): `zosoma train`, zosoma.train and a
 study's runs are checked by the same check_run, so a comparison refuses a run `zosoma train` would
 refuse, in the same words, before anything trains (--plan too)."""
 
@@ -56,10 +56,10 @@ def test_a_study_run_trains_the_bits_train_does(tmp_path):
     train`) are one run: the same spec gives the same parameters at the same step."""
     import numpy as np
 
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
     from zosoma.workers.placement import Placement
-    from zosoma.runs.shape import DataPaths
-    from zosoma.training.run import Run, Spec
+    from zosoma.training.shape import DataPaths
+    from zosoma.runs.run import Run, Spec
 
     spec = Spec.resolve("tiny", dict(steps=4, batch=2, seq_len=16, perturbations=2, embed=8, hidden=16,
                                      checkpoint_every=2))

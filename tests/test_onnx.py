@@ -205,7 +205,7 @@ RUN_FILES = [("single", "single/checkpoint.h5"), ("single", "single/checkpoint.p
                          ids=[t for _, t in RUN_FILES] + ["soma run folder", "expert folder"])
 def test_force_never_writes_over_a_runs_own_files(runs, tmp_path, fmt, source, target):
     import shutil
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
     for name in ("single", "soma"):  # copies: the module's runs stay whole even where the guard fails
         shutil.copytree(runs / name, tmp_path / name)
     RunFolder(tmp_path / "study").bind("comparison", {"steps": 2})  # a folder of runs' settings.json
@@ -226,8 +226,8 @@ def dropped(tmp_path_factory):
     from test_robust import MODEL, RESTART, text_corpus
     from zosoma.errors import ConfigError
     from zosoma.workers.executor import Inline
-    from zosoma.runs.folder import RunFolder
-    from zosoma.training.soma import DroppedExperts, create_soma, resume_soma
+    from zosoma.training.folder import RunFolder
+    from zosoma.runs.soma import DroppedExperts, create_soma, resume_soma
 
     root = tmp_path_factory.mktemp("dropped")
     text = text_corpus(root)
@@ -257,7 +257,7 @@ def test_a_soma_export_routes_around_a_dropped_expert_as_eval_does(dropped, tmp_
     from zosoma.mixture.cluster import Clustering
     from zosoma.mixture.routing import Ensemble, Router, evaluate_routed_corpus
     from zosoma.corpus import load_corpus
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
 
     monkeypatch.delenv("ZOSOMA_WIKITEXT103", raising=False)
     root, text = dropped

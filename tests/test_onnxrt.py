@@ -18,8 +18,8 @@ from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
-from zosoma.runs.records import Step
-from zosoma.runs.trainer import Trainer, new_state, train
+from zosoma.training.records import Step
+from zosoma.training.trainer import Trainer, new_state, train
 
 pytest.importorskip("onnxruntime", reason="the ONNX Runtime engine is the onnx extra")
 

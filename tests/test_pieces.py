@@ -21,8 +21,8 @@ from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.workers.population_workers import check_shardable
-from zosoma.runs.records import Step
-from zosoma.runs.trainer import Trainer, new_state, train
+from zosoma.training.records import Step
+from zosoma.training.trainer import Trainer, new_state, train
 from zosoma.strategies import make_strategy
 from zosoma.strategies.onesided import one_sided
 from zosoma.strategies.probes.blocks import blocks

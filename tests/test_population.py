@@ -19,11 +19,11 @@ from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.workers import population_workers
 from zosoma.workers.executor import Inline
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 from zosoma.workers.population_workers import InProcess, Processes, Sharding, exchange_bytes, shard_pairs
-from zosoma.runs.records import Step
-from zosoma.training.single import start_run
-from zosoma.training.soma import start_soma
+from zosoma.training.records import Step
+from zosoma.runs.single import start_run
+from zosoma.runs.soma import start_soma
 
 CFG = TrainConfig(optimizer="sgd", steps=10, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=4)
 TINY = tiny_args(2, 4)

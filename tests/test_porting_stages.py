@@ -27,9 +27,9 @@ from zosoma.model.params import Layout
 from zosoma.model.population import Population
 from zosoma.porting import approx_activations, check_port
 from zosoma.porting.kit import STAGES
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Step
-from zosoma.runs.trainer import RunState, Trainer, train
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Step
+from zosoma.training.trainer import RunState, Trainer, train
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.es import centered_ranks
 from zosoma.strategies.onesided import one_sided

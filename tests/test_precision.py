@@ -284,7 +284,7 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
     from zosoma.errors import ConfigError
     from zosoma.experiments.precision import Study, jobs
     from zosoma.experiments.study import run_job
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
 
     job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
     assert job.name == "single-fp32-default-eps"
@@ -302,7 +302,7 @@ def test_a_run_left_by_another_study_is_refused_not_reused(tmp_path):
 def test_a_soma_run_stopped_between_its_experts_is_stopped_not_failed(tmp_path):
     from zosoma.experiments.precision import Study, jobs
     from zosoma.experiments.study import run_job
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
 
     job = jobs(Study(steps=2, formats=("fp32",), multiples=(), soma_multiples=()))[0]
     assert job.experts == 4
@@ -324,7 +324,7 @@ def test_the_report_of_a_study_under_way_names_its_unfinished_runs(tmp_path):
 
     from zosoma.cli.main import cli
     from zosoma.experiments.precision import Study, jobs
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
 
     options = ["--out", str(tmp_path), "--steps", "10", "--formats", "fp32", "--multiples", "4",
                "--soma-multiples", "none"]
@@ -349,7 +349,7 @@ def test_a_comparisons_folder_is_refused_before_anything_trains(tmp_path):
     """The study runner binds the output folder to its kind of study, as the comparison's does."""
     from zosoma.errors import ConfigError
     from zosoma.experiments.precision import Study, run_study
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
 
     RunFolder(tmp_path).bind("comparison", {"segment": 256})
     with pytest.raises(ConfigError, match='study was "comparison", now "precision study"'):
@@ -367,7 +367,7 @@ def test_a_precision_record_is_checked_whole(damage, problem):
     import dataclasses
 
     from zosoma.experiments.precision import Study, jobs
-    from zosoma.runs.json_shape import record_problem
+    from zosoma.training.json_shape import record_problem
 
     job = jobs(Study(steps=10, formats=("fp32",), multiples=(), soma_multiples=()))[-1]
     good = {**dataclasses.asdict(job), "eps_over_step": 1.0, "heldout": {"overall": 5.0}, "heldout_fp32_eval": 5.0,

@@ -33,13 +33,13 @@ from zosoma.cli.main import cli
 from zosoma.config import TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 from zosoma.workers.population_workers import Sharding
 from zosoma.workers.ray_executor import RayExecutor, RayWorkers, connect
 from zosoma.workers.reaper import descendants, start_time
-from zosoma.runs.records import Failed, Finished, Note, Step
-from zosoma.training.single import start_run
-from zosoma.training.soma import ExpertUnit, create_soma, open_soma
+from zosoma.training.records import Failed, Finished, Note, Step
+from zosoma.runs.single import start_run
+from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
 
 ray = pytest.importorskip("ray", reason="the Ray executor needs the ray extra")
 from ray.cluster_utils import Cluster  # noqa: E402

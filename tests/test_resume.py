@@ -19,12 +19,12 @@ from zosoma.formats.checkpoint import load_checkpoint, write_contents
 from zosoma.formats.h5util import text_array
 from zosoma.model.params import Layout
 from zosoma.workers.executor import Inline
-from zosoma.runs.folder import METRICS, MetricsDamaged, RunFolder
+from zosoma.training.folder import METRICS, MetricsDamaged, RunFolder
 from zosoma.workers.population_workers import InProcess, Sharding
-from zosoma.runs.records import Stopped
-from zosoma.training.single import resume_run, start_run
-from zosoma.training.soma import resume_soma, start_soma
-from zosoma.runs.trainer import Trainer, from_checkpoint, guard_of, new_state, train
+from zosoma.training.records import Stopped
+from zosoma.runs.single import resume_run, start_run
+from zosoma.runs.soma import resume_soma, start_soma
+from zosoma.training.trainer import Trainer, from_checkpoint, guard_of, new_state, train
 
 BASE = dict(steps=12, batch=2, seq_len=16, perturbations=4, warmup=2, checkpoint_every=5)
 STRATEGY = {"sgd": dict(lr=0.2, weight_decay=0.01), "momentum": dict(lr=0.05, momentum=0.8),
@@ -46,7 +46,7 @@ def stop_after(n: int):
 
 
 class TrainingLoop:
-    """The loop itself (zosoma.runs.trainer), resumed from the checkpoint it left."""
+    """The loop itself (zosoma.training.trainer), resumed from the checkpoint it left."""
 
     def __init__(self, data):
         self.corpus = load_corpus([str(data / "prose.txt")])

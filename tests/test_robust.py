@@ -15,11 +15,11 @@ from zosoma.config import TrainConfig, from_json, to_json
 from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline, LocalProcesses
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Diverged, Dropped, Evaluated, Finished, Restarted, Step
-from zosoma.training.soma import create_soma, load_ensemble, resume_soma
-from zosoma.runs.stepper import RESTART_STREAM
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Diverged, Dropped, Evaluated, Finished, Restarted, Step
+from zosoma.runs.soma import create_soma, load_ensemble, resume_soma
+from zosoma.training.stepper import RESTART_STREAM
+from zosoma.training.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import check_options
 from zosoma.strategies.es import OpenES
@@ -307,7 +307,7 @@ def test_the_summed_ablations_experts_stop_together_where_one_would_restart(tmp_
 
 def test_a_sharded_population_restarts_as_one_process_does(tmp_path):
     from zosoma.workers.population_workers import InProcess, Sharding
-    from zosoma.training.single import start_run
+    from zosoma.runs.single import start_run
     text = text_corpus(tmp_path)
     cfg = dataclasses.replace(RESTART, lr=40.0, max_restarts=1)
     ends = []
@@ -330,7 +330,7 @@ def cli_train(*args):
 @pytest.mark.slow
 def test_a_dropped_single_model_is_said_on_resume_and_the_advice_is_a_new_run(tmp_path):
     from helpers import one_line_error, snapshot
-    from zosoma.runs.folder import LOCK
+    from zosoma.training.folder import LOCK
     text, run = text_corpus(tmp_path), tmp_path / "run"
     done = cli_train("train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=40, steps=3000, checkpoint_every=20),
                      "--on-divergence", "restart", "--max-restarts", "1", "--run-dir", run, "--quiet")
@@ -359,7 +359,7 @@ def test_on_divergence_continue_says_its_verdict_once_and_trains_on(tmp_path):
     assert done.output.count(said) == 1 and verdict["step"] < 300
     assert RunFolder(run).read_checkpoint().step == 300
     # the summed ablation's experts step in lockstep: each says its own verdict too
-    from zosoma.runs.records import Continued
+    from zosoma.training.records import Continued
     cfg = dataclasses.replace(CFG, on_divergence="continue", lr=400.0)
     create_soma(tmp_path / "summed", MODEL, cfg, 2, loss="summed", chunk_size=256, train_paths=[str(text)],
                 heldout_paths=[str(text)])
@@ -388,7 +388,7 @@ def test_a_single_model_still_diverging_at_its_budget_is_dropped_with_exit_code_
 
 
 def test_an_expert_still_diverging_at_its_budget_is_left_out_of_routing_and_said(tmp_path):
-    from zosoma.training.run import Run
+    from zosoma.runs.run import Run
     text = text_corpus(tmp_path)
     faulty_soma(tmp_path / "run", text, dataclasses.replace(RESTART, steps=40), bad_lr=400.0)
     records = list(resume_soma(tmp_path / "run", Inline(), ops=Ops()))

@@ -23,8 +23,8 @@ from zosoma.mixture.routing import (Ensemble, Router, Segments, cut_segments, ev
                             evaluate_routed_corpus, mix_nll, run_selected,
                             segment_sums)
 from zosoma.mixture.sample import sample
-from zosoma.runs.folder import RunFolder
-from zosoma.training.soma import load_ensemble
+from zosoma.training.folder import RunFolder
+from zosoma.runs.soma import load_ensemble
 
 from helpers import assert_close
 

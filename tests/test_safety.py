@@ -23,8 +23,8 @@ from world import TINY_MODEL, tiny_args
 from zosoma import atomic
 from zosoma.cli.main import cli
 from zosoma.errors import ConfigError, WriteError
-from zosoma.runs.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder
-from zosoma.runs.folder_lock import RunInUse
+from zosoma.training.folder import CHECKPOINT, LOCK, METRICS, NEXT, PREVIOUS, RunFolder
+from zosoma.training.folder_lock import RunInUse
 
 TINY = tiny_args(4, 2, lr=0.05)
 
@@ -308,7 +308,7 @@ def test_two_trainers_on_one_folder(text, tmp_path):
 @pytest.mark.subprocess
 def test_a_dead_owners_lock_is_taken_over(tmp_path):
     folder = RunFolder(tmp_path / "run")
-    code = f"from zosoma.runs.folder import RunFolder; import os; RunFolder({str(folder.path)!r}).lock().__enter__(); os._exit(0)"
+    code = f"from zosoma.training.folder import RunFolder; import os; RunFolder({str(folder.path)!r}).lock().__enter__(); os._exit(0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
     assert "pid" in (folder.path / LOCK).read_text()  # left behind by the dead process
     with folder.lock():
@@ -429,7 +429,7 @@ def test_an_interrupt_from_the_library_aborts_with_its_code(text, tmp_path, monk
         raise Interrupted(signal.SIGINT)
         yield
 
-    monkeypatch.setattr("zosoma.training.run.start_run", interrupted)  # where the run handle calls it
+    monkeypatch.setattr("zosoma.runs.run.start_run", interrupted)  # where the run handle calls it
     result = invoke(train_args(text, tmp_path / "run", 2))
     assert result.exit_code == 130 and result.output.strip().splitlines()[-1] == "aborted"
 
@@ -535,7 +535,7 @@ def test_a_start_that_fails_leaves_no_folder(text, tmp_path, monkeypatch):
 
 
 def test_default_run_folders_are_unique(tmp_path, monkeypatch):
-    from zosoma.runs.folder import new_run_dir
+    from zosoma.training.folder import new_run_dir
     monkeypatch.chdir(tmp_path)
     made = [new_run_dir("tiny-") for _ in range(3)]  # within one second
     assert len(set(made)) == 3 and all(p.is_dir() for p in made)
@@ -565,7 +565,7 @@ def test_a_damaged_results_record_is_one_line_and_a_resume_writes_it_again(text,
 @pytest.mark.subprocess
 def test_results_of_a_run_extended_then_stopped_are_stale_everywhere_they_are_read(text, tmp_path, soma):
     import zosoma
-    from zosoma.runs.folder import StaleResults
+    from zosoma.training.folder import StaleResults
     run = tmp_path / "run"
     extra, folders = soma_or_single(run, soma, "--executor", "inline")
     assert invoke(train_args(text, run, 3, "--quiet", *extra)).exit_code == 0
@@ -623,7 +623,7 @@ def test_results_an_older_zosoma_wrote_without_checkpoint_steps_are_read(text, t
 
 def hold_lock(folder: Path):
     """A process that owns `folder` (RunFolder.lock) until it is killed, started and holding it."""
-    code = ("import sys, time; from zosoma.runs.folder import RunFolder\n"
+    code = ("import sys, time; from zosoma.training.folder import RunFolder\n"
             "with RunFolder(sys.argv[1]).lock():\n    print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -634,7 +634,7 @@ def hold_lock(folder: Path):
 @pytest.mark.subprocess
 def test_commands_on_a_run_still_training_say_so_and_name_the_step_they_read(text, tmp_path):
     import zosoma
-    from zosoma.runs.folder import StillTraining
+    from zosoma.training.folder import StillTraining
     run = tmp_path / "run"
     # its only checkpoint is step 0's until it stops: what a command reads now is the untrained model
     args = train_args(text, run, 100000, "--checkpoint-every", "100000", "--quiet")
@@ -688,8 +688,8 @@ def test_an_export_of_a_run_still_training_says_so(text, tmp_path):
 def test_a_soma_run_whose_owner_lives_is_said_to_be_training_for_each_expert(text, tmp_path):
     import zosoma
     from zosoma.config import TrainConfig
-    from zosoma.runs.folder import StillTraining
-    from zosoma.training.soma import create_soma
+    from zosoma.training.folder import StillTraining
+    from zosoma.runs.soma import create_soma
     run = tmp_path / "run"
     create_soma(run, TINY_MODEL, TrainConfig(optimizer="sgd", steps=5, batch=4, seq_len=16,
                 perturbations=2), 2, chunk_size=256, train_paths=[str(text)], heldout_paths=[str(text)])
@@ -715,7 +715,7 @@ def test_eval_of_a_damaged_soma_json_or_a_dropped_model_says_so(text, tmp_path):
     """A garbage soma.json was warned of, then evaluated as SOMA anyway; a single model training gave
     up on was scored without a word of the drop."""
     import zosoma
-    from zosoma.training.soma import DroppedExperts
+    from zosoma.runs.soma import DroppedExperts
     soma = tmp_path / "soma"
     assert invoke(train_args(text, soma, 2, "--experts", "2", "--chunk-size", "256", "--executor", "inline",
                              "--quiet")).exit_code == 0
@@ -743,7 +743,7 @@ def test_a_run_that_checkpoints_every_step_keeps_a_bounded_chain_to_roll_back_to
     the steps they did before (step 49: a multiple of the stride)."""
     from zosoma.config import TrainConfig
     from zosoma.formats.checkpoint import load_checkpoint
-    from zosoma.runs.trainer import MAX_KEPT, retention
+    from zosoma.training.trainer import MAX_KEPT, retention
     restart = TrainConfig(optimizer="sgd", checkpoint_every=1, on_divergence="restart")
     assert retention(restart, 200) == (202, 25) and retention(restart, 50) == (52, 7)
     assert retention(TrainConfig(optimizer="sgd", checkpoint_every=500, on_divergence="restart"), 200) == (3, None)  # as it was

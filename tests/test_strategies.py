@@ -12,8 +12,8 @@ from zosoma.errors import ConfigError
 from zosoma.model import reference
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
-from zosoma.runs.records import Step
-from zosoma.runs.trainer import Trainer, new_state, train
+from zosoma.training.records import Step
+from zosoma.training.trainer import Trainer, new_state, train
 from zosoma.strategies import STRATEGIES, make_strategy
 from zosoma.strategies.es import OpenES, centered_ranks
 from zosoma.strategies.summed import Summed

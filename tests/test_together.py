@@ -1,4 +1,4 @@
-"""SOMA's experts trained together (zosoma.runs.together, `--executor together`): each step of all
+"""SOMA's experts trained together (zosoma.training.together, `--executor together`): each step of all
 of them in one population, the bits of training them one at a time, on the CPU engine and on the
 emulated CUDA runtime (one fused launch for every expert's members, one for every update)."""
 
@@ -13,10 +13,10 @@ from test_robust import RESTART, faulty_soma, text_corpus
 from world import TINY_MODEL as MODEL
 from zosoma.config import TrainConfig
 from zosoma.engines.ops import Ops
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Dropped, Finished, Restarted, Step, Stopped
-from zosoma.runs.trainer import train
-from zosoma.training.soma import ExpertUnit, create_soma, open_soma, resume_soma, start_soma
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Dropped, Finished, Restarted, Step, Stopped
+from zosoma.training.trainer import train
+from zosoma.runs.soma import ExpertUnit, create_soma, open_soma, resume_soma, start_soma
 from zosoma.workers.executor import Inline, Together
 
 pytestmark = pytest.mark.usefixtures("scratch_cwd")
@@ -67,7 +67,7 @@ def test_together_trains_the_bits_of_one_expert_at_a_time(tmp_path, two_domains,
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::zosoma.training.soma.DroppedExperts")
+@pytest.mark.filterwarnings("ignore::zosoma.runs.soma.DroppedExperts")
 def test_a_restart_and_a_drop_happen_as_one_at_a_time(tmp_path):
     """Expert 1 diverges at a rate far too high: it restarts (and, with max_restarts=1 at a worse
     rate, is dropped) exactly as alone, while the others step on together."""
@@ -194,8 +194,8 @@ def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it
     """Together as Inline: an expert whose folder cannot be read is Failed (its unit index), the
     others train; a step that raises fails every expert still training (they shared it), once;
     what one expert's own bookkeeping raises fails it alone."""
-    from zosoma.runs import together
-    from zosoma.runs.records import Failed
+    from zosoma.training import together
+    from zosoma.training.records import Failed
 
     text = text_corpus(tmp_path)
     cfg = dataclasses.replace(CFG, steps=3)
@@ -226,7 +226,7 @@ def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it
     assert [RunFolder(tmp_path / "s").expert(i).read_checkpoint().step for i in range(2)] == [0, 0]  # none taken
 
     monkeypatch.setattr(together, "step_together", real)  # now one expert's own bookkeeping fails, alone
-    from zosoma.runs.trainer import Trainer
+    from zosoma.training.trainer import Trainer
     went_on = Trainer.went_on
     monkeypatch.setattr(Trainer, "went_on", lambda t: (_ for _ in ()).throw(OSError("disk full")) if t.expert == 1
                         and t.state.step == 2 else went_on(t))
@@ -238,11 +238,11 @@ def test_an_expert_that_cannot_open_fails_alone_and_a_failed_step_fails_those_it
 
 @pytest.mark.slow
 def test_the_summed_ablation_evaluates_every_experts_members_in_one_launch(tmp_path, rt, monkeypatch):
-    """The summed-loss ablation's lockstep (zosoma.training.soma.train_lockstep) takes its losses
+    """The summed-loss ablation's lockstep (zosoma.runs.soma.train_lockstep) takes its losses
     together too: on the CUDA engine one fused launch a step for all its experts' members."""
     from zosoma.engines.cuda import custom_kernels
     from zosoma.engines.cuda.cuda_ops import CudaOps
-    from zosoma.training.soma import lockstep_trainers, train_lockstep
+    from zosoma.runs.soma import lockstep_trainers, train_lockstep
 
     text = text_corpus(tmp_path)
     cfg = TrainConfig(optimizer="sgd", steps=2, batch=2, seq_len=16, perturbations=2, lr=0.5, checkpoint_every=2)

@@ -16,9 +16,9 @@ from zosoma.engines.ops import Ops
 from zosoma.model.noise import noise
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population, member_chunks
-from zosoma.runs.folder import CHECKPOINT, METRICS, PREVIOUS, CheckpointFallback, RunFolder
-from zosoma.runs.records import Finished, Step
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.training.folder import CHECKPOINT, METRICS, PREVIOUS, CheckpointFallback, RunFolder
+from zosoma.training.records import Finished, Step
+from zosoma.training.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.spsa import SPSA, Adam, Momentum
 
@@ -230,7 +230,7 @@ def test_eggroll_training_lowers_the_loss(tmp_path):
 
 def test_summed_losses_need_spsa(tmp_path):
     from zosoma.errors import ConfigError
-    from zosoma.training.soma import create_soma
+    from zosoma.runs.soma import create_soma
 
     with pytest.raises(ConfigError, match="SPSA"):
         create_soma(tmp_path, MODEL, TrainConfig(**EGG), 2, "summed")

@@ -11,7 +11,7 @@
     theta = opt.tell(theta, step, losses)                 # one loss per member
 
 Every call goes through the library the command line uses (options resolved by
-zosoma.strategies.settings.resolve, runs in zosoma.runs), so a run trained here is a run folder
+zosoma.strategies.settings.resolve, runs in zosoma.training), so a run trained here is a run folder
 that `zosoma eval`, `info`, `train --resume` and TensorBoard read like any other.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from zosoma.corpus import load_corpus
 from zosoma.errors import ConfigError
 from zosoma.model.protocol import PROTOCOL
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 
 __all__ = ["Optimizer", "RunHandle", "SkippedStep", "load_corpus", "open_run", "train"]
 
@@ -35,7 +35,7 @@ def train(data=None, heldout=None, experts: int | None = None, preset: str | Non
           loss: str | None = None, top_k: int | None = None, chunk_size: int | None = None, wikitext=None, resume=None,
           **options) -> "RunHandle":
     """Train a run as `zosoma train` does and return it (its evaluation in RunHandle.results), refusing
-    what the command line refuses (zosoma.training.run: a ConfigError in one line, before any folder
+    what the command line refuses (zosoma.runs.run: a ConfigError in one line, before any folder
     is made). `data` and `heldout`: paths (default: the shipped corpus); `experts` 1 and `preset`
     "tiny" unless given; `options`: any TrainConfig or model field (steps, lr, perturbations,
     shaping, embed, ...); loss, top_k and chunk_size are SOMA's (experts 2 or more). `resume`: a
@@ -43,8 +43,8 @@ def train(data=None, heldout=None, experts: int | None = None, preset: str | Non
     other keyword is refused by name. The experts of a SOMA run train one after another in this
     process. A run whose guard stopped it, or that failed, raises ConfigError."""
     from zosoma.workers.placement import Placement
-    from zosoma.training.run import Run, Spec, check_resume
-    from zosoma.runs.shape import DataPaths
+    from zosoma.runs.run import Run, Spec, check_resume
+    from zosoma.training.shape import DataPaths
 
     if resume is not None:
         named = dict(data=data, heldout=heldout, run_dir=run_dir, experts=experts, loss=loss, preset=preset,
@@ -61,7 +61,7 @@ def train(data=None, heldout=None, experts: int | None = None, preset: str | Non
 def _trained(training, soma: bool) -> "RunHandle":
     """The run once its records end in an evaluation; ConfigError for a run that failed, diverged
     or stopped first."""
-    from zosoma.runs.records import Diverged, Dropped, Evaluated, Failed
+    from zosoma.training.records import Diverged, Dropped, Evaluated, Failed
 
     for r in training:
         if isinstance(r, Failed):
@@ -86,15 +86,15 @@ def _paths(x) -> list:
 
 class RunHandle:
     """What zosoma.train and zosoma.open_run return: a run folder's results, and what can be done
-    with its model, for a Python user; it opens the run (zosoma.training.run.Run) to do it."""
+    with its model, for a Python user; it opens the run (zosoma.runs.run.Run) to do it."""
 
     def __init__(self, path):
         self.path, self.folder = Path(path), RunFolder(path)
 
     @property
     def handle(self):
-        """The run (zosoma.training.run.Run): a single model or a SOMA run, one interface."""
-        from zosoma.training.run import Run
+        """The run (zosoma.runs.run.Run): a single model or a SOMA run, one interface."""
+        from zosoma.runs.run import Run
         return Run.open(self.path)
 
     def __repr__(self) -> str:
@@ -133,9 +133,9 @@ class RunHandle:
         """Nats/byte on `data` (paths; default the shipped held-out slices) and WikiText-103, by
         the protocol of every table unless segment and context are given (`zosoma eval`'s result
         and options: top_k and the routing temperature for SOMA runs, streams for single models,
-        refused for the other kind in its words, zosoma.training.run_options)."""
+        refused for the other kind in its words, zosoma.runs.run_options)."""
         from zosoma.download import check_wikitext103
-        from zosoma.training.run_options import eval_options
+        from zosoma.runs.run_options import eval_options
         handle = self.handle
         checked = eval_options(handle, streams, top_k, temperature, segment, context)
         corpus = load_corpus(_paths(data) or None, split="heldout")
@@ -147,7 +147,7 @@ class RunHandle:
         """Bytes generated after `prompt` (bytes, or text read as UTF-8; temperature 0: greedy);
         top_k and reroute_every are SOMA runs' (`zosoma sample`'s options, checked as it checks them)."""
         from zosoma.mixture.sample import prompt_bytes, sample
-        from zosoma.training.run_options import sample_options
+        from zosoma.runs.run_options import sample_options
         handle = self.handle
         top_k, reroute_every = sample_options(handle, n_bytes, temperature, seed, top_k, reroute_every)
         return sample(handle.ensemble(top_k), prompt_bytes(prompt), n_bytes=n_bytes, temperature=temperature,

@@ -111,7 +111,7 @@ class TrainConfig:
     clip_at: float = 5.0  # clip: each scalar bounded at this many running medians of |g|
     normalize_window: int = 50  # normalize: the first steps, whose mean (bounded) spread is the reference
     readout_lr: float = 1.0  # readout: the output layer's rate along its exact gradient (zosoma.strategies.readout)
-    # A run whose loss runs away (zosoma.runs.guard) stops with a message and a checkpoint; goes
+    # A run whose loss runs away (zosoma.training.guard) stops with a message and a checkpoint; goes
     # on with the verdict recorded; or restarts: rolled back to a checkpoint from before the
     # guard's window, its rate times restart_lr_factor, on fresh batches and noise, and after
     # max_restarts restarts dropped (SOMA leaves a dropped expert out of routing). The verdicts

@@ -28,7 +28,7 @@ class ClusterLost(ZosomaError):
 
 
 class OptionError(ConfigError):
-    """Options that cannot go together, refused before anything is written (zosoma.training.run): the
+    """Options that cannot go together, refused before anything is written (zosoma.runs.run): the
     command line exits 2 for them, as for its own usage errors."""
 
 

@@ -1,5 +1,5 @@
 """Where training runs, timed (`zosoma bench executors`): SOMA's N experts inline, in local worker
-processes, together in this process (each step of all of them in one population: zosoma.runs.together)
+processes, together in this process (each step of all of them in one population: zosoma.training.together)
 and as Ray tasks; one model's population in this process and on W = 1 and W = 2 workers (local
 processes and Ray actors).
 
@@ -33,12 +33,12 @@ from zosoma.corpus import BatchSampler
 from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline, LocalProcesses, Together
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 from zosoma.workers.population_workers import Processes, Sharding, make_trainer
-from zosoma.runs.records import Failed, Step
-from zosoma.training.single import data_record, load_data
-from zosoma.training.soma import ExpertUnit, create_soma, open_soma
-from zosoma.runs.trainer import new_state, train
+from zosoma.training.records import Failed, Step
+from zosoma.runs.single import data_record, load_data
+from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
+from zosoma.training.trainer import new_state, train
 from zosoma.strategies import make_strategy
 from zosoma.strategies.settings import resolve
 from zosoma.model.params import Layout, init_params

@@ -8,7 +8,7 @@
     fused     every expert's members in ONE fused.cu launch (fused_forward.experts_losses), then
               every expert's update in ONE launch (fused_forward.experts_update): 2 launches a
               step, whatever N
-    together  SOMA's training stepping its N experts together (zosoma.runs.together, `--executor
+    together  SOMA's training stepping its N experts together (zosoma.training.together, `--executor
               together`): each expert's Trainer (batch, coefficients, shaping, guard, records) around
               the engine's calls for all of them (zosoma.benchmarks.bench_together)
 

@@ -57,7 +57,7 @@ PAPER = {"n_small": 256, "n_large": 8, "top_k": 4, "small_tokens_per_s": 2.36e6,
          "large_tokens_per_s": 257e3, "ratio": 9.19}
 
 _PAUSE_S = 0.3  # lets the previous run's BLAS threads stop spinning (OpenBLAS: about 0.1 s)
-_CHUNK = 2048  # bytes per clustering chunk, as SOMA training (zosoma.training.soma) uses by default
+_CHUNK = 2048  # bytes per clustering chunk, as SOMA training (zosoma.runs.soma) uses by default
 _THREAD_VARS = THREAD_VARS[:3]
 
 

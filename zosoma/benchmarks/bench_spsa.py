@@ -1,6 +1,6 @@
 """SPSA step throughput beside PyTorch peers and the machine's fp32 matmul peak, in one run.
 
-Runs the trainer's own step (zosoma.runs.trainer.Trainer) on the shipped corpus, so what is timed is
+Runs the trainer's own step (zosoma.training.trainer.Trainer) on the shipped corpus, so what is timed is
 what training does, split into drawing the batch ("data"), the 2P forward passes ("forward": on
 the CPU engine each pair's two members are built from the counters inside it, so their noise is
 forward time; `noise_in_forward` times that building alone), building perturbed weights outside
@@ -39,7 +39,7 @@ from zosoma.benchmarks.bench_forward import peak_gflops
 from zosoma.engines.cpu import forward, noise_kernels, threads
 from zosoma.engines.ops import Ops
 from zosoma.model import noise as noise_mod
-from zosoma.runs.trainer import Trainer, new_state
+from zosoma.training.trainer import Trainer, new_state
 from zosoma.strategies.settings import resolve
 
 PARTS = ("forward", "noise", "data", "update")

@@ -1,4 +1,4 @@
-"""Launches per step of SOMA's training stepping N experts together (zosoma.runs.together, the
+"""Launches per step of SOMA's training stepping N experts together (zosoma.training.together, the
 `--executor together` placement), counted as bench_launches counts its paths: the training side's
 own step (each expert's Trainer, its batch, shaping, guard and records) on the CUDA engine, so
 the count is what a SOMA run launches, not a kernel benchmark's.
@@ -19,8 +19,8 @@ from zosoma.config import VOCAB, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
 from zosoma.engines.cuda import custom_kernels
 from zosoma.engines.cuda.launches import Launches, RecordingRuntime, _ShapesOnly
-from zosoma.runs.together import step_together
-from zosoma.runs.trainer import Trainer, new_state
+from zosoma.training.together import step_together
+from zosoma.training.trainer import Trainer, new_state
 
 
 class _Zeroed(_ShapesOnly):

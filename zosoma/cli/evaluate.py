@@ -28,8 +28,8 @@ def eval_(checkpoint, data, wikitext, streams, top_k, temperature, segment, cont
     folder (routed ensemble, each expert alone, and oracle routing)."""
     from zosoma.corpus import load_corpus
     from zosoma.download import check_wikitext103
-    from zosoma.training.run import Run
-    from zosoma.training.run_options import eval_options
+    from zosoma.runs.run import Run
+    from zosoma.runs.run_options import eval_options
     from zosoma.yardsticks import lookup
 
     run = Run.open(checkpoint)

@@ -17,8 +17,8 @@ def info(checkpoint, previous, as_json):
     """Summarise a checkpoint (file, or run folder): format, config, step, tensors, last metrics.
     For a SOMA run folder: its experts, loss mode and cluster sizes, and each expert's step. A run
     still training, and a results.json the run has trained past, are said in a warning line."""
-    from zosoma.runs.folder import warn_if_training
-    from zosoma.training.run import Run
+    from zosoma.training.folder import warn_if_training
+    from zosoma.runs.run import Run
 
     run = Run.open(checkpoint)
     d = run.describe(fallback=previous)

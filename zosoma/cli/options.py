@@ -27,8 +27,8 @@ def nonneg(ctx, param, value):
 
 
 class Checked(click.ParamType):
-    """A number as typed (else the text itself), checked by the library (zosoma.training.run.Spec,
-    TrainConfig, Placement, zosoma.training.run_options): the command line and the Python API
+    """A number as typed (else the text itself), checked by the library (zosoma.runs.run.Spec,
+    TrainConfig, Placement, zosoma.runs.run_options): the command line and the Python API
     refuse the same values in the same words."""
 
     def __init__(self, name: str = "integer"):
@@ -132,7 +132,7 @@ def warn_about_results(path) -> str | None:
     from pathlib import Path
 
     from zosoma.errors import ConfigError
-    from zosoma.runs.folder import RunFolder
+    from zosoma.training.folder import RunFolder
     if not Path(path).is_dir():
         return None
     try:

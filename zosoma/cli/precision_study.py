@@ -47,7 +47,7 @@ def precision_study(out, steps, formats, multiples, soma_multiples, experts, see
     if plan:
         return
     if report_only:
-        from zosoma.runs.folder import RunFolder
+        from zosoma.training.folder import RunFolder
 
         if not Path(out, "runs").is_dir():
             raise click.ClickException(f"no study in {out}: it has no runs/ folder")

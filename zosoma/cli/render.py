@@ -97,11 +97,11 @@ def _duration(s: float) -> str:
 
 def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
     """Progress bars (on a terminal) or lines (logging) for a run's records
-    (zosoma.runs.records); the exit code and the line to continue with when it stopped or
+    (zosoma.training.records); the exit code and the line to continue with when it stopped or
     failed."""
     from tqdm import tqdm
 
-    from zosoma.runs.records import (Clusters, Continued, Diverged, Dropped, Evaluated, Evaluating, Failed, Note,
+    from zosoma.training.records import (Clusters, Continued, Diverged, Dropped, Evaluated, Evaluating, Failed, Note,
                                      Restarted, Started, Step, Stopped)
 
     bars, stopped, evaluated, failed, run_dir, lines = {}, False, False, [], "RUN", None
@@ -164,7 +164,7 @@ def training(records, stop: StopRequest, logging: Logging = Logging()) -> None:
                 bars[r.expert].write(f"expert {r.expert} dropped at step {r.step} after {r.restarts} restart(s) "
                                      f"({r.verdict}): the others go on, and routing leaves it out")
             else:
-                from zosoma.training.single import after_drop
+                from zosoma.runs.single import after_drop
                 failed.append(f"the model was dropped at step {r.step} after {r.restarts} restart(s) ({r.verdict}): "
                               f"{after_drop(run_dir)}")
                 gave_up = True
@@ -203,7 +203,7 @@ def close(bars):
 
 
 def results(r, yardsticks: dict | None = None, data: str | None = None) -> str:
-    """A run's evaluation (zosoma.training.single.evaluate_run, zosoma.training.soma.evaluate_soma) as text,
+    """A run's evaluation (zosoma.runs.single.evaluate_run, zosoma.runs.soma.evaluate_soma) as text,
     with the yardsticks measured on the same texts (zosoma.yardsticks.lookup) under it; `data`
     names the text scored when it is not the held-out slices (eval --data), and then no line says
     that WikiText-103 was not found: it was not asked for."""

@@ -24,8 +24,8 @@ def sample(run, prompt, n_bytes, temperature, seed, top_k, reroute_every, previo
     """Generate text from a run: a SOMA run's routed mixture, re-routing as the context grows, or
     a single model (its run folder or a checkpoint file)."""
     from zosoma.mixture.sample import generate
-    from zosoma.training.run import Run
-    from zosoma.training.run_options import sample_options
+    from zosoma.runs.run import Run
+    from zosoma.runs.run_options import sample_options
 
     ops = device_ops(device)
     opened = Run.open(run)

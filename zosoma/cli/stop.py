@@ -17,7 +17,7 @@ class StopRequest:
     """First Ctrl-C (SIGINT) or SIGTERM (SLURM preemption, `docker stop`, systemd): finish the
     step, checkpoint, exit 128 + the signal's number. A second signal ends the command at once
     with that code, whatever it is doing (a step of minutes included), and one line saying how to
-    go on (`resume`): every checkpoint is complete at every instant (zosoma.runs.folder), so the
+    go on (`resume`): every checkpoint is complete at every instant (zosoma.training.folder), so the
     newest one is kept. After `at_once` (the final evaluation: training is over and saved) the
     first signal does so too. The handlers stay for the life of the command's process; calling
     the object says whether a stop was asked for.

@@ -85,8 +85,8 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
     from zosoma.workers.placement import Placement
-    from zosoma.training.run import Run, Spec, check_resume
-    from zosoma.runs.shape import DataPaths
+    from zosoma.runs.run import Run, Spec, check_resume
+    from zosoma.training.shape import DataPaths
 
     logging = render.Logging.parse(log_every, quiet)
     check_executor_options(ctx, executor_kind, "--workers", workers)

@@ -148,9 +148,9 @@ class BackpropRun(Scored):
 
     def __init__(self, folder, spec, device: str = "cpu"):
         from zosoma.workers.placement import Placement
-        from zosoma.runs.stepper import stream
-        from zosoma.training.run import engine
-        from zosoma.training.single import data_record, load_data
+        from zosoma.training.stepper import stream
+        from zosoma.runs.run import engine
+        from zosoma.runs.single import data_record, load_data
 
         torch = import_torch()
         torch.set_num_threads(1)  # one core, as each ZO worker's one BLAS thread

@@ -9,7 +9,7 @@ Compute accounting. Forward FLOPs are the nominal ModelConfig.flops_per_token (e
 the LSTM and the output layer, multiply-add = 2) times the bytes pushed through forward passes,
 2P * B * T per step per expert; a method's steps are the budget divided by its FLOPs per step,
 rounded down. The steps a restart re-runs are spent too: a model that restarted stops when its
-share is spent, at a lower step (zosoma.runs.trainer, Trainer.spent), so no run spends more than
+share is spent, at a lower step (zosoma.training.trainer, Trainer.spent), so no run spends more than
 the budget; the report puts each method's spend beside it and marks a run over it. EGGROLL is charged the same dense FLOPs per member: its shared GEMM does that work,
 and its rank-r corrections are left out like the gate math. Wall time is training seconds (no
 evaluation) summed over a run's experts, i.e. aggregate compute time as the paper's GPU-hours;
@@ -61,8 +61,8 @@ from zosoma.experiments.backprop import import_torch
 from zosoma.experiments.compare_config import Comparison, Method, Tuning, slug
 from zosoma.experiments.report import lost
 from zosoma.experiments.study import JobRun, Spec, StudyFolder
-from zosoma.runs.events import EventLog
-from zosoma.runs.json_shape import NUMBER, ListOf, MayLack, ValuesOf
+from zosoma.training.events import EventLog
+from zosoma.training.json_shape import NUMBER, ListOf, MayLack, ValuesOf
 
 @dataclass(frozen=True)
 class Job:
@@ -83,7 +83,7 @@ class Job:
 
     @property
     def record_shape(self) -> dict:
-        """What its result.json must hold (zosoma.runs.json_shape): all that the report, the
+        """What its result.json must hold (zosoma.training.json_shape): all that the report, the
         tuning and the ablation read of it (what they read where present may be absent: records
         of an older zosoma)."""
         point = {"step": int, "flops": NUMBER, "wall_s": NUMBER, "heldout": NUMBER,

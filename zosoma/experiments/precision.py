@@ -39,7 +39,7 @@ from zosoma.errors import ConfigError
 from zosoma.experiments.study import JobRun, Spec, StudyFolder
 from zosoma.model.params import Layout, init_params
 from zosoma.model.number_formats import format_step
-from zosoma.runs.json_shape import NUMBER
+from zosoma.training.json_shape import NUMBER
 from zosoma.strategies.settings import resolve
 
 PRESET = "tiny"
@@ -78,7 +78,7 @@ class Job:
     seed: int
     kind = "precision study"
     device = "cpu"  # the formats are emulated on the CPU
-    # what its result.json must hold (zosoma.runs.json_shape): what the report reads
+    # what its result.json must hold (zosoma.training.json_shape): what the report reads
     record_shape = {"name": str, "fmt": str, "experts": int, "eps": NUMBER, "multiple": (*NUMBER, type(None)),
                     "step_size": NUMBER, "eps_over_step": NUMBER, "steps": int, "seed": int,
                     "heldout": {"overall": NUMBER}, "heldout_fp32_eval": NUMBER,

@@ -5,7 +5,7 @@ A study supplies its jobs and their scoring; a job (the Job protocol) says
 
     name          its run folder, OUT/runs/<name>/
     label, kind   how messages name it and its study ("SPSA P=64, seed 1"; "comparison")
-    record_shape  what its record must hold to be read back (zosoma.runs.json_shape):
+    record_shape  what its record must hold to be read back (zosoma.training.json_shape):
                   the keys its study's report reads
     spec          what its run is (Spec: model, training configuration, experts, loss, ...)
     device        where its forwards run
@@ -17,7 +17,7 @@ and the runner does the rest, the same for every study:
 
     OUT/settings.json        the study's settings (RunFolder.bind): a folder that other settings,
                              or another kind of study, left is refused in one line naming what changed
-    OUT/runs/<name>/         a single-model or SOMA run folder (zosoma.training.single, zosoma.training.soma)
+    OUT/runs/<name>/         a single-model or SOMA run folder (zosoma.runs.single, zosoma.runs.soma)
                              plus result.json, the finished job's record: read back, never repeated
                              while it is of the run's newest checkpoints (its checkpoint_steps);
                              a folder that holds another configuration (its record, else its
@@ -42,10 +42,10 @@ import numpy as np
 from zosoma.config import ABSENT, RETIRED, ModelConfig, TrainConfig
 from zosoma.errors import ConfigError
 from zosoma.experiments.scoring import Scored
-from zosoma.runs.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
+from zosoma.training.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.workers.placement import Placement
-from zosoma.runs.records import Failed, Note, Result
-from zosoma.training.run import Run, Spec, check_run  # Spec: what a job's run is (compare and precision take it here)
+from zosoma.training.records import Failed, Note, Result
+from zosoma.runs.run import Run, Spec, check_run  # Spec: what a job's run is (compare and precision take it here)
 from zosoma.workers.executor import Inline
 from zosoma.mixture.cluster import load_clustering
 from zosoma.mixture.routing import Ensemble, Router, Whole
@@ -105,7 +105,7 @@ def check_job(job: Job, folder: RunFolder) -> dict | None:
     else its SOMA description and every expert's checkpoint, else its checkpoint. Returns the
     finished record, or None (nothing yet, an unfinished run, or a SOMA run whose creation was cut
     short: it is redone). A zero-order job's run is first checked as `zosoma train` checks it
-    (zosoma.training.run.check_run: the same one-line refusals)."""
+    (zosoma.runs.run.check_run: the same one-line refusals)."""
     if job.spec.train.optimizer != "backprop":
         check_run(job.spec, Placement(executor="inline", device=job.device))
     result = finished(job, folder)
@@ -227,7 +227,7 @@ class StudyFolder:
 # ------------------------------------------------------------------------------------ the run
 
 class JobRun(Scored):
-    """A job's Run (zosoma.training.run.Run.create: one model, or one per SOMA expert, opened from
+    """A job's Run (zosoma.runs.run.Run.create: one model, or one per SOMA expert, opened from
     its checkpoints or created at step 0 from the Spec and trained here a step target at a time)
     and how its study scores it."""
 

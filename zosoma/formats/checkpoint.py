@@ -16,7 +16,7 @@ Layout of format "zosoma-checkpoint", version 3:
     /optimizer/<name>    one dataset per optimizer state array (e.g. m, v for Adam)
 
 The file's size does not grow with the run: the step records live in the run's metrics.jsonl
-(zosoma.runs.logs.MetricsLog), which the checkpoint only counts and checksums.
+(zosoma.training.logs.MetricsLog), which the checkpoint only counts and checksums.
 
 Versions 1 and 2 (still read) held the step records themselves as /metrics, a JSON list (uint8
 text), and no metrics_records or metrics_sha256: read, their records come back as
@@ -309,7 +309,7 @@ def load_checkpoint(path: PathLike) -> Checkpoint:
 
 def description(path: PathLike, last_metrics: dict | None = None) -> dict:
     """What `zosoma info --json` prints of a checkpoint (verified as load_checkpoint does);
-    `last_metrics`: the last metrics.jsonl record it covers (zosoma.runs.folder.last_metrics)."""
+    `last_metrics`: the last metrics.jsonl record it covers (zosoma.training.folder.last_metrics)."""
     ckpt, header = _read_or_raise(path)
     layout = Layout(ckpt.model)
     return {"checkpoint": str(path), **{k: header[k] for k in ("format", "format_version", "zosoma_version", "created")},

@@ -62,7 +62,7 @@ _BATCH = 64  # S per expert forward in evaluation: bounds memory to about batch 
 
 class Router:
     """c-BTM top-k routing over the centroids of a fitted Clustering. Experts in `dropped` (a SOMA
-    run gave up on them: zosoma.runs.trainer) are never chosen: routing is over the others."""
+    run gave up on them: zosoma.training.trainer) are never chosen: routing is over the others."""
 
     def __init__(self, clustering: Clustering, top_k: int, temperature: float = 0.1, dropped=()):
         N = clustering.n_clusters

@@ -8,5 +8,5 @@ host-side data, one-step, training-loop, routing, low-precision, approximate-act
 stages; kit_files: the graphs, batch indices and README beside them; approx_activations: PLAN and
 HardSigmoid activations, their forward and an engine that trains with them) and the
 checker copied into every kit (check_port: plain NumPy, imports nothing of zosoma). PORTING.md at the repository root is the specification they serve. May import everything
-below the experiments: the foundation, model, formats, engines, strategies, mixture and runs.
+below the experiments: the foundation, model, formats, engines, strategies, mixture, training, workers and runs.
 """

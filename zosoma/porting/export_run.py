@@ -35,7 +35,7 @@ A run whose every expert was dropped has nothing to route to and is refused.
 The manifest's "files" lists the files zosoma owns in OUT. The folder is built aside and moved in
 (zosoma.porting.output_folder): a reader who finds a manifest finds all of its files, and --force
 replaces the files of an earlier export, leaving anything else in OUT alone. No export is written
-over a run's own files, --force or not (zosoma.runs.folder.refuse_run_files).
+over a run's own files, --force or not (zosoma.training.folder.refuse_run_files).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from zosoma.formats.onnx import export_onnx
 from zosoma.formats.torch_state import export_torch
 from zosoma.model.params import Layout
 from zosoma.porting.output_folder import MANIFEST, output_folder
-from zosoma.runs.folder import checkpoint_path, refuse_run_files, warn_if_training
-from zosoma.training.run import Run
-from zosoma.training.soma import DroppedExperts, dropped_of, router_of
+from zosoma.training.folder import checkpoint_path, refuse_run_files, warn_if_training
+from zosoma.runs.run import Run
+from zosoma.runs.soma import DroppedExperts, dropped_of, router_of
 
 SOMA_FORMAT, SOMA_VERSION = "zosoma-onnx-soma", 2  # 2: dropped experts, top_k over those left
 ROUTER = "router.npz"

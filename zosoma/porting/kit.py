@@ -41,7 +41,7 @@ from zosoma.porting import (kit_activity, kit_approx, kit_data, kit_default_run,
                             kit_precision, kit_router, kit_run, kit_training)
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
-from zosoma.runs.folder import refuse_run_files
+from zosoma.training.folder import refuse_run_files
 
 KIT_FORMAT, KIT_VERSION = "zosoma-porting-kit", 2
 CHECKER = Path(__file__).with_name("check_port.py")

@@ -29,11 +29,11 @@ from zosoma.corpus import BatchSampler, load_corpus
 from zosoma.engines import get_ops
 from zosoma.porting.kit_run import HELDOUT_ATOL, LOSS_ATOL, corpus_sha256s
 from zosoma.porting.stage import Out, Stage
-from zosoma.runs.records import Evaluated, Restarted, Step
-from zosoma.runs.stepper import stream
-from zosoma.runs.trainer import Trainer
+from zosoma.training.records import Evaluated, Restarted, Step
+from zosoma.training.stepper import stream
+from zosoma.training.trainer import Trainer
 from zosoma.strategies.settings import resolve
-from zosoma.training.single import start_run
+from zosoma.runs.single import start_run
 
 STEPS = 300  # both runs: the cosine laid out over these steps
 # lr 20 diverges at once: the verdict at step 87, the first the guard can give (window 37 after the first 50),

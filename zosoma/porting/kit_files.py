@@ -15,7 +15,7 @@ from zosoma.errors import ZosomaError
 from zosoma.formats.onnx import build_model, build_training_model, require_onnx, save_model
 from zosoma.model.params import Layout
 from zosoma.porting.kit_default_run import batch_indices
-from zosoma.runs.stepper import stream
+from zosoma.training.stepper import stream
 from zosoma.strategies.settings import resolve
 
 MODEL, TRAIN_MODEL = "model.onnx", "train_model.onnx"

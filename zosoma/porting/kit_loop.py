@@ -2,7 +2,7 @@
 shaping), coefficient shaping over many steps with its state, and the restart rule.
 
 Each reference is computed with zosoma's own pieces (zosoma.corpus, zosoma.strategies,
-zosoma.runs.guard), the update in float64 from the kit's scalars, so a port's rounding never
+zosoma.training.guard), the update in float64 from the kit's scalars, so a port's rounding never
 compounds from one check into the next. PORTING.md (stages 5, 7 and 8) is the specification these
 vectors serve.
 """
@@ -20,8 +20,8 @@ from zosoma.model.params import Layout
 from zosoma.porting.kit_data import B_LOOP, T_LOOP, small_corpus, text_inputs
 from zosoma.porting.kit_training import directions, member_losses
 from zosoma.porting.stage import Out, Stage
-from zosoma.runs.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
-from zosoma.runs.stepper import RESTART_STREAM, stream
+from zosoma.training.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
+from zosoma.training.stepper import RESTART_STREAM, stream
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.shaping import Chain
 from zosoma.strategies.shaping.normalize import CAP as NORMALIZE_CAP, WARMUP as NORMALIZE_WARMUP

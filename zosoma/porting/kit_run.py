@@ -27,10 +27,10 @@ from zosoma.model.params import Layout, init_params
 from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
 from zosoma.porting.kit_router import TAU, TOP_K, kit_clustering
 from zosoma.porting.stage import Out, Stage
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.records import Evaluated
+from zosoma.training.folder import RunFolder
+from zosoma.training.records import Evaluated
 from zosoma.strategies.settings import resolve
-from zosoma.training.single import start_run
+from zosoma.runs.single import start_run
 
 RUN_STEPS = 300  # the paper estimator's run, shortened: the cosine laid out over these steps
 REFERENCE = Path(__file__).with_name("run_reference.json")

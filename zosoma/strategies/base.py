@@ -21,7 +21,7 @@ only. Per step and expert:
 The bookkeeping (shaping, the rate, the skip) is this base's, written once (evosax's `tell`
 shapes fitness, then calls the strategy's `_tell`); a subclass writes only the maths (ask,
 coefficients, update). Every place that steps calls it: the training loop (shape, then apply,
-through its zosoma.runs.stepper.Stepper), a population worker (apply, through a Stepper of its own,
+through its zosoma.training.stepper.Stepper), a population worker (apply, through a Stepper of its own,
 on scalars the driver shaped) and zosoma.Optimizer (tell), so their bit-exact
 agreement holds by construction. The step's scalars (docs/architecture.md: P, or 2P one-sided)
 are all that a step needs to agree on an update:
@@ -327,7 +327,7 @@ def learning_rate(step: int, peak: float, total: int, warmup: int, schedule: str
 
 
 def lr_scale(cfg: TrainConfig, restarts: int) -> float:
-    """The rate's factor after `restarts` restarts (zosoma.runs.trainer.Trainer.restart)."""
+    """The rate's factor after `restarts` restarts (zosoma.training.trainer.Trainer.restart)."""
     return cfg.restart_lr_factor ** restarts
 
 

@@ -4,5 +4,5 @@ Where a run's work goes (placement: the record, and the executors and workers it
 executors that run units of work inline, in local processes (executor) or as Ray tasks
 (ray_executor, with its watchdog reaper), and one model's population spread over workers that
 exchange only scalars (population_workers). May import the foundation, model, formats, engines,
-strategies and runs.
+strategies and training (a run's folder and loop).
 """

@@ -1,6 +1,6 @@
 """Executors: where units of work run. SOMA's experts and the comparison's runs both go through one.
 
-A unit is a picklable callable `unit(stopping) -> iterator of records` (zosoma.runs.records) that
+A unit is a picklable callable `unit(stopping) -> iterator of records` (zosoma.training.records) that
 is idempotent: it opens its run folder, resumes from its last checkpoint, writes atomically, and
 returns early (after checkpointing) once `stopping()` is true, so it can be retried anywhere. An
 executor runs units and yields their records as they come, plus Failed(unit index, one line) for
@@ -15,7 +15,7 @@ a unit that raised:
                            over them), so no core idles while a unit still has work
     Together()             units that open a model (SOMA's experts) stepped together in this
                            process, each step of all of them in one population (one launch on a
-                           GPU: zosoma.runs.together); other units inline
+                           GPU: zosoma.training.together); other units inline
     RayExecutor(...)       Ray tasks on this machine or a cluster, retried when a worker or node
                            dies (zosoma.workers.ray_executor; units name their folder as unit.run_dir)
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from zosoma.errors import one_line
-from zosoma.runs.records import Failed
+from zosoma.training.records import Failed
 
 Unit = Callable[[Callable[[], bool]], Iterator]
 
@@ -60,14 +60,14 @@ class Inline:
 
 class Together:
     """Units that open a model to train (unit.opened(): SOMA's experts) trained together in this
-    process, each step of all of them in one population (zosoma.runs.together: on a GPU, one
+    process, each step of all of them in one population (zosoma.training.together: on a GPU, one
     launch for every expert's members); other units inline."""
 
     def run(self, units: Sequence[Unit], should_stop: Callable[[], bool] = lambda: False) -> Iterator:
         if not all(hasattr(u, "opened") for u in units):
             yield from Inline().run(units, should_stop)
             return
-        from zosoma.runs.together import train_together
+        from zosoma.training.together import train_together
         with contextlib.ExitStack() as stack:
             opened = []
             for i, unit in enumerate(units):

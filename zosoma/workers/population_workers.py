@@ -1,7 +1,7 @@
 """One model's population over W workers: only scalars travel, every worker applies the same update.
 
 The step's P pairs are split into W contiguous shares. Each worker holds theta and the strategy
-state (read from the run's checkpoint) and a Stepper opened from it (zosoma.runs.stepper), draws
+state (read from the run's checkpoint) and a Stepper opened from it (zosoma.training.stepper), draws
 the step's batch itself (a pure function of the counters), evaluates its share and returns only its
 members' losses. The driver gathers them in
 pair order, turns them into the step's scalars (the strategy's coefficients), logs them in the
@@ -59,9 +59,9 @@ from zosoma.engines import SendsEngine
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError, ZosomaError, one_line
 from zosoma.workers.executor import child_threads, exit_with_parent, spare_cores
-from zosoma.runs.folder import RunFolder
-from zosoma.runs.stepper import Stepper
-from zosoma.runs.trainer import RunState, Trainer
+from zosoma.training.folder import RunFolder
+from zosoma.training.stepper import Stepper
+from zosoma.training.trainer import RunState, Trainer
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import finite, lr_at
 
@@ -494,9 +494,9 @@ def borrower(trainer: Trainer) -> Borrower | None:
 
 
 def summed_trainers(trainers: Sequence[Trainer], workers) -> list[ShardedTrainer]:
-    """The summed ablation's experts (Trainers at one step, as zosoma.training.soma.lockstep_trainers
+    """The summed ablation's experts (Trainers at one step, as zosoma.runs.soma.lockstep_trainers
     makes them) moved onto one worker each, on their engine's device; train them with
-    zosoma.training.soma.train_lockstep."""
+    zosoma.runs.soma.train_lockstep."""
     specs = [ShardSpec(str(t.folder.path), t.sampler.corpus, t.expert, t.ops) for t in trainers]
     group = Group(workers, specs)
     return [ShardedTrainer(t.folder, t.model, t.cfg, t.sampler, t.state, group, [i], t.ops, expert=t.expert,

@@ -42,9 +42,9 @@ from typing import Callable, Iterator, Sequence
 from zosoma.errors import ClusterLost, ConfigError, one_line
 from zosoma.workers import reaper
 from zosoma.workers.executor import THREAD_VARS
-from zosoma.runs.folder import RunFolder
+from zosoma.training.folder import RunFolder
 from zosoma.workers.population_workers import Shard, ShardSpec, WorkerLost, error_line
-from zosoma.runs.records import Failed
+from zosoma.training.records import Failed
 
 EXTRA = "pip install 'zosoma[ray]'"
 CONNECT_TIMEOUT_S = 15.0

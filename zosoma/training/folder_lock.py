@@ -1,7 +1,7 @@
 """One owner per run folder: an flock(2) lock on a file in it, which the kernel releases when the
 process dies, the file naming the owner's pid and host. A second writer is refused in one line
 (RunInUse), and a lock left by a dead process is simply taken over. Which file it is, and what a
-folder does around it, is the run folder's (zosoma.runs.folder).
+folder does around it, is the run folder's (zosoma.training.folder).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Finished:
 
 @dataclass(frozen=True)
 class Diverged:
-    """An expert's loss ran away (zosoma.runs.guard): it stopped at `step`, checkpointed."""
+    """An expert's loss ran away (zosoma.training.guard): it stopped at `step`, checkpointed."""
     expert: int
     step: int
     verdict: str
@@ -89,7 +89,7 @@ class Continued:
 
 @dataclass(frozen=True)
 class Restarted:
-    """An expert's guard fired at `step` and it restarted (zosoma.runs.trainer): rolled back to
+    """An expert's guard fired at `step` and it restarted (zosoma.training.trainer): rolled back to
     step `to`, its rate now `lr_scale` times the configured one."""
     expert: int
     step: int

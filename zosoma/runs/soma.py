@@ -8,13 +8,13 @@ a crash or a stop in one loses nothing of the others.
 Summed loss (the ablation, zosoma.strategies.summed): the same experts, starting weights, batches
 and perturbations, but every expert's update uses the shared scalars of the summed loss. That
 couples the experts at every step, so they run in lockstep in one process (every expert's members
-evaluated together: zosoma.runs.together.losses_together); a resumed run restarts
+evaluated together: zosoma.training.together.losses_together); a resumed run restarts
 all of them from the newest step every expert has a checkpoint for (checkpoint.prev.h5 covers one
 that was already one checkpoint ahead). Given `workers` (zosoma.workers.population_workers: local processes
 or Ray actors), each expert lives on a worker of its own and only the losses and the shared P
 scalars travel each step, with the same numbers.
 
-The folder's files are zosoma.runs.folder's.
+The folder's files are zosoma.training.folder's.
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError, OptionError
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL
-from zosoma.runs.events import EventLog
+from zosoma.training.events import EventLog
 from zosoma.workers.executor import Inline
-from zosoma.runs.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
+from zosoma.training.folder import (CHECKPOINT, ROUTER, CheckpointFallback, RunFolder, noting_fallbacks,
                                  warn_if_training)
 from zosoma.workers.population_workers import borrower, summed_trainers
-from zosoma.runs.records import Clusters, Diverged, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
+from zosoma.training.records import Clusters, Diverged, Dropped, Evaluated, Evaluating, Finished, Started, Stopped
 from zosoma.workers.placement import Placement
-from zosoma.runs.shape import DataPaths, SomaShape
-from zosoma.training.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
-from zosoma.runs.together import losses_together
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, summary_of, train
+from zosoma.training.shape import DataPaths, SomaShape
+from zosoma.runs.single import check_trained, data_record, extended, load_data, no_heldout, recorded_data
+from zosoma.training.together import losses_together
+from zosoma.training.trainer import Trainer, from_checkpoint, new_state, summary_of, train
 from zosoma.mixture.cluster import cluster_report, fit_clusters, load_clustering, save_clustering
 from zosoma.mixture.routing import Ensemble, Router, evaluate_routed, evaluate_routed_corpus
 from zosoma.strategies import make_strategy
@@ -339,7 +339,7 @@ def train_lockstep(trainers: list[Trainer], should_stop: Callable[[], bool] = la
                     yield Stopped(t.expert, t.state.step)
             return
     for t in trainers:
-        said = t.ran_out()  # the budget ran out mid-divergence (zosoma.runs.trainer)
+        said = t.ran_out()  # the budget ran out mid-divergence (zosoma.training.trainer)
         if said:
             yield said
         if not isinstance(said, Diverged):
@@ -395,7 +395,7 @@ def router_of(folder: RunFolder, ckpts, top_k: int, temperature: float = 0.1) ->
 
 
 def dropped_of(ckpts) -> list[int]:
-    """The experts whose training gave up on them (zosoma.runs.trainer): routing never chooses them."""
+    """The experts whose training gave up on them (zosoma.training.trainer): routing never chooses them."""
     return [i for i, c in enumerate(ckpts) if c.extra.get("dropped")]
 
 

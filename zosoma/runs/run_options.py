@@ -16,7 +16,7 @@ from zosoma.model.protocol import PROTOCOL, REROUTE_EVERY
 
 
 def eval_options(run, streams=None, top_k=None, temperature=None, segment=None, context=None) -> dict:
-    """The keywords of run.evaluate (zosoma.training.run.Run) for the options given: the
+    """The keywords of run.evaluate (zosoma.runs.run.Run) for the options given: the
     protocol, and the routing temperature and the streams where given."""
     _only_where_read(run, soma={"top_k": top_k, "temperature": temperature}, single={"streams": streams})
     given = {"segment": segment, "context": context, "top_k": top_k}

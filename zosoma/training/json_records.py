@@ -8,7 +8,7 @@ from pathlib import Path
 
 from zosoma.atomic import atomic_write
 from zosoma.errors import ConfigError
-from zosoma.runs.json_shape import record_problem
+from zosoma.training.json_shape import record_problem
 
 
 def write_json(path: Path, obj, what: str = "file") -> None:

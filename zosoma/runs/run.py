@@ -9,7 +9,7 @@ line, zosoma.api, the comparison and the studies refuse the same inputs with the
 messages (OptionError, a ConfigError the command line answers with exit code 2).
 
     spec = Spec.resolve("tiny", {"steps": 300}, experts=2)
-    for record in Run.start(spec, DataPaths(), Placement()):   # zosoma.runs.records
+    for record in Run.start(spec, DataPaths(), Placement()):   # zosoma.training.records
         ...
     Run.open(path).evaluate(corpus)
 """
@@ -29,14 +29,14 @@ from zosoma.errors import OptionError
 from zosoma.formats.checkpoint import description, load_checkpoint, summary
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
-from zosoma.runs.folder import RunFolder, checkpoint_path, last_metrics, new_run_dir, warn_if_training
-from zosoma.runs.shape import DataPaths, SomaShape
+from zosoma.training.folder import RunFolder, checkpoint_path, last_metrics, new_run_dir, warn_if_training
+from zosoma.training.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
-from zosoma.runs.trainer import train
+from zosoma.training.trainer import train
 from zosoma.strategies import make_strategy
-from zosoma.training.single import (data_record, evaluate_run, load_data, load_model, new_trainer, open_run,
+from zosoma.runs.single import (data_record, evaluate_run, load_data, load_model, new_trainer, open_run,
                                     resume_run, start_run)
-from zosoma.training.soma import (DroppedExperts, create_soma, evaluate_soma, load_ensemble, lockstep_trainers,
+from zosoma.runs.soma import (DroppedExperts, create_soma, evaluate_soma, load_ensemble, lockstep_trainers,
                                   open_soma, resume_soma, soma_description, soma_summary, start_soma, train_lockstep)
 from zosoma.workers.placement import Placement, place
 from zosoma.workers.population_workers import check_shardable
@@ -136,7 +136,7 @@ def check_run(spec: Spec, placement: Placement = Placement()):
 
 
 class Training:
-    """A run's records as it trains (zosoma.runs.records), in the run folder `path`; a folder
+    """A run's records as it trains (zosoma.training.records), in the run folder `path`; a folder
     that Run.start named and made is taken back when the run fails before writing in it."""
 
     def __init__(self, path: Path, records: Iterator, made: Path | None = None):
@@ -267,8 +267,8 @@ class Run:
 
     def evaluate(self, corpus: Corpus | None, wikitext=None, protocol: EvalProtocol = PROTOCOL, ops=None,
                  temperature: float = 0.1, fallback: bool = False, streams: int | None = None) -> dict:
-        """Nats/byte on `corpus` and WikiText-103 by `protocol` (zosoma.training.single.evaluate_run,
-        zosoma.training.soma.evaluate_soma), with what the figures are of: kind, n_params, and the step
+        """Nats/byte on `corpus` and WikiText-103 by `protocol` (zosoma.runs.single.evaluate_run,
+        zosoma.runs.soma.evaluate_soma), with what the figures are of: kind, n_params, and the step
         (a single model) or the experts routing left out (SOMA)."""
         raise NotImplementedError
 

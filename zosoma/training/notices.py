@@ -1,6 +1,6 @@
 """What reading a run folder says besides its contents: the warnings of a damaged file passed over
 (CheckpointFallback, MetricsDamaged) or of a run read while it trains (StillTraining), and the
-refusal of results a run trained past (StaleResults). Each is one line; zosoma.runs.folder raises them."""
+refusal of results a run trained past (StaleResults). Each is one line; zosoma.training.folder raises them."""
 
 from zosoma.errors import ConfigError
 

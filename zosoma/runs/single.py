@@ -24,12 +24,12 @@ from zosoma.formats.checkpoint import Checkpoint, load_checkpoint
 from zosoma.model.evaluate import evaluate_bytes, evaluate_corpus
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL
-from zosoma.runs.events import EventLog
-from zosoma.runs.folder import RunFolder, noting_fallbacks, warn_if_training
+from zosoma.training.events import EventLog
+from zosoma.training.folder import RunFolder, noting_fallbacks, warn_if_training
 from zosoma.workers.placement import Placement
 from zosoma.workers.population_workers import Sharding, make_trainer
-from zosoma.runs.records import Diverged, Dropped, Evaluated, Evaluating, Note, Started, Stopped
-from zosoma.runs.trainer import Trainer, from_checkpoint, new_state, train
+from zosoma.training.records import Diverged, Dropped, Evaluated, Evaluating, Note, Started, Stopped
+from zosoma.training.trainer import Trainer, from_checkpoint, new_state, train
 from zosoma.strategies.base import learning_rate
 from zosoma.mixture.routing import Ensemble, Whole, evaluate_routed, evaluate_routed_corpus
 from zosoma.yardsticks import lookup

@@ -5,7 +5,7 @@ A single model's run (or one SOMA expert's folder):
     RUN/checkpoint.h5        the newest checkpoint (written as checkpoint.next.h5, then rotated)
     RUN/checkpoint.prev.h5   the one before it
     RUN/checkpoint.prev2.h5  older ones, where a run that restarts on divergence keeps more
-                             (TrainConfig.on_divergence "restart": zosoma.runs.trainer)
+                             (TrainConfig.on_divergence "restart": zosoma.training.trainer)
     RUN/metrics.jsonl        one JSON record per training step, cut back to the checkpoint on resume
                              (each checkpoint records its line count and their SHA-256: MetricsLog)
     RUN/results.json         the final evaluation, naming the checkpoint step it was computed from
@@ -28,7 +28,7 @@ made with (RunFolder.bind), those that change results without being part of any 
 configuration.
 
 Every run folder also holds TensorBoard event files, RUN/events.out.tfevents.<stamp>
-(zosoma.runs.events). All of these names are the run's: a tool writing its own outputs (an export)
+(zosoma.training.events). All of these names are the run's: a tool writing its own outputs (an export)
 never writes over one of them, --force or not (refuse_run_files).
 
 A run driven on a cluster (zosoma.workers.ray_executor) holds RUN/.token, a random token the driver
@@ -64,15 +64,15 @@ from pathlib import Path
 from zosoma.atomic import append_line, atomic_write, no_interrupts, reason, set_aside
 from zosoma.errors import CheckpointError, ConfigError, WriteError
 from zosoma.formats.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, stored_step
-from zosoma.runs import folder_lock
-from zosoma.runs.folder_lock import in_use
-from zosoma.runs.guard import rollback_index
-from zosoma.runs.json_records import changes, plain, read_record, write_json
-from zosoma.runs import logs
-from zosoma.runs.logs import MetricsLog, MetricsMark, covered, not_held, records_of
-from zosoma.runs.notices import CheckpointFallback, MetricsDamaged, StaleResults, StillTraining
-from zosoma.runs.records import Note
-from zosoma.runs.shape import SomaShape
+from zosoma.training import folder_lock
+from zosoma.training.folder_lock import in_use
+from zosoma.training.guard import rollback_index
+from zosoma.training.json_records import changes, plain, read_record, write_json
+from zosoma.training import logs
+from zosoma.training.logs import MetricsLog, MetricsMark, covered, not_held, records_of
+from zosoma.training.notices import CheckpointFallback, MetricsDamaged, StaleResults, StillTraining
+from zosoma.training.records import Note
+from zosoma.training.shape import SomaShape
 
 CHECKPOINT = "checkpoint.h5"
 PREVIOUS = "checkpoint.prev.h5"
@@ -485,7 +485,7 @@ class RunFolder:
         logs.append_scalars(self.path / SCALARS, step, coeffs)
 
     def read_scalars(self, start: int = 0) -> dict[int, list[float]]:
-        """{step: the step's scalars} for the logged steps >= start (zosoma.runs.logs)."""
+        """{step: the step's scalars} for the logged steps >= start (zosoma.training.logs)."""
         return logs.read_scalars(self.path / SCALARS, start)
 
     def cut_scalars(self, step: int) -> None:

@@ -27,7 +27,7 @@ def _paths(x, what: str) -> tuple[str, ...]:
 class DataPaths:
     """The text of a run: training files (none: the shipped corpus), held-out files (none: the
     shipped held-out slices when training on the shipped corpus), the WikiText-103 file (None:
-    found when downloaded). As a run folder records it (zosoma.training.single.data_record) the paths
+    found when downloaded). As a run folder records it (zosoma.runs.single.data_record) the paths
     are absolute and `fingerprint` is the sha256 of the training bytes, which a resume checks."""
     train: tuple = ()
     heldout: tuple = ()

@@ -6,7 +6,7 @@ of their bytes, `head -n N metrics.jsonl | sha256sum`) goes into every checkpoin
 going on from one finds out whether the file still holds what the checkpoint saw. The scalars log
 holds each step's scalars of a population sharded over workers, so a lost worker is rebuilt by
 replay. Which files they are, and what is said and done when one is damaged, is the run folder's
-(zosoma.runs.folder).
+(zosoma.training.folder).
 """
 
 from __future__ import annotations

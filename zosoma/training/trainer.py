@@ -1,6 +1,6 @@
 """The training loop of one model: a strategy, an engine, a run folder.
 
-One step (zosoma.strategies.base), its pieces a Stepper's (zosoma.runs.stepper):
+One step (zosoma.strategies.base), its pieces a Stepper's (zosoma.training.stepper):
 
     pop          = stepper.ask(step)                                  which 2P_t members
     plus, minus  = stepper.losses(theta, state, pop)                  batch(seed, stream, step), a pure
@@ -39,11 +39,11 @@ from zosoma.corpus import BatchSampler
 from zosoma.engines.ops import Ops
 from zosoma.formats.checkpoint import Checkpoint
 from zosoma.model.params import init_params
-from zosoma.runs.events import EventLog
-from zosoma.runs.folder import MetricsMark, RunFolder
-from zosoma.runs.guard import DivergenceGuard, window_for
-from zosoma.runs.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
-from zosoma.runs.stepper import Stepper
+from zosoma.training.events import EventLog
+from zosoma.training.folder import MetricsMark, RunFolder
+from zosoma.training.guard import DivergenceGuard, window_for
+from zosoma.training.records import Continued, Diverged, Dropped, Finished, Restarted, Step, Stopped
+from zosoma.training.stepper import Stepper
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import lr_scale
 from zosoma.strategies.settings import check_memory
@@ -89,7 +89,7 @@ def guard_of(ckpt: Checkpoint) -> DivergenceGuard:
 class Trainer:
     """One model's training: `losses` evaluates the step's population, `update` applies
     coefficients. Independent training feeds each expert its own coefficients; the summed-loss
-    ablation feeds every expert the shared ones (zosoma.training.soma)."""
+    ablation feeds every expert the shared ones (zosoma.runs.soma)."""
 
     def __init__(self, folder, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, state: RunState,
                  ops: Ops, expert: int = 0, extra: dict | None = None):
@@ -321,7 +321,7 @@ def retention(cfg: TrainConfig, window: int) -> tuple[int, int | None]:
     """(the checkpoints a run's rotation spans, the stride of steps at which it keeps those past the
     newest two, None: all). A rollback needs a checkpoint from before the guard's window, so a run that
     restarts spans the window; when that takes more than MAX_KEPT files (--checkpoint-every 1 kept
-    202), it keeps one every stride steps instead (zosoma.runs.folder.write_checkpoint)."""
+    202), it keeps one every stride steps instead (zosoma.training.folder.write_checkpoint)."""
     if cfg.on_divergence != "restart":
         return 2, None
     spanned = math.ceil(window / cfg.checkpoint_every)

@@ -15,7 +15,7 @@ population to the engine at once:
                       halts, restarts or is dropped exactly as `train` would have it
 
 The engines' batched calls give the bits of their one-model calls, so every model ends with the
-numbers of training it alone (`zosoma.runs.trainer.train`); a model whose strategy evaluates or
+numbers of training it alone (`zosoma.training.trainer.train`); a model whose strategy evaluates or
 updates its own way (Strategy.engine_losses, fused_update) takes its own calls within the step.
 """
 
@@ -26,8 +26,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from zosoma.runs.records import Continued, Dropped, Failed, Finished, Stopped
-from zosoma.runs.trainer import Trainer
+from zosoma.training.records import Continued, Dropped, Failed, Finished, Stopped
+from zosoma.training.trainer import Trainer
 from zosoma.strategies.base import Pending, apply_together
 from zosoma.errors import one_line
 

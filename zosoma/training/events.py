@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 from zosoma.atomic import atomic_write, reason
 from zosoma.errors import WriteError
-from zosoma.runs.folder import EVENTS
+from zosoma.training.folder import EVENTS
 
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "spread": "train/spread",
              "normalize_scale": "train/normalize_scale", "clip_count": "train/clip_count",

@@ -1,6 +1,6 @@
 """The shape a JSON record read back must have: what a report reads of it, checked whole before it
 is read, so a damaged record is one line naming what is wrong (a study's result.json:
-zosoma.runs.folder, RunFolder.read_result), never a KeyError halfway through a report.
+zosoma.training.folder, RunFolder.read_result), never a KeyError halfway through a report.
 
 A shape maps each key a record must hold to its kind:
 

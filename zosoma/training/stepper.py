@@ -9,7 +9,7 @@ One step of a model, from its counters (zosoma.strategies.base):
     theta, state, lr, skipped = stepper.apply(theta, state, coeffs, pop)   Strategy.apply, at the rate
                                                                       after `restarts` restarts
 
-The trainer (zosoma.runs.trainer) and a population worker (zosoma.workers.population_workers.Shard,
+The trainer (zosoma.training.trainer) and a population worker (zosoma.workers.population_workers.Shard,
 opened from a checkpoint) each hold one, so both take a step with the same pieces built the same
 way. theta and the strategy state stay with their holder: a Stepper holds nothing that changes
 from one step to the next, only the restarts, which move the model to a stream of its own.

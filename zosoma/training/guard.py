@@ -75,7 +75,7 @@ class DivergenceGuard:
         """The verdict on a run whose step budget ran out while its loss was running away: its
         smoothed loss over RATIO x its best at the last step (a stretch shorter than the window,
         which the guard had not judged yet), else None. Such a model is no trained model: the
-        trainer treats this as the guard speaking (zosoma.runs.trainer, Trainer.ran_out)."""
+        trainer treats this as the guard speaking (zosoma.training.trainer, Trainer.ran_out)."""
         if self.healthy:
             return None
         stretch = f" for the last {self.above} steps" if self.above else ""
