@@ -26,8 +26,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from zosoma.training.records import Continued, Dropped, Failed, Finished, Stopped
-from zosoma.training.trainer import Trainer
+from zosoma.training.records import Continued, Failed, Finished, Stopped
+from zosoma.training.trainer import Trainer, after_step
 from zosoma.strategies.base import Pending, apply_together
 from zosoma.errors import one_line
 
@@ -60,7 +60,7 @@ def train_together(trainers: Sequence[Trainer], should_stop: Callable[[], bool] 
             for (unit, t), record in zip(list(live), steps):
                 yield record
                 going = []
-                yield from _alone(unit, _after_step(t, going))
+                yield from _alone(unit, after_step(t, going))
                 if not going:
                     live.remove((unit, t))
     finally:
@@ -75,21 +75,6 @@ def _alone(unit, records: Iterator) -> Iterator:
     except Exception as e:
         yield Failed(unit, one_line(e))
 
-
-def _after_step(t: Trainer, going: list) -> Iterator:
-    """What `train` does after a model's step: goes on past a verdict, halts, restarts or drops it;
-    `going` gets True when it trains on."""
-    if said := t.went_on():
-        yield said
-    if t.halted:
-        yield t.halt()
-        return
-    if t.restarting:
-        record = t.restart()
-        yield record
-        if isinstance(record, Dropped):
-            return
-    going.append(True)
 
 
 def _finished(t: Trainer) -> Iterator:

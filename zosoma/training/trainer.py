@@ -344,6 +344,22 @@ def summary_of(ckpt: Checkpoint) -> dict:
     return training_summary(guard_of(ckpt), e.get("divergence"), e.get("restarts") or (), e.get("dropped"))
 
 
+def after_step(t: Trainer, going: list) -> Iterator:
+    """What `train` does after a model's step: goes on past a verdict, halts, restarts or drops it;
+    `going` gets True when it trains on (zosoma.training.together steps many models so)."""
+    if said := t.went_on():
+        yield said
+    if t.halted:
+        yield t.halt()
+        return
+    if t.restarting:
+        record = t.restart()
+        yield record
+        if isinstance(record, Dropped):
+            return
+    going.append(True)
+
+
 def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False,
           widen: Callable[[Trainer], Trainer] | None = None) -> Iterator:
     """Train one model with its own losses (SOMA's independent experts; a single model) to
@@ -361,16 +377,10 @@ def train(trainer: Trainer, should_stop: Callable[[], bool] = lambda: False,
             if widen is not None:
                 trainer = widen(trainer)
             yield trainer.update(*trainer.coefficients(*trainer.losses()))
-            if said := trainer.went_on():
-                yield said
-            if trainer.halted:
-                yield trainer.halt()
+            going = []
+            yield from after_step(trainer, going)
+            if not going:
                 return
-            if trainer.restarting:
-                record = trainer.restart()
-                yield record
-                if isinstance(record, Dropped):
-                    return
         if said := trainer.ran_out():  # the budget ran out mid-divergence: not a trained model
             yield said
             if not isinstance(said, Continued):
