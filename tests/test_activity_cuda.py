@@ -172,7 +172,8 @@ def test_activity_onesided_trains_on_the_device_as_on_the_cpu(cuda_cli, tmp_path
         result = CliRunner().invoke(cli, ["train", "--optimizer", "activity-onesided", "--device", device,
                                           "--data", str(text), "--heldout", str(text), "--embed", "16",
                                           "--hidden", "20", "--steps", "20", "-P", "8", "--batch", "4",
-                                          "--seq-len", "16", "--seed", "0", "--run-dir", str(run)])
+                                          "--seq-len", "16", "--seed", "0", "--lr", "0.15",  # the rate measured above
+                                          "--run-dir", str(run)])
         assert result.exit_code == 0, result.output
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         heldout = json.loads((run / "results.json").read_text())["heldout"]["overall"]

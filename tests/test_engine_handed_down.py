@@ -89,7 +89,7 @@ def test_a_run_resolves_its_engine_in_one_place(tmp_path, two_domains, forwards,
     from zosoma.training.shape import DataPaths
     from zosoma.runs import run
 
-    monkeypatch.setattr(run, "get_ops", lambda device: Tagged())
+    monkeypatch.setattr(run, "get_ops", lambda device, **formats: Tagged())
     paths = [str(two_domains / "prose.txt"), str(two_domains / "digits.txt")]
     options = dict(optimizer="sgd", steps=4, batch=2, seq_len=16, perturbations=4, lr=0.5, checkpoint_every=2,
                    embed=8, hidden=16)

@@ -92,7 +92,7 @@ def test_engine_names():
                 dict(device="cuda", precision="bf16")):
         with pytest.raises(ConfigError):
             get_ops(**{"device": "cpu", **bad})
-    with pytest.raises(ConfigError, match="forward precision"):
+    with pytest.raises(ConfigError, match="forward_precision must be one of"):
         TrainConfig(optimizer="sgd", forward_precision="fp8")
 
 

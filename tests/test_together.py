@@ -174,7 +174,6 @@ def test_together_is_the_default_on_a_device_and_asked_for_on_the_cpu(monkeypatc
     """SOMA's experts go together where the forwards run on an accelerator, and where asked; on
     the CPU they stay in local processes (results/soma-together.txt); units that open no model
     (a study's runs) run inline under together."""
-    from zosoma import engines
     from zosoma.workers.placement import Placement
     from zosoma.workers.executor import LocalProcesses
     from zosoma.workers.placement import executor
@@ -182,9 +181,9 @@ def test_together_is_the_default_on_a_device_and_asked_for_on_the_cpu(monkeypatc
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert isinstance(executor(Placement(), 4), LocalProcesses)
     assert isinstance(executor(Placement(executor="together"), 4), Together)
-    monkeypatch.setattr(engines, "get_ops", lambda device: type("Device", (), {"on_device": True})())
-    assert isinstance(executor(Placement(device="cuda"), 4), Together)
-    assert isinstance(executor(Placement(device="cuda", executor="local"), 4), LocalProcesses)
+    # the run tells it whether its engine is an accelerator's (Run.start: ops.on_device)
+    assert isinstance(executor(Placement(device="cuda"), 4, on_device=True), Together)
+    assert isinstance(executor(Placement(device="cuda", executor="local"), 4, on_device=True), LocalProcesses)
     ran = list(Together().run([lambda stopping: iter(["a"]), lambda stopping: iter(["b"])]))
     assert ran == ["a", "b"]
 

@@ -67,7 +67,7 @@ def _engine(device: str, engine: str, precision: str, gemm: str):
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if precision not in PRECISIONS:
-        raise ConfigError(f"forward precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise ConfigError(f"forward_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     check_gemm_format(gemm)
     if gemm != "fp32" and (device == "cpu" or (engine, precision) != ("native", "fp32")
                            or (device == "auto" and backend.cuda_unavailable_reason() is not None)):

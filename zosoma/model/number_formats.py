@@ -65,7 +65,7 @@ INT16 = (-32768, 32767)
 
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
-        raise ConfigError(f"forward precision must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ConfigError(f"forward_precision must be one of {', '.join(FORMATS)}, got {fmt!r}")
     return fmt
 
 
