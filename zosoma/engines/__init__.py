@@ -38,12 +38,18 @@ def cuda_engine_here():
     return CudaOps()
 
 
-def check_gemm(device: str, gemm: str) -> None:
-    """A GEMM format (zosoma.engines.cuda.tensor_cores) that `device` can run: tensor cores need
-    --device cuda (or auto); a ConfigError line otherwise."""
+def check_gemm(device: str, gemm: str, engine: str = "native", precision: str = "fp32") -> None:
+    """A GEMM format (zosoma.engines.cuda.tensor_cores) that `device` and the engine can run:
+    tensor cores need --device cuda (or auto) and the native fp32 engine; a ConfigError line
+    otherwise (get_ops adds: auto must find a GPU)."""
     from zosoma.engines.cuda.tensor_cores import check_gemm_format
-    if check_gemm_format(gemm) != "fp32" and device == "cpu":
-        raise ConfigError(f"--gemm {gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda")
+    if check_gemm_format(gemm) != "fp32" and (device == "cpu" or (engine, precision) != ("native", "fp32")):
+        raise _needs_cuda(gemm)
+
+
+def _needs_cuda(gemm: str) -> ConfigError:
+    return ConfigError(f"--gemm {gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda "
+                       "and the native fp32 engine (on the CPU, studies/gemm_precision.py emulates it)")
 
 
 def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32", gemm: str = "fp32"):
@@ -60,7 +66,6 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
 @lru_cache(maxsize=None)
 def _engine(device: str, engine: str, precision: str, gemm: str):
     from zosoma.engines.cuda import backend
-    from zosoma.engines.cuda.tensor_cores import check_gemm_format
     from zosoma.engines.ops import Ops
 
     check_device(device)
@@ -68,11 +73,9 @@ def _engine(device: str, engine: str, precision: str, gemm: str):
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if precision not in PRECISIONS:
         raise ConfigError(f"forward_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    check_gemm_format(gemm)
-    if gemm != "fp32" and (device == "cpu" or (engine, precision) != ("native", "fp32")
-                           or (device == "auto" and backend.cuda_unavailable_reason() is not None)):
-        raise ConfigError(f"--gemm {gemm} runs the CUDA engine's GEMMs on tensor cores: it needs --device cuda "
-                          "and the native fp32 engine (on the CPU, studies/gemm_precision.py emulates it)")
+    check_gemm(device, gemm, engine, precision)
+    if gemm != "fp32" and device == "auto" and backend.cuda_unavailable_reason() is not None:
+        raise _needs_cuda(gemm)
     if (engine, precision) != ("native", "fp32"):
         if device not in ("cpu", "auto"):
             raise ConfigError(f"--engine {engine} --forward-precision {precision} runs on the CPU, not on {device}")
