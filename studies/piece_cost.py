@@ -25,6 +25,7 @@ PIECES = {  # the rates of cut-price.toml's sweep winners (any rate costs the sa
     "ES": ["--optimizer", "es", "--eps", "0.04", "--lr", "0.02"],
     "ES + Adam": ["--optimizer", "es", "--transforms", "adam", "--eps", "0.04", "--lr", "0.004"],
     "one-sided": ["--optimizer", "onesided", "--lr", "0.6"],
+    "activity-onesided": ["--optimizer", "activity-onesided", "--lr", "2.0"],
 }
 PARTS = ("data", "noise", "forward", "update")
 WARM = 50
