@@ -1,9 +1,9 @@
 """TensorBoard event files in every run folder: what researchers watch a run with.
 
 Event files in TensorBoard's format (TFRecord framing of Event protobufs, built with
-tensorboardX's protobufs and checksum; W&B and MLflow import them) beside metrics.jsonl, which stays
-the record of a run: `tensorboard --logdir runs/` lists every run folder, and a SOMA run as its
-experts (RUN/expert{i}) plus the routed ensemble (RUN). Tags:
+tensorboardX's protobufs and checksummed by zosoma.training.crc32c; W&B and MLflow import them)
+beside metrics.jsonl, which stays the record of a run: `tensorboard --logdir runs/` lists every
+run folder, and a SOMA run as its experts (RUN/expert{i}) plus the routed ensemble (RUN). Tags:
 
     train/loss, train/lr, train/tokens_per_s, train/spread      every step (spread: rms of the P
     train/normalize_scale, train/clip_count                      scalars before shaping)
@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 from zosoma.atomic import atomic_write, reason
 from zosoma.errors import WriteError
+from zosoma.training.crc32c import masked_crc32c
 from zosoma.training.folder import EVENTS
 
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "spread": "train/spread",
@@ -171,7 +172,6 @@ def _proto():
 
 def _record(event) -> bytes:
     """One TFRecord: length, its masked CRC-32C, the serialised event, its masked CRC-32C."""
-    from tensorboardX.record_writer import masked_crc32c
     data = event.SerializeToString()
     header = struct.pack("<Q", len(data))
     return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
