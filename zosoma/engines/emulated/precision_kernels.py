@@ -176,9 +176,10 @@ def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, n
                         z[b, j] = np.float32(np.float64(xproj[row, j]) + np.float64(gates[b, j])
                                              + np.float64(bias[j]))
                 else:
+                    zb, zs = _noise(Z, index, sign, b, t)
                     for j in range(G):
                         z[b, j] = np.float32(np.float64(xproj[row, j]) + np.float64(gates[b, j])
-                                             + np.float64(bias[j]) + _noise(Z, index, sign, b, t, layer * G + j))
+                                             + np.float64(bias[j]) + np.float64(zs * zb[layer * G + j]))
             round_array(z, code)
             for b in range(B):
                 for j in range(2 * H):  # i, f
@@ -202,23 +203,26 @@ def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, n
     o = offsets[3 * L + 2]
     logit_noise = Z.shape[0] > 0 and Z.shape[3] > L * G
     for r in range(T * B):
-        for v in range(VOCAB):
-            if logit_noise:
+        if logit_noise:
+            zb, zs = _noise(Z, index, sign, r % B, r // B)
+            for v in range(VOCAB):
                 logits[r, v] = np.float32(np.float64(logits[r, v]) + np.float64(w[o + v])
-                                          + _noise(Z, index, sign, r % B, r // B, L * G + v))
-            else:
+                                          + np.float64(zs * zb[L * G + v]))
+        else:
+            for v in range(VOCAB):
                 logits[r, v] = np.float32(np.float64(logits[r, v]) + np.float64(w[o + v]))
     round_array(logits, code)
     return _scores(logits, tokens, targets, nll_out)
 
 
 @njit(**_JIT)
-def _noise(Z, index, sign, b, t, s):
-    """Row b's noise at position t, pre-activation s: member m = b // B0's sign[m] Z[index[m], b
-    mod B0, t, s] (sign already times the scale: a float32 product, as the CPU engine's), float64."""
+def _noise(Z, index, sign, b, t):
+    """Row b's noise at position t: member m = b // B0's Z[index[m], b mod B0, t] (S,) and its
+    sign[m] (already times the scale); the row adds sign[m] * Z[...][s] to pre-activation s, a
+    float32 product, as the CPU engine's."""
     B0 = Z.shape[1]
     m = b // B0
-    return np.float64(sign[m] * Z[index[m], b % B0, t, s])
+    return Z[index[m], b % B0, t], sign[m]
 
 
 @njit(**_JIT)
@@ -299,12 +303,14 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out,
             acc_h = np.dot(qh, w_hh)
             for b in range(B):
                 row = tokens[b, t] if layer == 0 else t * B + b
+                if Z.shape[0] > 0:
+                    zb, zs = _noise(Z, index, sign, b, t)
                 for j in range(H):
                     for k in range(4):
                         jj = k * H + j
                         zr = (xproj[row, jj] + q_b[jj]) * sx_sw + acc_h[b, jj] * sh_sw
                         if Z.shape[0] > 0:
-                            zr += _noise(Z, index, sign, b, t, layer * G + jj)
+                            zr += np.float64(zs * zb[layer * G + jj])
                         qz[k] = _clip(np.rint(zr * Q_GATE), -32768.0, 32767.0)
                     i = _lut(qz[0], _SIG)
                     f = _lut(qz[1], _SIG)
@@ -324,11 +330,12 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out,
     logits = np.empty((T * B, VOCAB), np.float32)
     logit_noise = Z.shape[0] > 0 and Z.shape[3] > L * G
     for r in range(T * B):
-        for v in range(VOCAB):
-            if logit_noise:
-                logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale + _noise(Z, index, sign, r % B, r // B,
-                                                                                  L * G + v))
-            else:
+        if logit_noise:
+            zb, zs = _noise(Z, index, sign, r % B, r // B)
+            for v in range(VOCAB):
+                logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale + np.float64(zs * zb[L * G + v]))
+        else:
+            for v in range(VOCAB):
                 logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale)
     return _scores(logits, tokens, targets, nll_out)
 
