@@ -33,6 +33,9 @@ input:
     (B, T) int64, h0, c0; outputs nll (B, T) nats of each target byte, loss (mean nats/byte,
     a scalar), hT, cT. The graph slices theta and makes W, R, B itself, so a host feeds perturbed
     parameter vectors as they are and reads back only losses.
+
+Activity perturbation's two graphs (the unrolled form, theta and the noise as inputs) are
+zosoma.formats.onnx_activity's.
 """
 
 from __future__ import annotations
@@ -122,11 +125,11 @@ class Graph:
         return model
 
 
-def theta_view(g: Graph, layout: Layout, name: str, theta: str = "theta") -> str:
-    """The graph value of tensor `name` (its shape, zosoma's orientation), sliced from the graph's
-    flat parameters theta (d,)."""
+def theta_view(g: Graph, layout: Layout, name: str) -> str:
+    """The graph value of tensor `name` (its shape, zosoma's orientation), sliced from the graph
+    input theta (d,)."""
     e = layout[name]
-    flat = g.op("Slice", [theta, g.const(np.array([e.offset])), g.const(np.array([e.offset + e.size]))])
+    flat = g.op("Slice", ["theta", g.const(np.array([e.offset])), g.const(np.array([e.offset + e.size]))])
     return g.op("Reshape", [flat, g.const(np.array(e.shape, np.int64))], hint=name.replace(".", "_"))
 
 
