@@ -239,7 +239,8 @@ class Ops:
         target. The noise is drawn here on the host and kept for activity_estimate of the same
         population; the members run in the engine's noisy_nats."""
         if type(self).population_loss is not Ops.population_loss and type(self).noisy_nats is Ops.noisy_nats:
-            raise ConfigError(f"activity perturbation needs a noisy forward, which the {self.name} engine does not have")
+            raise ConfigError(f"activity perturbation needs a noisy forward, which the {self.name} engine "
+                              "does not have")
         pairs = range(pop.P) if pairs is None else pairs
         timings = {} if timings is None else timings
         batch = np.asarray(batch)
