@@ -220,13 +220,18 @@ def test_the_engines_noise_combination_is_the_references(causal):
                  name="zeta")
 
 
-def test_an_engine_that_is_not_the_cpus_fp32_forward_refuses_it():
-    """Activity perturbation has no emulated-precision or ONNX Runtime forward yet (the CUDA
-    engine's: tests/test_activity_cuda.py): such an engine says so in one line instead of training
-    in fp32 on the host."""
-    from zosoma.engines import get_ops
+def test_an_engine_without_a_noisy_forward_refuses_it():
+    """An engine that runs whole models (it overrides population_loss) but gives no noisy_nats
+    (the emulated formats and ONNX Runtime do: tests/test_activity_engines.py) says so in one line
+    instead of training on the host's fp32 forward."""
+
+    class LossesOnly(Ops):
+        name = "losses-only"
+
+        def population_loss(self, thetas, layout, batch):
+            return super().population_loss(thetas, layout, batch)
 
     layout, theta, batch = setup(ModelConfig(embed=4, hidden=3, layers=1))
-    ops = get_ops("cpu", "native", "bf16")
-    with pytest.raises(ConfigError, match="activity perturbation runs on the fp32 forwards of the CPU and CUDA engines only, not on cpu-bf16"):
-        ops.activity_losses(theta.astype(np.float32), layout, batch, Population(2, 1e-2, 0, 0, 0))
+    with pytest.raises(ConfigError, match="activity perturbation needs a noisy forward, which the losses-only engine "
+                                          "does not have"):
+        LossesOnly().activity_losses(theta.astype(np.float32), layout, batch, Population(2, 1e-2, 0, 0, 0))

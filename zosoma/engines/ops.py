@@ -35,6 +35,9 @@ what it is only through the attributes below, never by its name. The interface:
                                         loss with noisy pre-activations (node perturbation), the
                                         noise as the member table says
                activity_estimate(theta, layout, batch, coeffs, pop)  its estimate from (D, B) scalars
+               noisy_nats(theta, layout, batch, scale, Z, index, sign)  the engine's hooks under
+               outer_products(theta, layout, batch, zeta)              them: the members' (M, B, T)
+                                        nats, the clean forward's outer products (ghat)
 
 Losses come back as NumPy float64 (a few scalars per step); theta and optimizer state stay engine
 arrays between steps, so an engine on a device never sends weights to the host while training.
@@ -222,6 +225,9 @@ class Ops:
                                     pop.step)
 
     # --- activity (node) perturbation: zosoma.model.node_perturbation --------------------------
+    # The noise, the member table, the credit, zeta and the update stay on the host here; an engine
+    # gives two hooks: noisy_nats (the members' forward) and outer_products (the clean forward's
+    # accumulate, or its inputs: zosoma.engines.forward_only).
 
     def activity_losses(self, theta, layout: Layout, batch, pop: Population, pairs: range | None = None,
                         timings: dict | None = None, readout: str = "perturb", positions: bool = False
@@ -230,12 +236,11 @@ class Ops:
         k's members 2k and 2k + 1, member m's pre-activations plus pop.sign[m] * pop.scale *
         z_(pop.direction[m]), z_j the noise of direction j's counters (readout "local": on the gates
         only, node_perturbation.width); `positions`: each (len(pairs), B, T), the nats of every
-        target. Here one forward over the 2 len(pairs) B rows on the host
-        (zosoma.engines.cpu.noisy_forward); the noise is kept for activity_estimate of the same
-        population."""
-        if self.precision != "fp32" or self.device != "cpu" or type(self).population_loss is not Ops.population_loss:
-            raise ConfigError("activity perturbation runs on the fp32 forwards of the CPU and CUDA engines only, "
-                              f"not on {self.name}")
+        target. The noise is drawn here on the host and kept for activity_estimate of the same
+        population; the members run in the engine's noisy_nats."""
+        if type(self).population_loss is not Ops.population_loss and type(self).noisy_nats is Ops.noisy_nats:
+            raise ConfigError(f"activity perturbation needs a noisy forward, which the {self.name} engine "
+                              "does not have")
         pairs = range(pop.P) if pairs is None else pairs
         timings = {} if timings is None else timings
         batch = np.asarray(batch)
@@ -246,8 +251,7 @@ class Ops:
         Z = noisy_forward.draw(layout, B, T, pop.seed, pop.expert, pop.step, directions, pop.kind, readout)
         t1 = time.perf_counter()
         index = np.searchsorted(directions, table)
-        nats = noisy_forward.member_losses(self.to_numpy(theta), layout, batch, pop.scale, Z, index,
-                                           pop.sign[pop.rows(pairs)])
+        nats = self.noisy_nats(theta, layout, batch, pop.scale, Z, index, pop.sign[pop.rows(pairs)])
         plus, minus = np.ascontiguousarray(nats[0::2]), np.ascontiguousarray(nats[1::2])
         if not positions:
             plus, minus = plus.mean(axis=-1), minus.mean(axis=-1)
@@ -258,14 +262,21 @@ class Ops:
 
     _activity_kept = None  # (Population, directions, (J, B, T, S) float32): the noise activity_losses drew
 
+    def noisy_nats(self, theta, layout: Layout, batch, scale: float, Z, index, sign) -> np.ndarray:
+        """(M, B, T) float64: the nats of every row's every target under member m, one forward at
+        theta with its pre-activations plus sign[m] * scale * Z[index[m]] (Z (J, B, T, S) float32
+        on the host; index, sign (M,) the member table) on the (B, T + 1) batch. Here one forward
+        over the M B rows (zosoma.engines.cpu.noisy_forward)."""
+        return noisy_forward.member_losses(self.to_numpy(theta), layout, batch, scale, Z, index, sign)
+
     def activity_estimate(self, theta, layout: Layout, batch, coeffs, pop: Population, readout: str = "perturb",
                           causal: bool = False):
         """(d,) float32 engine array: the outer products of zeta = 1/(D B) sum_j coeffs[j, b] z_j
         over the population's D directions (coeffs (D, B)) with a clean forward's inputs at theta
-        (node_perturbation.estimate), the noise kept from activity_losses or regenerated from the
-        counters; readout "local": the readout's exact gradient from the same clean forward; causal:
-        coeffs (D, B, T) are every target's differences, each position's noise weighted by those it
-        can move (node_perturbation.credit)."""
+        (outer_products), the noise kept from activity_losses or regenerated from the counters;
+        readout "local": the readout's exact gradient from the same clean forward; causal: coeffs
+        (D, B, T) are every target's differences, each position's noise weighted by those it can
+        move (node_perturbation.credit)."""
         batch = np.asarray(batch)
         B, T = batch.shape[0], batch.shape[1] - 1
         kept = self._activity_kept
@@ -277,7 +288,12 @@ class Ops:
         coeffs = np.asarray(coeffs, np.float64).reshape((J, B, T) if causal else (J, B))
         gates = 4 * layout.config.hidden * layout.config.layers
         zeta = noisy_forward.weighted_noise(*node_perturbation.credit(coeffs, causal), Z, gates)
-        return self.asarray(node_perturbation.estimate(self.to_numpy(theta), layout, batch, zeta))
+        return self.asarray(self.outer_products(theta, layout, batch, zeta))
+
+    def outer_products(self, theta, layout: Layout, batch, zeta) -> np.ndarray:
+        """ghat (d,): the outer products of zeta (B, T, S) float32 with the inputs of a clean
+        forward at theta on the (B, T + 1) batch (node_perturbation.estimate, here itself)."""
+        return node_perturbation.estimate(self.to_numpy(theta), layout, batch, zeta)
 
 
 def perturbed(theta: np.ndarray, pop: Population, pairs: range, out: np.ndarray | None = None) -> np.ndarray:

@@ -33,6 +33,9 @@ input:
     (B, T) int64, h0, c0; outputs nll (B, T) nats of each target byte, loss (mean nats/byte,
     a scalar), hT, cT. The graph slices theta and makes W, R, B itself, so a host feeds perturbed
     parameter vectors as they are and reads back only losses.
+
+Activity perturbation's two graphs (the unrolled form, theta and the noise as inputs) are
+zosoma.formats.onnx_activity's.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def onnx_weights(theta: np.ndarray, layout: Layout, order=ONNX_GATES) -> dict[st
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-class _Graph:
+class Graph:
     """Nodes, initializers, inputs and outputs of one graph, with unique value names."""
 
     def __init__(self):
@@ -122,16 +125,21 @@ class _Graph:
         return model
 
 
-def _theta_weights(g: _Graph, layout: Layout, order) -> dict[str, str]:
+def theta_view(g: Graph, layout: Layout, name: str) -> str:
+    """The graph value of tensor `name` (its shape, zosoma's orientation), sliced from the graph
+    input theta (d,)."""
+    e = layout[name]
+    flat = g.op("Slice", ["theta", g.const(np.array([e.offset])), g.const(np.array([e.offset + e.size]))])
+    return g.op("Reshape", [flat, g.const(np.array(e.shape, np.int64))], hint=name.replace(".", "_"))
+
+
+def _theta_weights(g: Graph, layout: Layout, order) -> dict[str, str]:
     """Graph values of onnx_weights' tensors, sliced from the graph input theta (d,)."""
     H = layout.config.hidden
-    theta = "theta"
     rows = g.const(gate_rows(H, order), "gate_rows")
 
     def view(name):
-        e = layout[name]
-        flat = g.op("Slice", [theta, g.const(np.array([e.offset])), g.const(np.array([e.offset + e.size]))])
-        return g.op("Reshape", [flat, g.const(np.array(e.shape, np.int64))], hint=name.replace(".", "_"))
+        return theta_view(g, layout, name)
 
     def operator_matrix(name):  # (E_in, 4H) -> (1, 4H, E_in) in the operator's gate order
         return g.op("Unsqueeze", [g.op("Gather", [g.op("Transpose", [view(name)], perm=[1, 0]), rows], axis=0),
@@ -147,7 +155,7 @@ def _theta_weights(g: _Graph, layout: Layout, order) -> dict[str, str]:
     return out
 
 
-def _lstm_body(g: _Graph, layout: Layout, w: dict[str, str], tokens: str, h0: str, c0: str):
+def _lstm_body(g: Graph, layout: Layout, w: dict[str, str], tokens: str, h0: str, c0: str):
     """logits (B, T, V), hT, cT (L, B, H) values of the LSTM-operator form."""
     H, L = layout.config.hidden, layout.config.layers
     x = g.op("Transpose", [g.op("Gather", [w["embed"], tokens], axis=0)], perm=[1, 0, 2])  # (T, B, E)
@@ -165,8 +173,12 @@ def _lstm_body(g: _Graph, layout: Layout, w: dict[str, str], tokens: str, h0: st
     return logits, state[0], state[1]
 
 
-def _unrolled_body(g: _Graph, layout: Layout, w: dict[str, str], tokens: str, h0: str, c0: str, T: int):
-    """logits, hT, cT of the unrolled form: T steps of MatMul/Add/Split/Sigmoid/Tanh/Mul."""
+def unrolled_body(g: Graph, layout: Layout, w: dict[str, str], tokens: str, h0: str, c0: str, T: int,
+                  project=None, outputs: list | None = None):
+    """logits, hT, cT of the unrolled form: T steps of MatMul/Add/Split/Sigmoid/Tanh/Mul.
+    project(layer, xw), if given, returns the value that replaces a layer's input projection xw
+    (B, T, 4H) before the steps (activity perturbation adds its noise there: zosoma.formats.
+    onnx_activity); outputs, if a list, receives each layer's outputs (B, T, H)."""
     H, L = layout.config.hidden, layout.config.layers
     x = g.op("Gather", [w["embed"], tokens], axis=0)  # (B, T, E)
     hs, cs = [], []
@@ -177,6 +189,8 @@ def _unrolled_body(g: _Graph, layout: Layout, w: dict[str, str], tokens: str, h0
         c = g.op("Squeeze", [g.op("Slice", [c0] + at), g.const(np.array([0]))])
         # the input projection of all T steps at once, then one (B, 4H) slice per step
         xw = g.op("Add", [g.op("MatMul", [x, w[f"w_ih{layer}"]]), w[f"bias{layer}"]])  # (B, T, 4H)
+        if project is not None:
+            xw = project(layer, xw)
         steps = g.op("Split", [xw], n_out=T, axis=1) if T > 1 else [xw]
         outs = []
         for t in range(T):
@@ -188,6 +202,8 @@ def _unrolled_body(g: _Graph, layout: Layout, w: dict[str, str], tokens: str, h0
             h = g.op("Mul", [o, g.op("Tanh", [c])], hint=f"h{layer}_t{t}")
             outs.append(g.op("Unsqueeze", [h, g.const(np.array([1]))]))
         x = g.op("Concat", outs, axis=1) if T > 1 else outs[0]  # (B, T, H)
+        if outputs is not None:
+            outputs.append(x)
         hs.append(g.op("Unsqueeze", [h, g.const(np.array([0]))]))
         cs.append(g.op("Unsqueeze", [c, g.const(np.array([0]))]))
     logits = g.op("Add", [g.op("MatMul", [x, w["out_w"]]), w["out_b"]])
@@ -208,7 +224,7 @@ def build_model(theta: np.ndarray, layout: Layout, form: str = "lstm", seq_len: 
         raise ConfigError(f"theta has shape {theta.shape}, the model needs ({layout.size},)")
     cfg = layout.config
     f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
-    g = _Graph()
+    g = Graph()
     T = "T"
     if form == "unrolled":
         if seq_len is None or seq_len < 1:
@@ -226,7 +242,7 @@ def build_model(theta: np.ndarray, layout: Layout, form: str = "lstm", seq_len: 
     h0 = g.input("h0", f32, [cfg.layers, "B", cfg.hidden])
     c0 = g.input("c0", f32, [cfg.layers, "B", cfg.hidden])
     if form == "unrolled":
-        logits, hT, cT = _unrolled_body(g, layout, w, tokens, h0, c0, T)
+        logits, hT, cT = unrolled_body(g, layout, w, tokens, h0, c0, T)
     else:
         logits, hT, cT = _lstm_body(g, layout, w, tokens, h0, c0)
     g.output(logits, "logits", f32, ["B", T, VOCAB])
@@ -242,7 +258,7 @@ def build_training_model(layout: Layout, order=ONNX_GATES):
     onnx = require_onnx()
     cfg = layout.config
     f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
-    g = _Graph()
+    g = Graph()
     g.input("theta", f32, [layout.size])
     w = _theta_weights(g, layout, order)
     tokens = g.input("tokens", i64, ["B", "T"])
@@ -250,15 +266,20 @@ def build_training_model(layout: Layout, order=ONNX_GATES):
     h0 = g.input("h0", f32, [cfg.layers, "B", cfg.hidden])
     c0 = g.input("c0", f32, [cfg.layers, "B", cfg.hidden])
     logits, hT, cT = _lstm_body(g, layout, w, tokens, h0, c0)
-    logp = g.op("LogSoftmax", [logits], axis=-1)
-    picked = g.op("GatherElements", [logp, g.op("Unsqueeze", [targets, g.const(np.array([-1]))])], axis=2)
-    nll = g.op("Neg", [g.op("Squeeze", [picked, g.const(np.array([-1]))])])  # (B, T)
+    nll = target_nll(g, logits, targets)
     g.output(nll, "nll", f32, ["B", "T"])
     g.output(g.op("ReduceMean", [nll], keepdims=0), "loss", f32, [])
     g.output(hT, "hT", f32, [cfg.layers, "B", cfg.hidden])
     g.output(cT, "cT", f32, [cfg.layers, "B", cfg.hidden])
     return g.model("zosoma_training", f"zosoma training graph E={cfg.embed} H={cfg.hidden} L={cfg.layers}: "
                                       "theta (d,) in, per-byte nats and mean loss out")
+
+
+def target_nll(g: Graph, logits: str, targets: str) -> str:
+    """(B, T) nats of each target byte: -LogSoftmax(logits (B, T, V))[targets (B, T) int64]."""
+    logp = g.op("LogSoftmax", [logits], axis=-1)
+    picked = g.op("GatherElements", [logp, g.op("Unsqueeze", [targets, g.const(np.array([-1]))])], axis=2)
+    return g.op("Neg", [g.op("Squeeze", [picked, g.const(np.array([-1]))])])
 
 
 def save_model(model, path) -> None:

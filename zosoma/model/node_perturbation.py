@@ -133,44 +133,68 @@ def combined(coeffs, Z, causal: bool = False, gates: int = 0) -> np.ndarray:
     return zeta
 
 
-def estimate(theta, layout: Layout, batch, zeta) -> np.ndarray:
-    """ghat (d,) in theta's dtype: the outer products of zeta (B, T, S) with the inputs of a clean
-    forward at theta on the (B, T + 1) batch (module docstring). With no logits in zeta (S = L*4H)
-    the readout's part is its exact gradient, the delta rule (softmax - onehot) / (B T) of the same
-    clean forward: local to the output layer, no backward pass."""
+def clean_forward(theta, layout: Layout, batch, probs: bool = False):
+    """The inputs of the outer products, from a clean forward at theta on the (B, T + 1) batch, in
+    theta's dtype: x0 (B, T, E) layer 0's input (the embedded bytes), hs (L of (B, T, H)) every
+    layer's outputs h_t, and with `probs` the softmax (B, T, V) of the logits (the local readout's
+    delta rule; else None). An engine whose forward runs elsewhere returns the same from its own
+    forward (zosoma.engines.forward_only)."""
+    p = layout.views(theta)
+    tokens = batch[:, :-1]
+    B, T = tokens.shape
+    x0 = x = p["embed"][tokens]
+    hs = []
+    for layer in range(layout.config.layers):
+        w_ih, w_hh, bias = (p[f"lstm{layer}.{n}"] for n in ("w_ih", "w_hh", "bias"))
+        h, c = np.zeros((B, layout.config.hidden), theta.dtype), np.zeros((B, layout.config.hidden), theta.dtype)
+        out = np.empty((B, T, layout.config.hidden), theta.dtype)
+        for t in range(T):
+            h, c = lstm_cell(x[:, t] @ w_ih + h @ w_hh + bias, c)
+            out[:, t] = h
+        hs.append(out)
+        x = out
+    return x0, hs, np.exp(log_softmax(x @ p["out.w"] + p["out.b"])) if probs else None
+
+
+def outer_products(theta, layout: Layout, batch, zeta, inputs) -> np.ndarray:
+    """ghat (d,) in theta's dtype: the outer products of zeta (B, T, S) with a clean forward's
+    inputs (x0, hs, probs) = clean_forward's (module docstring): each layer's w_ih from its input,
+    w_hh from h_(t-1) (zero at t = 0), the embedding's rows through layer 0's w_ih^T (theta's). With
+    no logits in zeta (S = L*4H) the readout's part is its exact gradient, the delta rule
+    (probs - onehot) / (B T): local to the output layer, no backward pass."""
     p = layout.views(theta)
     ghat = np.zeros(layout.size, theta.dtype)
     g = layout.views(ghat)
     tokens = batch[:, :-1]
     B, T = tokens.shape
-    L, H = layout.config.layers, layout.config.hidden
-    G = 4 * H
-    x = p["embed"][tokens]  # (B, T, E): layer 0's input
+    L, G = layout.config.layers, 4 * layout.config.hidden
+    x, hs, probs = inputs
     for layer in range(L):
-        w_ih, w_hh, bias = (p[f"lstm{layer}.{n}"] for n in ("w_ih", "w_hh", "bias"))
         z = zeta[:, :, layer * G:(layer + 1) * G]  # (B, T, G)
-        h, c = np.zeros((B, H), theta.dtype), np.zeros((B, H), theta.dtype)
-        before, hs = np.empty((B, T, H), theta.dtype), np.empty((B, T, H), theta.dtype)
-        for t in range(T):
-            before[:, t] = h
-            h, c = lstm_cell(x[:, t] @ w_ih + h @ w_hh + bias, c)
-            hs[:, t] = h
+        before = np.concatenate([np.zeros_like(hs[layer][:, :1]), hs[layer][:, :-1]], axis=1)  # h_(t-1)
         g[f"lstm{layer}.w_ih"][...] = np.einsum("bti,btg->ig", x, z)
         g[f"lstm{layer}.w_hh"][...] = np.einsum("bth,btg->hg", before, z)
         g[f"lstm{layer}.bias"][...] = z.sum(axis=(0, 1))
         if layer == 0:  # the embedding row is layer 0's input: d a / d embed[v] = w_ih at byte v
-            np.add.at(g["embed"], tokens, z @ w_ih.T)
-        x = hs
+            np.add.at(g["embed"], tokens, z @ p["lstm0.w_ih"].T)
+        x = hs[layer]
     z = zeta[:, :, L * G:]
     if z.shape[-1] == 0:  # the readout by its local rule
-        logits = x @ p["out.w"] + p["out.b"]
-        z = np.exp(log_softmax(logits))
+        z = probs.copy()
         np.put_along_axis(z, batch[:, 1:, None].astype(np.intp), np.take_along_axis(
             z, batch[:, 1:, None].astype(np.intp), axis=-1) - 1, axis=-1)
         z = z / (B * T)
     g["out.w"][...] = np.einsum("bth,btv->hv", x, z)
     g["out.b"][...] = z.sum(axis=(0, 1))
     return ghat
+
+
+def estimate(theta, layout: Layout, batch, zeta) -> np.ndarray:
+    """ghat (d,) in theta's dtype: the outer products of zeta (B, T, S) with the inputs of a clean
+    forward at theta on the (B, T + 1) batch (module docstring; the readout's delta rule when zeta
+    has no logits): outer_products of clean_forward."""
+    local = zeta.shape[-1] == width(layout, "local")
+    return outer_products(theta, layout, batch, zeta, clean_forward(theta, layout, batch, local))
 
 
 def update_flops(layout: Layout, K: int, readout: str = "perturb") -> int:

@@ -104,6 +104,8 @@ def _format_values(code: int) -> np.ndarray:
 
 
 _TABLES: dict = {}
+_QUIET = (np.zeros((0, 1, 1, 1), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32))  # no noise
+_CHUNK = 16  # members per work item of noisy_nats: fixed, so the numbers do not depend on the threads
 
 
 def activation_tables(code: int) -> tuple[np.ndarray, np.ndarray]:
@@ -146,10 +148,11 @@ def _layer(w, offsets, layer, H, table, xs):
 
 
 @njit(**_JIT)
-def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll_out):
+def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll_out, Z, index, sign):
     """One model in bf16/fp16. w (d,) float32 already rounded; sig, tanh the format's activation
     tables; h, c (L, B, H) float32 format values, updated in place; writes nll_out (B, T).
-    Returns the float64 sum of the nlls."""
+    Returns the float64 sum of the nlls. With noise (Z (J, B0, T, S), index and sign (B / B0,):
+    _noise), row b's pre-activations take member b // B0's in the accumulator, before rounding."""
     B, T = tokens.shape
     G = 4 * H
     o = offsets[0]
@@ -168,8 +171,15 @@ def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, n
             np.dot(h[layer], w_hh, gates)
             for b in range(B):
                 row = tokens[b, t] if layer == 0 else t * B + b
-                for j in range(G):
-                    z[b, j] = np.float32(np.float64(xproj[row, j]) + np.float64(gates[b, j]) + np.float64(bias[j]))
+                if Z.shape[0] == 0:
+                    for j in range(G):
+                        z[b, j] = np.float32(np.float64(xproj[row, j]) + np.float64(gates[b, j])
+                                             + np.float64(bias[j]))
+                else:
+                    zb, zs = _noise(Z, index, sign, b, t)
+                    for j in range(G):
+                        z[b, j] = np.float32(np.float64(xproj[row, j]) + np.float64(gates[b, j])
+                                             + np.float64(bias[j]) + np.float64(zs * zb[layer * G + j]))
             round_array(z, code)
             for b in range(B):
                 for j in range(2 * H):  # i, f
@@ -191,11 +201,28 @@ def _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, n
     o = offsets[3 * L + 1]
     logits = np.dot(xs.reshape((T * B, H)), w[o:o + H * VOCAB].reshape((H, VOCAB)))  # row t*B + b
     o = offsets[3 * L + 2]
+    logit_noise = Z.shape[0] > 0 and Z.shape[3] > L * G
     for r in range(T * B):
-        for v in range(VOCAB):
-            logits[r, v] = np.float32(np.float64(logits[r, v]) + np.float64(w[o + v]))
+        if logit_noise:
+            zb, zs = _noise(Z, index, sign, r % B, r // B)
+            for v in range(VOCAB):
+                logits[r, v] = np.float32(np.float64(logits[r, v]) + np.float64(w[o + v])
+                                          + np.float64(zs * zb[L * G + v]))
+        else:
+            for v in range(VOCAB):
+                logits[r, v] = np.float32(np.float64(logits[r, v]) + np.float64(w[o + v]))
     round_array(logits, code)
     return _scores(logits, tokens, targets, nll_out)
+
+
+@njit(**_JIT)
+def _noise(Z, index, sign, b, t):
+    """Row b's noise at position t: member m = b // B0's Z[index[m], b mod B0, t] (S,) and its
+    sign[m] (already times the scale); the row adds sign[m] * Z[...][s] to pre-activation s, a
+    float32 product, as the CPU engine's."""
+    B0 = Z.shape[1]
+    m = b // B0
+    return Z[index[m], b % B0, t], sign[m]
 
 
 @njit(**_JIT)
@@ -250,9 +277,11 @@ def _int8_prepare(theta, offsets, sizes, L):
 
 
 @njit(**_JIT)
-def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out):
+def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out, Z, index, sign):
     """One model in int8 (zosoma.model.number_formats). theta (d,) float32 master weights; h, c
-    (L, B, H) float64 real values on the int8 / Q4.11 grids, updated in place; writes nll_out."""
+    (L, B, H) float64 real values on the int8 / Q4.11 grids, updated in place; writes nll_out.
+    With noise (as _float_member's), row b's real pre-activations take it before they are
+    requantised to Q3.12, its logits before the fp32 log-softmax."""
     B, T = tokens.shape
     G = 4 * H
     q, s = _int8_prepare(theta, offsets, sizes, L)
@@ -274,10 +303,14 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out)
             acc_h = np.dot(qh, w_hh)
             for b in range(B):
                 row = tokens[b, t] if layer == 0 else t * B + b
+                if Z.shape[0] > 0:
+                    zb, zs = _noise(Z, index, sign, b, t)
                 for j in range(H):
                     for k in range(4):
                         jj = k * H + j
                         zr = (xproj[row, jj] + q_b[jj]) * sx_sw + acc_h[b, jj] * sh_sw
+                        if Z.shape[0] > 0:
+                            zr += np.float64(zs * zb[layer * G + jj])
                         qz[k] = _clip(np.rint(zr * Q_GATE), -32768.0, 32767.0)
                     i = _lut(qz[0], _SIG)
                     f = _lut(qz[1], _SIG)
@@ -295,9 +328,15 @@ def _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll_out)
     o = offsets[3 * L + 2]
     scale = s[3 * L + 2]
     logits = np.empty((T * B, VOCAB), np.float32)
+    logit_noise = Z.shape[0] > 0 and Z.shape[3] > L * G
     for r in range(T * B):
-        for v in range(VOCAB):
-            logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale)
+        if logit_noise:
+            zb, zs = _noise(Z, index, sign, r % B, r // B)
+            for v in range(VOCAB):
+                logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale + np.float64(zs * zb[L * G + v]))
+        else:
+            for v in range(VOCAB):
+                logits[r, v] = np.float32((acc[r, v] + q[o + v]) * scale)
     return _scores(logits, tokens, targets, nll_out)
 
 
@@ -311,16 +350,43 @@ def _member_sum(thetas, m, offsets, sizes, E, H, L, code, sig, tanh, batches, su
     tokens = np.ascontiguousarray(batch[:, :T])
     targets = np.ascontiguousarray(batch[:, 1:])
     nll = np.empty((B, T), np.float32)
+    Z, index, sign = np.zeros((0, 1, 1, 1), np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32)  # no noise
+    sums[m] = _from_zero(thetas[m], offsets, sizes, E, H, L, code, sig, tanh, tokens, targets, nll, Z, index, sign)
+
+
+@njit(**_JIT)
+def _from_zero(theta, offsets, sizes, E, H, L, code, sig, tanh, tokens, targets, nll, Z, index, sign):
+    """One model in the format from zero state, its rows' noise as _float_member's (an empty Z:
+    none): the summed nll, nll (B, T) written."""
+    B = tokens.shape[0]
     if code == INT8:
         h = np.zeros((L, B, H), np.float64)
         c = np.zeros((L, B, H), np.float64)
-        sums[m] = _int8_member(thetas[m], offsets, sizes, E, H, L, tokens, targets, h, c, nll)
-    else:
-        w = thetas[m].copy()
-        round_array(w, code)
-        h = np.zeros((L, B, H), np.float32)
-        c = np.zeros((L, B, H), np.float32)
-        sums[m] = _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll)
+        return _int8_member(theta, offsets, sizes, E, H, L, tokens, targets, h, c, nll, Z, index, sign)
+    w = theta.copy()
+    round_array(w, code)
+    h = np.zeros((L, B, H), np.float32)
+    c = np.zeros((L, B, H), np.float32)
+    return _float_member(w, offsets, E, H, L, code, sig, tanh, tokens, targets, h, c, nll, Z, index, sign)
+
+
+@njit(nogil=True, **_JIT)
+def _noisy_rows(theta, offsets, sizes, E, H, L, code, sig, tanh, tokens, targets, Z, index, sign, nats_out):
+    """nats_out (M, B, T) float64: every target's nats under member m, one model over the M B rows
+    (row m B + b: member m's copy of batch row b) with its noise (_float_member's). Without the
+    GIL: chunks of members run on threads."""
+    M = index.shape[0]
+    B, T = tokens.shape
+    rows_in, rows_out = np.empty((M * B, T), np.uint8), np.empty((M * B, T), np.uint8)
+    for m in range(M):
+        rows_in[m * B:(m + 1) * B] = tokens
+        rows_out[m * B:(m + 1) * B] = targets
+    nll = np.empty((M * B, T), np.float32)
+    _from_zero(theta, offsets, sizes, E, H, L, code, sig, tanh, rows_in, rows_out, nll, Z, index, sign)
+    for m in range(M):
+        for b in range(B):
+            for t in range(T):
+                nats_out[m, b, t] = nll[m * B + b, t]
 
 
 def _offsets(layout: Layout) -> np.ndarray:
@@ -378,10 +444,34 @@ def nll_stream(theta, layout: Layout, tokens, targets, fmt: str, state=None):
     nll = np.empty((B, T), np.float32)
     args = (_offsets(layout), _sizes(layout), cfg.embed, cfg.hidden, cfg.layers)
     if code == INT8:
-        _int8_member(theta, *args, tokens, targets, h, c, nll)
+        _int8_member(theta, *args, tokens, targets, h, c, nll, *_QUIET)
     else:
         w = theta.copy()
         round_array(w, code)
         _float_member(w, args[0], cfg.embed, cfg.hidden, cfg.layers, code, *activation_tables(code), tokens,
-                      targets, h, c, nll)
+                      targets, h, c, nll, *_QUIET)
     return nll, [(h[layer].astype(np.float32), c[layer].astype(np.float32)) for layer in range(cfg.layers)]
+
+
+def noisy_nats(theta, layout: Layout, batch, fmt: str, scale: float, Z, index, sign) -> np.ndarray:
+    """(M, B, T) float64: the nats of every row's every target under member m, one model theta (d,)
+    float32 in format `fmt` over the M B rows of the (B, T + 1) uint8 batch, from zero state,
+    member m's pre-activations plus sign[m] * scale * Z[index[m]] (Z (J, B, T, S) float32: the
+    gates of every layer, then with S > L 4H the logits). The noise is added where a device adds it,
+    to the pre-activation's accumulator before the nonlinearity: a float format rounds the sum once
+    (gates and logits), int8 requantises it to Q3.12 (the logits: before the fp32 log-softmax).
+    Members run _CHUNK at a time on threads, each chunk one forward of its rows."""
+    code = _code(fmt)
+    cfg = layout.config
+    theta = np.ascontiguousarray(theta, np.float32)
+    batch = np.ascontiguousarray(batch, np.uint8)
+    tokens, targets = np.ascontiguousarray(batch[:, :-1]), np.ascontiguousarray(batch[:, 1:])
+    Z = np.ascontiguousarray(Z, np.float32)
+    index = np.ascontiguousarray(index, np.int64)
+    sign = np.ascontiguousarray(np.asarray(sign, np.float32) * np.float32(scale))  # float32, as the CPU engine's
+    nats = np.empty((len(index), batch.shape[0], batch.shape[1] - 1))
+    args = (_offsets(layout), _sizes(layout), cfg.embed, cfg.hidden, cfg.layers, code, *_tables_for(code))
+    chunks = [slice(m, min(len(index), m + _CHUNK)) for m in range(0, len(index), _CHUNK)]
+    threads.run_items(lambda k, _: _noisy_rows(theta, *args, tokens, targets, Z, index[chunks[k]], sign[chunks[k]],
+                                               nats[chunks[k]]), len(chunks))
+    return nats

@@ -39,15 +39,20 @@ def _int8_cell(z, c, H):
     return qh / Q_H, qc / Q_CELL
 
 
-def forward(theta, layout: Layout, tokens, fmt: str, state=None):
+def forward(theta, layout: Layout, tokens, fmt: str, state=None, noise=None, outputs: list | None = None):
     """Logits (B, T, V) float32 of one model in format `fmt` and the final state (format values).
-    tokens (B, T) uint8; state None (zeros) or one (h, c) pair of (B, H) per layer."""
+    tokens (B, T) uint8; state None (zeros) or one (h, c) pair of (B, H) per layer. noise (B, T, S)
+    float32, if given: each row's, added to the gates' pre-activations (S columns layer * 4H ...)
+    and, S > L 4H, the logits, in the accumulator before the format rounds (int8: requantises)
+    them. outputs, if a list: each layer's outputs (B, T, H), real values, are appended to it."""
     check_format(fmt)
     if fmt == "fp32":
         raise ConfigError("fp32 is the ordinary forward (zosoma.model.reference, zosoma.engines.cpu.forward)")
     w = prepare(theta, layout, fmt)
     B, T = tokens.shape
-    H = layout.config.hidden
+    H, L = layout.config.hidden, layout.config.layers
+    G = 4 * H
+    noise = np.zeros((B, T, L * G), np.float32) if noise is None else np.asarray(noise, np.float32)
     state = to_grid(zero_state(layout, B) if state is None else state, fmt)
     tokens = np.asarray(tokens, np.intp)
     if fmt == "int8":
@@ -63,20 +68,42 @@ def forward(theta, layout: Layout, tokens, fmt: str, state=None):
                 acc_x = x[:, t] @ w[f"q_w_ih{layer}"] + w[f"q_bias{layer}"]  # exact integers
                 acc_h = np.rint(h * Q_H) @ w[f"q_w_hh{layer}"]
                 z = acc_x * (s_x * w[f"s_w_ih{layer}"]) + acc_h * (w[f"s_w_hh{layer}"] / Q_H)
-                h, c = _int8_cell(z, c, H)
+                h, c = _int8_cell(z + noise[:, t, layer * G:(layer + 1) * G], c, H)
             else:
                 z = (x[:, t].astype(np.float32) @ w[f"w_ih{layer}"]).astype(np.float64)
                 z += (np.asarray(h, np.float32) @ w[f"w_hh{layer}"]).astype(np.float64)
-                h, c = _float_cell(round_to(z + w[f"bias{layer}"], fmt), c, fmt)
+                z = z + w[f"bias{layer}"] + noise[:, t, layer * G:(layer + 1) * G]
+                h, c = _float_cell(round_to(z, fmt), c, fmt)
             hs[:, t] = h
         new_state.append((np.asarray(h, np.float32), np.asarray(c, np.float32)))
+        if outputs is not None:
+            outputs.append(hs.copy())
         x = np.rint(hs * Q_H) if fmt == "int8" else hs
         s_x = 1.0 / Q_H
+    logit_noise = noise[..., L * G:] if noise.shape[-1] > L * G else 0.0
     if fmt == "int8":
-        logits = (x @ w["q_out_w"] + w["q_out_b"]) * (w["s_out_w"] / Q_H)
+        logits = (x @ w["q_out_w"] + w["q_out_b"]) * (w["s_out_w"] / Q_H) + logit_noise
     else:
-        logits = round_to((x.astype(np.float32) @ w["out_w"]).astype(np.float64) + w["out_b"], fmt)
+        logits = round_to((x.astype(np.float32) @ w["out_w"]).astype(np.float64) + w["out_b"] + logit_noise, fmt)
     return np.asarray(logits, np.float32), new_state
+
+
+def clean_inputs(theta, layout: Layout, batch, fmt: str, probs: bool = False):
+    """(x0, hs, probs) of a clean forward in format `fmt` on the (B, T + 1) batch, from zero state:
+    what the outer products of activity perturbation read (node_perturbation.clean_forward's),
+    the values the device holds: x0 (B, T, E) the embedded bytes (int8: their int8 values times
+    the scale), hs every layer's outputs (B, T, H), and with `probs` the fp32 softmax (B, T, V) of
+    its logits (else None)."""
+    w = prepare(theta, layout, fmt)
+    tokens = np.asarray(batch, np.intp)[:, :-1]
+    x0 = w["q_embed"][tokens] * w["s_embed"] if fmt == "int8" else w["embed"][tokens]
+    hs = []
+    logits, _ = forward(theta, layout, tokens, fmt, outputs=hs)
+    if not probs:
+        return x0, hs, None
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return x0, hs, e / e.sum(axis=-1, keepdims=True, dtype=np.float32)
 
 
 def nll(logits, targets) -> np.ndarray:

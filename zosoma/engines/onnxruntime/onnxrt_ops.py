@@ -8,6 +8,11 @@ the host. The runtime never sees a gradient, an optimizer or a perturbation: onl
 losses out, which is all an inference-only accelerator offers. Evaluation (nll_stream) runs in
 the runtime too, state carried; sampling (log_probs) stays on the host's CPU engine.
 
+Activity perturbation (ForwardOnlyOps' hooks) runs zosoma.formats.onnx_activity's two graphs: the
+members' forward with the step's noise as an input (noisy_nats: every row's every target's nats
+back), and the clean forward's inputs of the outer products (clean_inputs); the noise is drawn,
+and the credit, zeta, the outer products and the update are made, on the host.
+
 One session per model shape, on the CPU execution provider. Intra-op threads: one for models
 whose LSTM matrices hold under 256k entries (the tiny preset's per-member work is too small to
 split: 1.3 ms per member on one thread against 2.7 on two, measured on the development machine),
@@ -58,17 +63,22 @@ class OnnxRuntimeOps(ForwardOnlyOps):
                 return max(1, int(os.environ[var]))
         return os.cpu_count() or 1
 
-    def session(self, layout: Layout):
-        """The training graph's InferenceSession for this model shape (built once)."""
-        key = layout.config
+    def session(self, layout: Layout, graph: tuple = ("training",)):
+        """The InferenceSession of a graph for this model shape (built once): ("training",) the
+        training graph (zosoma.formats.onnx); ("noisy", T, S), ("clean", T, probs) activity
+        perturbation's (zosoma.formats.onnx_activity)."""
+        key = (layout.config, graph)
         if key not in self._sessions:
+            from zosoma.formats import onnx_activity
             from zosoma.formats.onnx import build_training_model
 
+            build = {"training": build_training_model, "noisy": onnx_activity.build_noisy_model,
+                     "clean": onnx_activity.build_clean_model}[graph[0]]
             options = self.ort.SessionOptions()
             options.intra_op_num_threads = self.threads(layout)
             options.inter_op_num_threads = 1
             options.execution_mode = self.ort.ExecutionMode.ORT_SEQUENTIAL
-            model = build_training_model(layout).SerializeToString()
+            model = build(layout, *graph[1:]).SerializeToString()
             self._sessions[key] = self.ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         return self._sessions[key]
 
@@ -108,3 +118,19 @@ class OnnxRuntimeOps(ForwardOnlyOps):
             c0 = np.stack([np.asarray(c, np.float32) for _, c in state])
         nll, hT, cT = self._run(theta, layout, tokens, targets, h0, c0, ["nll", "hT", "cT"])
         return nll, [(hT[layer], cT[layer]) for layer in range(cfg.layers)]
+
+    def noisy_nats(self, theta, layout: Layout, batch, scale: float, Z, index, sign) -> np.ndarray:
+        batch = np.asarray(batch)
+        B, T = batch.shape[0], batch.shape[1] - 1
+        feeds = {"theta": np.ascontiguousarray(theta, np.float32), "tokens": batch[:, :-1].astype(np.int64),
+                 "targets": batch[:, 1:].astype(np.int64), "Z": np.ascontiguousarray(Z, np.float32),
+                 "index": np.asarray(index, np.int64), "sign": np.asarray(sign, np.float32) * np.float32(scale)}
+        (nll,) = self.session(layout, ("noisy", T, np.shape(Z)[3])).run(["nll"], feeds)
+        return nll.reshape(len(index), B, T).astype(np.float64)
+
+    def clean_inputs(self, theta, layout: Layout, batch, probs: bool = False):
+        batch = np.asarray(batch)
+        feeds = {"theta": np.ascontiguousarray(theta, np.float32), "tokens": batch[:, :-1].astype(np.int64)}
+        out = self.session(layout, ("clean", batch.shape[1] - 1, probs)).run(None, feeds)
+        L = layout.config.layers
+        return out[0], out[1:1 + L], out[1 + L] if probs else None
