@@ -16,7 +16,7 @@ from zosoma.config import ModelConfig
 from zosoma.engines.ops import Ops
 from zosoma.model.population import Population
 from zosoma.porting import check_port, kit_activity_run, kit_default_run
-from zosoma.strategies import settings
+from zosoma.strategies import STRATEGIES, settings
 from zosoma.strategies.onesided import one_sided
 
 pytest.importorskip("onnx", reason="the kit writes its model as ONNX (the onnx extra)")
@@ -62,6 +62,15 @@ def test_the_one_sided_runs_keep_their_optimizer_when_the_default_changes(monkey
     assert settings.resolve("tiny", {})[1].optimizer == "activity-onesided"
     assert (kit_default_run.onesided_config(), kit_default_run.restart_config()) == before
     assert before[0][1].optimizer == before[1][1].optimizer == "onesided"
+
+
+def test_a_moved_default_of_the_strategy_is_refused_not_shipped(monkeypatch):
+    """The stored figures are the run at the settings they were measured with: if the strategy's
+    defaults move (its rate, when it becomes zosoma train's default), writing the kit says so."""
+    assert kit_activity_run.activity_stage().name == STAGE
+    monkeypatch.setattr(STRATEGIES["activity-onesided"], "rate_factor", 10.0)
+    with pytest.raises(RuntimeError, match=r"measured with other settings \(lr\): measure it again"):
+        kit_activity_run.activity_stage()
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -6,7 +6,9 @@ specification it serves, "Activity perturbation" the rule its steps follow.
 
 Its reference figures come from training with zosoma's Numba engine and are stored under
 "activity" in default_run_reference.json (`python -m zosoma.porting.kit_default_run activity`
-measures them again); tests/test_porting_activity_run.py trains the run afresh.
+measures them again), with the settings they were measured at: if the strategy's defaults move
+(its rate, say, when it becomes zosoma train's default), the stage refuses to be written until
+they are measured again. tests/test_porting_activity_run.py trains the run afresh.
 
 How its tolerances were set: ONNX Runtime, run_onesided's second engine, cannot train activity
 perturbation, so the spread is measured against the same run with every step computed by
@@ -121,10 +123,19 @@ def tolerances(spread: dict) -> tuple[float, float]:
     return (max(LOSS_ATOL, up(MARGIN * spread["losses"])), max(HELDOUT_ATOL, up(MARGIN * spread["heldout"])))
 
 
+def settings_of(model: ModelConfig, cfg: TrainConfig) -> dict:
+    """The run's model and training settings as the reference file stores them."""
+    return json.loads(json.dumps({**dataclasses.asdict(model), **dataclasses.asdict(cfg)}))
+
+
 def activity_stage() -> Stage:
     model, cfg = activity_config()
     stored = json.loads(REFERENCE.read_text())
     ref, spread = stored["activity"], stored["activity"]["spread"]
+    changed = sorted(k for k, v in settings_of(model, cfg).items() if ref["settings"].get(k) != v)
+    if changed:  # the strategy's defaults moved (its rate, say): the stored figures are another run's
+        raise RuntimeError(f"run_activity's reference was measured with other settings ({', '.join(changed)}): "
+                           "measure it again, python -m zosoma.porting.kit_default_run activity")
     doc, start = batch_indices(cfg, [0])
     inputs = {"batch_doc": (doc[0], "(steps, B) int64 each window's train document (manifest order), stream 0"),
               "batch_start": (start[0], "(steps, B) int64 each window's first byte in its document"),
@@ -189,7 +200,7 @@ def measure(out=sys.stdout) -> dict:
         ref["activity"] = dict(a, spread={"against": "the steps by zosoma.model.node_perturbation in float64 and "
                                                      "float32 (kit_activity_run.ReferenceSteps)",
                                           **{k: max(g[k] for g in by.values()) for k in ("losses", "heldout")},
-                                          "by": by}, misread={})
+                                          "by": by}, misread={}, settings=settings_of(model, cfg))
         for which in MISREAD_RUNS:
             m, c = misread_config(which)
             ref["activity"]["misread"][which] = run = train_run(Path(tmp) / which, m, c)
