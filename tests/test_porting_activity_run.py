@@ -6,6 +6,8 @@ run_restart keep their figures when `zosoma train`'s default changes."""
 
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -54,6 +56,26 @@ def test_the_stage_is_activity_onesideds_default_run_shortened(kit):
             gap = np.abs(misread[found["array"]] - f[output]).max()
             assert gap > 3 * tol["atol"], (found["reading"], gap)
     assert np.array_equal(f["batch_doc"], np.load(kit / "run_onesided.npz")["batch_doc"])  # the same batches
+
+
+def _checker(kit, port) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(kit / "check_port.py"), str(kit), str(port), "--stage", STAGE],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.subprocess
+def test_the_kits_checker_names_one_sided_spsas_figures(kit, tmp_path):
+    """The standalone checker in the kit folder passes the kit's own figures, and fails
+    run_onesided's stored ones (what a port of one-sided SPSA writes: the slow test below trains
+    it) on both outputs, each with the reading named."""
+    assert _checker(kit, kit).returncode == 0
+    stored = json.loads(kit_default_run.REFERENCE.read_text())["onesided"]
+    (tmp_path / "port").mkdir()
+    np.savez(tmp_path / "port" / f"{STAGE}.npz", losses=np.array(stored["losses"]),
+             heldout=np.float64(stored["heldout"]))
+    result = _checker(kit, tmp_path / "port")
+    assert result.returncode == 1 and f"[FAIL] {STAGE}: 2 of 2 outputs failed" in result.stdout, result.stdout
+    assert result.stdout.count("looks like: one-sided SPSA's run") == 2, result.stdout
 
 
 def test_the_one_sided_runs_keep_their_optimizer_when_the_default_changes(monkeypatch):
