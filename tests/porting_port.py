@@ -20,7 +20,7 @@ from zosoma.model import node_perturbation, noise as noise_spec, number_formats
 from zosoma.model.reference import sigmoid
 from zosoma.model.noise import noise, philox4x32_10, stream_key
 from zosoma.model.params import Layout, init_params
-from zosoma.porting import approx_activations, kit_default_run, kit_run
+from zosoma.porting import approx_activations, kit_activity_run, kit_default_run, kit_run
 from zosoma.model.population import Population
 from zosoma.model.number_formats import Q_ACT, Q_CELL, Q_GATE, Q_H, SIGMOID_TABLE, TANH_TABLE, round_to, table_lookup
 from zosoma.training.guard import DivergenceGuard, healthy_steps, rollback_index, window_for
@@ -403,20 +403,21 @@ def port_approx(kit, layout, sigmoid=approx_activations.sigmoid):
 
 
 def port_default_run(kit, run_dir: Path, stage: str, budget: bool = True):
-    """run_onesided or run_restart with zosoma's trainer and evaluation (a minute), its batches the
-    kit's; budget=False is the deliberately wrong port that follows PORTING.md's old sentence (the
-    counter runs on to `steps` after a rollback)."""
+    """run_onesided, run_restart or run_activity with zosoma's trainer and evaluation (a minute), its
+    batches the kit's; budget=False is the deliberately wrong port that follows PORTING.md's old
+    sentence (the counter runs on to `steps` after a rollback)."""
     f = load(kit, stage)
-    which = "onesided" if stage == "run_onesided" else "restart"
-    _, cfg = kit_default_run.onesided_config() if which == "onesided" else kit_default_run.restart_config()
+    which = stage.removeprefix("run_")
+    model, cfg = {"onesided": kit_default_run.onesided_config, "restart": kit_default_run.restart_config,
+                  "activity": kit_activity_run.activity_config}[which]()
     sampler = BatchSampler(load_corpus(None, split="train"), cfg.seq_len + 1)
-    doc, start = (f["batch_doc"][None], f["batch_start"][None]) if which == "onesided" else (f["batch_doc"],
-                                                                                               f["batch_start"])
+    doc, start = (f["batch_doc"], f["batch_start"]) if which == "restart" else (f["batch_doc"][None],
+                                                                               f["batch_start"][None])
     for row, s in enumerate((0, stream(0, 1))[:doc.shape[0]]):
         for t in (0, 1, cfg.steps - 1):
             d, st = sampler.positions(int(f["seed"]), s, t, int(f["batch"]))
             assert np.array_equal(d, doc[row, t]) and np.array_equal(st, start[row, t])
-    ran = kit_default_run.train_reference(run_dir, which, budget=budget)
+    ran = kit_default_run.train_run(run_dir, model, cfg, budget=budget)
     out = {"losses": np.array(ran["losses"]), "heldout": np.float64(ran["heldout"])}
     if which == "restart":  # the losses of the course after the (first) rollback
         (verdict, to), = ran["restarts"][:1]

@@ -37,8 +37,8 @@ from zosoma.atomic import atomic_path, atomic_write
 from zosoma.config import VOCAB, ModelConfig
 from zosoma.errors import OptionError
 from zosoma.version import __version__
-from zosoma.porting import (kit_activity, kit_approx, kit_data, kit_default_run, kit_files, kit_loop, kit_model,
-                            kit_precision, kit_router, kit_run, kit_training)
+from zosoma.porting import (kit_activity, kit_activity_run, kit_approx, kit_data, kit_default_run, kit_files, kit_loop,
+                            kit_model, kit_precision, kit_router, kit_run, kit_training)
 from zosoma.porting.output_folder import MANIFEST, output_folder
 from zosoma.porting.stage import TOL, Stage
 from zosoma.training.folder import refuse_run_files
@@ -54,7 +54,8 @@ MAX_PARAMETERS = 1_000_000
 # The stages in the order a port is best written in; each one's file is <name>.npz.
 STAGES = ("forward", "losses", "noise", "init", "batches", "schedule", "spsa_step", "onesided_step",
           "activity_onesided_step", "momentum", "adam", "es", "eggroll", "train", "train_normalize", "shaping",
-          "restart", "router", "routed", "bf16", "fp16", "int8", "approx", "run", "run_onesided", "run_restart")
+          "restart", "router", "routed", "bf16", "fp16", "int8", "approx", "run", "run_onesided", "run_restart",
+          "run_activity")
 
 
 def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
@@ -90,9 +91,10 @@ def build_stages(config: ModelConfig, seed: int) -> list[Stage]:
     built["approx"] = kit_approx.approx_stage(theta, layout, np.random.default_rng([seed, 0x901A]))
     built["activity_onesided_step"] = kit_activity.activity_onesided_stage(theta, layout,
                                                                            np.random.default_rng([seed, 0x901B]))
-    # today's default run and its restart (kit_default_run): no generator, stored reference figures
+    # one-sided SPSA's default run and its restart (kit_default_run): no generator, stored reference figures
     built["run_onesided"] = kit_default_run.onesided_stage()
     built["run_restart"] = kit_default_run.restart_stage()
+    built["run_activity"] = kit_activity_run.activity_stage()  # activity perturbation's (kit_activity_run)
     return [built[name] for name in STAGES]
 
 

@@ -1,15 +1,18 @@
-"""The porting kit's stages of today's default run (`zosoma train`: one-sided SPSA at the preset's
-rate times 1.4142): `run_onesided`, the default run shortened to 300 steps, and `run_restart`, a
+"""The porting kit's stages of one-sided SPSA's default run (`zosoma train --optimizer onesided`: its rate
+the preset's times 1.4142): `run_onesided`, that run shortened to 300 steps, and `run_restart`, a
 short run of it that restarts once and shows what a restart costs: the steps it re-runs count
 against --steps, so the step counter ends short of them. Its first course runs at a rate that
 diverges at once (the guard's verdict comes at the earliest step it can, in any port), and its
 restart factor brings the rate back to about the default's, so the course after the rollback trains
-as stably as `run_onesided` and a port's figures can be held to the same tolerances.
-PORTING.md ("A whole run") is the specification they serve.
+as stably as `run_onesided` and a port's figures can be held to the same tolerances. Both name
+their optimizer, so they keep their figures whichever estimator `zosoma train` defaults to
+(activity perturbation's run is kit_activity_run's). PORTING.md ("A whole run") is the
+specification they serve.
 
 Their reference figures come from training with zosoma and are stored in default_run_reference.json
 beside this module (`python -m zosoma.porting.kit_default_run` measures them again, with the engines'
-spread: the Numba engine against ONNX Runtime); tests/test_porting_run.py trains them afresh.
+spread: the Numba engine against ONNX Runtime; with "activity", kit_activity_run's stage too);
+tests/test_porting_run.py trains them afresh.
 """
 
 from __future__ import annotations
@@ -32,25 +35,29 @@ from zosoma.porting.stage import Out, Stage
 from zosoma.training.records import Evaluated, Restarted, Step
 from zosoma.training.stepper import stream
 from zosoma.training.trainer import Trainer
-from zosoma.strategies.settings import resolve
+from zosoma.strategies.settings import DEFAULT_OPTIMIZER, resolve
 from zosoma.runs.single import start_run
 
-STEPS = 300  # both runs: the cosine laid out over these steps
+STEPS = 300  # every run: the cosine laid out over these steps
+ONESIDED = {"steps": STEPS, "optimizer": "onesided"}  # by name: not whatever `zosoma train` defaults to
 # lr 20 diverges at once: the verdict at step 87, the first the guard can give (window 37 after the first 50),
 # rolled back to step 0 (the checkpoint at 50 is past the best already); then lr 20 x 0.01 = 0.2 trains
 RESTART = {"lr": 20.0, "restart_lr_factor": 0.01, "checkpoint_every": 50}
 REFERENCE = Path(__file__).with_name("default_run_reference.json")
 ENGINES = ("native", "onnxruntime")
+TODAY = DEFAULT_OPTIMIZER == "onesided"  # the stages' lines call it the default only while it is
 
 
 def onesided_config() -> tuple[ModelConfig, TrainConfig]:
-    """run_onesided's run: `zosoma train --steps 300` (every other setting the default's)."""
-    return resolve("tiny", {"steps": STEPS})
+    """run_onesided's run: `zosoma train --optimizer onesided --steps 300` (every other setting the
+    strategy's default)."""
+    return resolve("tiny", ONESIDED)
 
 
 def restart_config() -> tuple[ModelConfig, TrainConfig]:
-    """run_restart's run: `zosoma train --steps 300 --lr 20 --restart-lr-factor 0.01 --checkpoint-every 50`."""
-    return resolve("tiny", {"steps": STEPS, **RESTART})
+    """run_restart's run: `zosoma train --optimizer onesided --steps 300 --lr 20 --restart-lr-factor 0.01
+    --checkpoint-every 50`."""
+    return resolve("tiny", {**ONESIDED, **RESTART})
 
 
 def train_reference(run_dir, which: str, engine: str = "native", budget: bool = True) -> dict:
@@ -60,11 +67,15 @@ def train_reference(run_dir, which: str, engine: str = "native", budget: bool = 
     nats/byte. budget=False trains as the old reading of PORTING.md did (the counter runs on to
     --steps after a rollback: the steps a restart re-runs are not counted)."""
     model, cfg = onesided_config() if which == "onesided" else restart_config()
-    cfg = dataclasses.replace(cfg, engine=engine)
+    return train_run(run_dir, model, dataclasses.replace(cfg, engine=engine), budget=budget)
+
+
+def train_run(run_dir, model: ModelConfig, cfg: TrainConfig, ops=None, budget: bool = True) -> dict:
+    """train_reference's figures of any run's configuration, on `ops` (default the CPU engine)."""
     losses, restarts, results = [], [], None
     old_reading = mock.patch.object(Trainer, "spent", property(lambda self: False))
     with old_reading if not budget else contextlib.nullcontext():
-        for r in start_run(run_dir, model, cfg, ops=get_ops("cpu")):
+        for r in start_run(run_dir, model, cfg, ops=get_ops("cpu") if ops is None else ops):
             if isinstance(r, Step):
                 losses.append(float(r.metrics["loss"]))
                 final = r.metrics["step"]
@@ -87,18 +98,21 @@ def batch_indices(cfg: TrainConfig, streams) -> tuple[np.ndarray, np.ndarray]:
     return doc, start
 
 
-def _settings(model: ModelConfig, cfg: TrainConfig) -> dict:
-    return {"embed": (model.embed, "E"), "hidden": (model.hidden, "H"), "layers": (model.layers, "L"),
+def _settings(model: ModelConfig, cfg: TrainConfig, lines: dict | None = None) -> dict:
+    """The stage's settings, each (value, a line saying what it is); `lines` replaces some lines."""
+    found = {"embed": (model.embed, "E"), "hidden": (model.hidden, "H"), "layers": (model.layers, "L"),
             **{k: (getattr(cfg, k), what) for k, what in (
                 ("steps", "the run's length: the cosine is laid out over it, and the steps attempted in all"),
                 ("batch", "B"), ("seq_len", "T"), ("perturbations", "P: 2P members, each along a direction of its own"),
                 ("eps", "the perturbation scale"), ("noise", "the directions' kind"),
-                ("optimizer", "one-sided SPSA, zosoma train's default"), ("lr", "the peak rate"),
+                ("optimizer", "one-sided SPSA" + (", zosoma train's default" if TODAY else "")),
+                ("lr", "the peak rate"),
                 ("schedule", "after the warm-up"), ("warmup", "warm-up steps"), ("weight_decay", "none"),
                 ("normalize_window", "W"), ("seed", "init, batches, noise"), ("checkpoint_every", "K"),
                 ("on_divergence", "restart: roll back, halve the rate, a fresh stream"),
                 ("restart_lr_factor", "the rate's factor per restart"), ("max_restarts", "then drop"))},
             "shaping": (",".join(cfg.shaping), "zosoma's default shaping"), "expert": (0, "a single model: stream 0")}
+    return {k: (v, (lines or {}).get(k, line)) for k, (v, line) in found.items()}
 
 
 def _spread(stored: dict, which: str) -> str:
@@ -131,7 +145,9 @@ def onesided_stage() -> Stage:
                                np.array(paper["losses"]))],
                    "heldout": [("the paper's estimator at its rate (antithetic pairs, lr 0.15: the `run` stage's)",
                                 np.float64(paper["heldout"]))]}
-    return Stage("run_onesided", f"today's default run (zosoma train: one-sided SPSA) shortened to {cfg.steps} steps on "
+    run = "today's default run (zosoma train: one-sided SPSA)" if TODAY else \
+        "one-sided SPSA's default run (zosoma train --optimizer onesided)"
+    return Stage("run_onesided", f"{run} shortened to {cfg.steps} steps on "
                                  "the shipped corpus: every step's loss and the held-out nats/byte", inputs, outputs,
                  settings=_settings(model, cfg), misreadings=misreadings, tol=tol)
 
@@ -176,7 +192,8 @@ def restart_stage() -> Stage:
     misreadings = {"final_step": [(reading, np.int64(old["final_step"]))],
                    "attempted": [(reading, np.int64(len(old["losses"])))],
                    "heldout": [(reading, np.float64(old["heldout"]))]}
-    return Stage("run_restart", f"a short run of today's default estimator that restarts once (lr {cfg.lr:g}, then x "
+    estimator = "today's default estimator" if TODAY else "one-sided SPSA"
+    return Stage("run_restart", f"a short run of {estimator} that restarts once (lr {cfg.lr:g}, then x "
                                 f"{cfg.restart_lr_factor:g}): the verdict, the rollback, the steps attempted, the step "
                                 "counter at the end, the steps' losses after the rollback and the held-out nats/byte",
                  inputs, outputs, settings=_settings(model, cfg), misreadings=misreadings, tol=tol)
@@ -207,4 +224,10 @@ def measure(which=("onesided", "restart"), out=sys.stdout) -> dict:
 
 
 if __name__ == "__main__":
-    measure(sys.argv[1:] or ("onesided", "restart"))
+    runs = sys.argv[1:] or ["onesided", "restart", "activity"]
+    onesided = [r for r in runs if r != "activity"]
+    if onesided:
+        measure(onesided)
+    if "activity" in runs:  # kit_activity_run imports this module: measured after it
+        from zosoma.porting import kit_activity_run
+        kit_activity_run.measure()
