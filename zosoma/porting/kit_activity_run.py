@@ -5,7 +5,7 @@ checks: every step's loss and the held-out nats/byte. PORTING.md ("A whole run")
 specification it serves, "Activity perturbation" the rule its steps follow.
 
 Its reference figures come from training with zosoma's Numba engine and are stored under
-"activity" in default_run_reference.json (`python -m zosoma.porting.kit_default_run activity`
+"activity" in default_run_reference.json (`python -m zosoma.porting.kit_activity_run`
 measures them again), with the settings they were measured at: if the strategy's defaults move
 (its rate, say, when it becomes zosoma train's default), the stage refuses to be written until
 they are measured again. tests/test_porting_activity_run.py trains the run afresh.
@@ -135,7 +135,7 @@ def activity_stage() -> Stage:
     changed = sorted(k for k, v in settings_of(model, cfg).items() if ref["settings"].get(k) != v)
     if changed:  # the strategy's defaults moved (its rate, say): the stored figures are another run's
         raise RuntimeError(f"run_activity's reference was measured with other settings ({', '.join(changed)}): "
-                           "measure it again, python -m zosoma.porting.kit_default_run activity")
+                           "measure it again, python -m zosoma.porting.kit_activity_run")
     doc, start = batch_indices(cfg, [0])
     inputs = {"batch_doc": (doc[0], "(steps, B) int64 each window's train document (manifest order), stream 0"),
               "batch_start": (start[0], "(steps, B) int64 each window's first byte in its document"),

@@ -11,7 +11,8 @@ specification they serve.
 
 Their reference figures come from training with zosoma and are stored in default_run_reference.json
 beside this module (`python -m zosoma.porting.kit_default_run` measures them again, with the engines'
-spread: the Numba engine against ONNX Runtime; with "activity", kit_activity_run's stage too);
+spread: the Numba engine against ONNX Runtime; `python -m zosoma.porting.kit_activity_run` measures
+run_activity's);
 tests/test_porting_run.py trains them afresh.
 """
 
@@ -224,10 +225,4 @@ def measure(which=("onesided", "restart"), out=sys.stdout) -> dict:
 
 
 if __name__ == "__main__":
-    runs = sys.argv[1:] or ["onesided", "restart", "activity"]
-    onesided = [r for r in runs if r != "activity"]
-    if onesided:
-        measure(onesided)
-    if "activity" in runs:  # kit_activity_run imports this module: measured after it
-        from zosoma.porting import kit_activity_run
-        kit_activity_run.measure()
+    measure(sys.argv[1:] or ["onesided", "restart"])
