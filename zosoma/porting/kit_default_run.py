@@ -26,14 +26,13 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
-from zosoma.engines import get_ops
 from zosoma.porting.kit_run import HELDOUT_ATOL, LOSS_ATOL, corpus_sha256s
 from zosoma.porting.stage import Out, Stage
 from zosoma.training.records import Evaluated, Restarted, Step
 from zosoma.training.stepper import stream
 from zosoma.training.trainer import Trainer
 from zosoma.strategies.settings import resolve
-from zosoma.runs.single import start_run
+from zosoma.runs.run import Run, Spec
 
 STEPS = 300  # both runs: the cosine laid out over these steps
 # lr 20 diverges at once: the verdict at step 87, the first the guard can give (window 37 after the first 50),
@@ -64,7 +63,7 @@ def train_reference(run_dir, which: str, engine: str = "native", budget: bool = 
     losses, restarts, results = [], [], None
     old_reading = mock.patch.object(Trainer, "spent", property(lambda self: False))
     with old_reading if not budget else contextlib.nullcontext():
-        for r in start_run(run_dir, model, cfg, ops=get_ops("cpu")):
+        for r in Run.start(Spec(model, cfg), run_dir=run_dir):  # on the engine cfg names
             if isinstance(r, Step):
                 losses.append(float(r.metrics["loss"]))
                 final = r.metrics["step"]
