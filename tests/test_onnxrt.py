@@ -18,7 +18,7 @@ from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.training.records import Step
-from zosoma.runs.run import engine
+from zosoma.runs.run import engine as run_engine
 from zosoma.training.trainer import Trainer, new_state, train
 from zosoma.workers.placement import Placement
 
@@ -32,7 +32,7 @@ def corpus():
 
 def _train(corpus, tmp_path, model, cfg):
     trainer = Trainer(tmp_path, model, cfg, BatchSampler(corpus, cfg.seq_len + 1), new_state(model, cfg),
-                      ops=engine(Placement(), cfg))  # the engine cfg names, as a run resolves it
+                      ops=run_engine(Placement(), cfg))  # the engine cfg names, as a run resolves it
     losses = [r.loss for r in train(trainer) if isinstance(r, Step)]
     return trainer, np.array(losses)
 
@@ -89,8 +89,8 @@ def test_engine_names():
     assert get_ops("cpu", "native", "fp32") is not None and get_ops("cpu").name == "cpu"
     assert get_ops("cpu", precision="int8").name == "cpu-int8"
     native, placement = get_ops("cpu"), Placement()
-    assert engine(placement) is native and engine(placement, TrainConfig(optimizer="sgd")) is native
-    assert engine(placement, TrainConfig(optimizer="sgd", engine="onnxruntime")) is get_ops("cpu", "onnxruntime")
+    assert run_engine(placement) is native and run_engine(placement, TrainConfig(optimizer="sgd")) is native
+    assert run_engine(placement, TrainConfig(optimizer="sgd", engine="onnxruntime")) is get_ops("cpu", "onnxruntime")
     for bad in (dict(engine="tensorrt"), dict(precision="fp8"), dict(engine="onnxruntime", precision="int8"),
                 dict(device="cuda", precision="bf16")):
         with pytest.raises(ConfigError):
