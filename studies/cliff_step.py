@@ -29,12 +29,14 @@ from zosoma.config import PRESETS, TrainConfig
 from zosoma.model.params import Layout
 from zosoma.training.folder import RunFolder
 from zosoma.training.records import Evaluated
+from zosoma.runs.run import engine
 from zosoma.runs.single import evaluate_run, resume_run, start_run
 from zosoma.training.trainer import Trainer
 from zosoma.strategies import make_strategy
 from zosoma.strategies.base import learning_rate
 from zosoma.strategies.settings import resolve
 from zosoma.strategies.shaping import Chain
+from zosoma.workers.placement import Placement
 
 SHAPINGS = {"plain SPSA": (), "clip": ("clip",), "normalize": ("normalize",), "clip+normalize": ("clip", "normalize")}
 
@@ -50,7 +52,7 @@ def to_step(run: Path, cfg: TrainConfig, step: int) -> list[np.ndarray]:
 
     model, _ = PRESETS["tiny"]
     with mock.patch.object(Ops, "perturbed_losses", recording):
-        for _ in start_run(run, model, cfg, should_stop=lambda: len(scalars) >= step, ops=Ops()):
+        for _ in start_run(run, model, cfg, should_stop=lambda: len(scalars) >= step, ops=engine(Placement(), cfg)):
             pass
     return scalars[:step]
 
@@ -78,7 +80,8 @@ def main():
     assert ckpt.step == a.step - 1, ckpt.step
     heldout = load_corpus(None, split="heldout")
     small = Corpus(heldout.names, tuple(d[:8192] for d in heldout.docs))
-    trainer = Trainer(tempfile.mkdtemp(), ckpt.model, ckpt.train, _sampler(ckpt), _state(ckpt), Ops())
+    trainer = Trainer(tempfile.mkdtemp(), ckpt.model, ckpt.train, _sampler(ckpt), _state(ckpt),
+                      engine(Placement(), ckpt.train))
     ops, layout = trainer.ops, Layout(ckpt.model)
     plus, minus = trainer.losses()  # the cliff-step's population, on its batch
     cliff = (plus - minus) / (2 * cfg.eps)
@@ -135,7 +138,7 @@ def _go_on(run: Path, ckpt, cfg: TrainConfig, shaping: dict) -> dict:
         start = dataclasses.replace(ckpt, train=cfg, extra={**ckpt.extra, "shaping": shaping})
         folder.make()
         folder.write_checkpoint(start)
-    for r in resume_run(run, ops=Ops()):
+    for r in resume_run(run, ops=engine(Placement(), cfg)):
         if isinstance(r, Evaluated):
             return r.results
     raise SystemExit(f"{run}: no evaluation")

@@ -26,7 +26,9 @@ from zosoma.engines.ops import Ops
 from zosoma.model import reference
 from zosoma.model.params import Layout
 from zosoma.training.folder import RESULTS, RunFolder
+from zosoma.runs.run import engine
 from zosoma.runs.single import start_run
+from zosoma.workers.placement import Placement
 
 ENGINES = ("native", "onnxruntime")
 PAIRS, EPS = 96, 1e-3  # the scalar check: perturbation pairs, at the default eps
@@ -63,7 +65,8 @@ def train_nudged(native: Path, run_dir: Path) -> dict:
     """The native run's configuration, its weights nudged (nudge) before step 1."""
     if not RunFolder(run_dir).has_checkpoint:
         ckpt = RunFolder(native).read_checkpoint()
-        for _ in start_run(run_dir, ckpt.model, ckpt.train, should_stop=lambda: True, ops=Ops()):
+        ops = engine(Placement(), ckpt.train)
+        for _ in start_run(run_dir, ckpt.model, ckpt.train, should_stop=lambda: True, ops=ops):
             pass  # stops before step 1, leaving the step-0 checkpoint
         nudge(run_dir)
     return finish(run_dir)

@@ -33,6 +33,8 @@ from zosoma.model import reference
 from zosoma.model.params import Layout
 from zosoma.training.folder import RunFolder
 from zosoma.training.records import Diverged, Finished, Step, Stopped
+from zosoma.workers.placement import Placement
+from zosoma.runs.run import engine
 from zosoma.runs.single import resume_run, start_run
 from zosoma.strategies import make_strategy
 
@@ -48,6 +50,7 @@ def replay(run_dir: Path, steps: int | None = None) -> Path:
         return out
     ckpt = RunFolder(run_dir).read_checkpoint()
     steps = steps or ckpt.train.steps
+    ops = engine(Placement(), ckpt.train)  # the engine the run trained on
     native = Ops() if ckpt.train.engine != "native" else None
     original = Ops.perturbed_losses
     own, other, worst = [], [], {"sd": -1.0}
@@ -67,12 +70,12 @@ def replay(run_dir: Path, steps: int | None = None) -> Path:
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(Ops, "perturbed_losses", recording):
         work, replayed = Path(tmp) / "run", []
-        for _ in start_run(work, ckpt.model, ckpt.train, should_stop=lambda: True, ops=Ops()):
+        for _ in start_run(work, ckpt.model, ckpt.train, should_stop=lambda: True, ops=ops):
             pass  # the step-0 checkpoint, as engine_agreement makes it
         if run_dir.name.startswith("native-ulp"):
             nudge(work)
         while len(replayed) < steps:  # a resume goes on past the divergence guard's stop
-            records = resume_run(work, should_stop=lambda: len(own) >= steps, ops=Ops())
+            records = resume_run(work, should_stop=lambda: len(own) >= steps, ops=ops)
             for record in records:
                 if isinstance(record, Step):
                     replayed.append(record.metrics["loss"])

@@ -689,17 +689,23 @@ def test_get_ops_is_where_the_device_is_chosen(fresh_probe):
 
 def test_each_engine_says_what_it_is(rt, fresh_probe):
     """Code outside zosoma.engines asks an engine what it is (on_device, precision), never its name;
-    the note --device auto prints comes from the engine too."""
-    from zosoma.engines import device_note, run_ops
+    the note --device auto prints comes from the engine too. A run's engine (zosoma.runs.run.engine)
+    is its device's unless its configuration names another, which runs on the CPU only."""
+    from zosoma.config import TrainConfig
+    from zosoma.engines import device_note
+    from zosoma.runs.run import engine
+    from zosoma.workers.placement import Placement
 
     cpu, bf16, device = get_ops("cpu"), get_ops("cpu", precision="bf16"), cuda_ops.CudaOps()
     assert (cpu.on_device, cpu.precision) == (False, "fp32")
     assert (bf16.on_device, bf16.precision, bf16.name) == (False, "bf16", "cpu-bf16")
     assert (device.on_device, device.precision) == (True, "fp32")
     assert (cpu.device, bf16.device, device.device) == ("cpu", "cpu", "cuda")  # the device, whatever the label
-    assert run_ops(bf16, "onnxruntime").name == "onnxruntime"  # a CPU engine gives way to the run's own
-    with pytest.raises(ConfigError, match="runs on the CPU, not on cuda"):
-        run_ops(device, "native", "int8")
+    onnx, int8 = TrainConfig(optimizer="sgd", engine="onnxruntime"), TrainConfig(optimizer="sgd", forward_precision="int8")
+    assert engine(Placement(), onnx).name == "onnxruntime"  # the CPU's engine gives way to the run's own
+    assert engine(Placement(device="cuda")).on_device  # get_ops builds the (emulated) CUDA engine
+    with pytest.raises(ConfigError, match="^--engine native --forward-precision int8 runs on the CPU, not on cuda$"):
+        engine(Placement(device="cuda"), int8)
     assert device_note("cpu", cpu) is None and device_note("cuda", device) is None
     assert device_note("auto", device) == "--device auto: running on cuda"
     if not backend.cuda_device_count():

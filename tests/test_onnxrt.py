@@ -10,16 +10,17 @@ import pytest
 
 from helpers import assert_close, cli_json, one_line_error, run_cli as run
 from world import TINY_MODEL_L2, tiny_args
-from zosoma.engines.ops import Ops
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
-from zosoma.engines import get_ops, run_ops
+from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import load_checkpoint
 from zosoma.model.params import Layout, init_params
 from zosoma.model.population import Population
 from zosoma.training.records import Step
+from zosoma.runs.run import engine as run_engine
 from zosoma.training.trainer import Trainer, new_state, train
+from zosoma.workers.placement import Placement
 
 pytest.importorskip("onnxruntime", reason="the ONNX Runtime engine is the onnx extra")
 
@@ -30,7 +31,8 @@ def corpus():
 
 
 def _train(corpus, tmp_path, model, cfg):
-    trainer = Trainer(tmp_path, model, cfg, BatchSampler(corpus, cfg.seq_len + 1), new_state(model, cfg), ops=Ops())
+    trainer = Trainer(tmp_path, model, cfg, BatchSampler(corpus, cfg.seq_len + 1), new_state(model, cfg),
+                      ops=run_engine(Placement(), cfg))  # the engine cfg names, as a run resolves it
     losses = [r.loss for r in train(trainer) if isinstance(r, Step)]
     return trainer, np.array(losses)
 
@@ -86,8 +88,9 @@ def test_streaming_nll_with_carried_state():
 def test_engine_names():
     assert get_ops("cpu", "native", "fp32") is not None and get_ops("cpu").name == "cpu"
     assert get_ops("cpu", precision="int8").name == "cpu-int8"
-    native = get_ops("cpu")
-    assert run_ops(native) is native and run_ops(native, "onnxruntime").name == "onnxruntime"
+    native, placement = get_ops("cpu"), Placement()
+    assert run_engine(placement) is native and run_engine(placement, TrainConfig(optimizer="sgd")) is native
+    assert run_engine(placement, TrainConfig(optimizer="sgd", engine="onnxruntime")) is get_ops("cpu", "onnxruntime")
     for bad in (dict(engine="tensorrt"), dict(precision="fp8"), dict(engine="onnxruntime", precision="int8"),
                 dict(device="cuda", precision="bf16")):
         with pytest.raises(ConfigError):

@@ -30,12 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from zosoma.corpus import BatchSampler
-from zosoma.engines import get_ops
 from zosoma.errors import ConfigError
 from zosoma.workers.executor import Inline, LocalProcesses, Together
+from zosoma.workers.placement import Placement
 from zosoma.training.folder import RunFolder
 from zosoma.workers.population_workers import Processes, Sharding, make_trainer
 from zosoma.training.records import Failed, Step
+from zosoma.runs.run import engine
 from zosoma.runs.single import data_record, load_data
 from zosoma.runs.soma import ExpertUnit, create_soma, open_soma
 from zosoma.training.trainer import new_state, train
@@ -82,7 +83,7 @@ def bench_executors(preset: str = "tiny", experts: int = 2, steps: int = 200, ra
     run's}. `model`: ModelConfig fields over the preset's (embed=16, hidden=20); population=False
     leaves the one-model rows out."""
     model, cfg = resolve(preset, {"steps": steps, "checkpoint_every": steps, "seed": seed, **(model or {})})
-    ops = get_ops("cpu")  # the benchmark's engine: every row trains on the CPU
+    ops = engine(Placement(), cfg)  # the run's engine, as `zosoma train` resolves it: every row on the CPU
     out: dict = {"config": {"preset": preset, "experts": experts, "steps": steps, "P": cfg.perturbations,
                             "B": cfg.batch, "T": cfg.seq_len, "d": model.n_params(), "E": model.embed,
                             "H": model.hidden, "L": model.layers, "optimizer": cfg.optimizer},

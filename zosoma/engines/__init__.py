@@ -59,8 +59,13 @@ def get_ops(device: str = "cpu", engine: str = "native", precision: str = "fp32"
     are emulated in that format (both on the CPU; a ConfigError line when the runtime is not
     installed); gemm "tf32" or "bf16" runs the CUDA engine's GEMMs on tensor cores (a ConfigError
     line where the engine is not CUDA's). The one place in zosoma where these names become an engine;
-    one engine per set of names, however they are passed."""
-    return _engine(device, engine, precision, gemm)
+    one engine per set of names, however they are passed. A bad ZOSOMA_CPU_GEMM is refused each time
+    a CPU engine is asked for, not only when it is first built: a run is refused before it starts."""
+    ops = _engine(device, engine, precision, gemm)
+    if not ops.on_device:
+        from zosoma.engines.cpu.forward import gemm_path
+        gemm_path()
+    return ops
 
 
 @lru_cache(maxsize=None)
@@ -88,28 +93,12 @@ def _engine(device: str, engine: str, precision: str, gemm: str):
         from zosoma.engines.emulated.precision_ops import PrecisionOps
         return PrecisionOps(precision)
     if device == "cpu" or (device == "auto" and backend.cuda_unavailable_reason() is not None):
-        from zosoma.engines.cpu.forward import gemm_path
-        gemm_path()  # a bad ZOSOMA_CPU_GEMM is refused here, before a run starts
         return Ops()
     from zosoma.engines.cuda.cuda_ops import CudaOps
     return CudaOps(gemm)  # a ConfigError line when CuPy is missing or finds no device
 
 
 get_ops.cache_clear = _engine.cache_clear  # tests that swap the CUDA backend forget the engines made
-
-
-def run_ops(ops, engine: str = "native", precision: str = "fp32"):
-    """The engine a run trains on: `ops` (its device's engine) unless the run's configuration
-    names another engine or a forward precision, which then run on the CPU (get_ops). A bad
-    ZOSOMA_CPU_GEMM is refused here too: get_ops checks it only when it first builds the engine."""
-    from zosoma.engines.cpu.forward import gemm_path
-    if ops is None or not ops.on_device:
-        gemm_path()
-    if (engine, precision) == ("native", "fp32"):
-        return ops
-    if ops is not None and ops.on_device:
-        raise ConfigError(f"--engine {engine} --forward-precision {precision} runs on the CPU, not on {ops.name}")
-    return get_ops("cpu", engine, precision)
 
 
 class SendsEngine:

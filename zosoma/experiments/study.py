@@ -45,7 +45,8 @@ from zosoma.experiments.scoring import Scored
 from zosoma.training.folder import CheckpointFallback, RunFolder, changes, noting_fallbacks
 from zosoma.workers.placement import Placement
 from zosoma.training.records import Failed, Note, Result
-from zosoma.runs.run import Run, Spec, check_run  # Spec: what a job's run is (compare and precision take it here)
+# Spec: what a job's run is (compare and precision take it here)
+from zosoma.runs.run import Run, Spec, check_run, engine
 from zosoma.workers.executor import Inline
 from zosoma.mixture.cluster import load_clustering
 from zosoma.mixture.routing import Ensemble, Router, Whole
@@ -107,7 +108,7 @@ def check_job(job: Job, folder: RunFolder) -> dict | None:
     short: it is redone). A zero-order job's run is first checked as `zosoma train` checks it
     (zosoma.runs.run.check_run: the same one-line refusals)."""
     if job.spec.train.optimizer != "backprop":
-        check_run(job.spec, Placement(executor="inline", device=job.device))
+        check_run(job.spec, placement(job))
     result = finished(job, folder)
     if result is not None:
         return result
@@ -148,12 +149,18 @@ def run_job(job: Job, run_dir, stopping: Callable[[], bool] = lambda: False) -> 
     return check_job(job, folder)
 
 
+def placement(job: Job) -> Placement:
+    """Where a job's run trains: in the process that holds the job (a job crosses to a worker with
+    its device's name: a process boundary), its forwards on job.device."""
+    return Placement(executor="inline", device=job.device)
+
+
 def open_job_run(folder: RunFolder, job: Job):
     """The job's JobRun; a backprop method's BackpropRun (zosoma.experiments.backprop: PyTorch)."""
     if job.spec.train.optimizer == "backprop":
         from zosoma.experiments.backprop import BackpropRun
         return BackpropRun(folder, job.spec, job.device)
-    return JobRun(folder, job.spec, job.device)
+    return JobRun(folder, job.spec, placement(job))
 
 
 @dataclass(frozen=True)
@@ -231,10 +238,11 @@ class JobRun(Scored):
     its checkpoints or created at step 0 from the Spec and trained here a step target at a time)
     and how its study scores it."""
 
-    def __init__(self, folder: RunFolder, spec: Spec, device: str = "cpu"):
+    def __init__(self, folder: RunFolder, spec: Spec, placement: Placement = Placement(executor="inline")):
         self.folder, self.spec, self.cfg = folder, spec, spec.train
-        self.run = Run.create(spec, folder.path, device)
-        self.ops, self.trainers, self.heldout = self.run.ops, self.run.trainers, self.run.heldout
+        self.run = Run.create(spec, folder.path, placement)  # its trainers on the run's engine (engine)
+        self.ops = engine(placement)  # the device's fp32 engine, which it is scored on (Scored)
+        self.trainers, self.heldout = self.run.trainers, self.run.heldout
         self.router = Router(load_clustering(folder.router), spec.top_k) if spec.is_soma else Whole()
 
     @property

@@ -30,13 +30,13 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, load_corpus
-from zosoma.engines import get_ops
 from zosoma.porting.kit_run import HELDOUT_ATOL, LOSS_ATOL, corpus_sha256s
 from zosoma.porting.stage import Out, Stage
 from zosoma.training.records import Evaluated, Restarted, Step
 from zosoma.training.stepper import stream
 from zosoma.training.trainer import Trainer
 from zosoma.strategies.settings import DEFAULT_OPTIMIZER, resolve
+from zosoma.runs.run import Run, Spec
 from zosoma.runs.single import start_run
 
 STEPS = 300  # every run: the cosine laid out over these steps
@@ -72,11 +72,13 @@ def train_reference(run_dir, which: str, engine: str = "native", budget: bool = 
 
 
 def train_run(run_dir, model: ModelConfig, cfg: TrainConfig, ops=None, budget: bool = True) -> dict:
-    """train_reference's figures of any run's configuration, on `ops` (default the CPU engine)."""
+    """train_reference's figures of any run's configuration, on the engine it names (Run.start) or on `ops`."""
     losses, restarts, results = [], [], None
     old_reading = mock.patch.object(Trainer, "spent", property(lambda self: False))
     with old_reading if not budget else contextlib.nullcontext():
-        for r in start_run(run_dir, model, cfg, ops=get_ops("cpu") if ops is None else ops):
+        # on the engine cfg names, or a reference's own (kit_activity_run's ReferenceSteps)
+        records = Run.start(Spec(model, cfg), run_dir=run_dir) if ops is None else start_run(run_dir, model, cfg, ops=ops)
+        for r in records:
             if isinstance(r, Step):
                 losses.append(float(r.metrics["loss"]))
                 final = r.metrics["step"]

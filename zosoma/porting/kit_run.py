@@ -21,7 +21,6 @@ import numpy as np
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, default_corpus_dir, load_corpus
-from zosoma.engines import get_ops
 from zosoma.model import reference
 from zosoma.model.params import Layout, init_params
 from zosoma.mixture.routing import Router, cut_segments, mix_nll, segment_sums
@@ -30,7 +29,7 @@ from zosoma.porting.stage import Out, Stage
 from zosoma.training.folder import RunFolder
 from zosoma.training.records import Evaluated
 from zosoma.strategies.settings import resolve
-from zosoma.runs.single import start_run
+from zosoma.runs.run import Run, Spec
 
 RUN_STEPS = 300  # the paper estimator's run, shortened: the cosine laid out over these steps
 REFERENCE = Path(__file__).with_name("run_reference.json")
@@ -49,7 +48,7 @@ def train_reference(run_dir, **options) -> dict:
     {"losses": each step's loss, "heldout": the overall held-out nats/byte, "restarts": n}."""
     model, cfg = run_config()
     results = None
-    for r in start_run(run_dir, model, dataclasses.replace(cfg, **options), ops=get_ops("cpu")):
+    for r in Run.start(Spec(model, dataclasses.replace(cfg, **options)), run_dir=run_dir):
         if isinstance(r, Evaluated):
             results = r.results
     records = RunFolder(run_dir).read_metrics()

@@ -2,7 +2,8 @@
 it, `Run.open(path)` opens one, `Run.create(spec, run_dir)` opens one to train here a step target
 at a time (a study's runs: advance), and a single model and a SOMA run answer the same calls
 (resume, ensemble, evaluate, describe). Whether a run is one model or N experts is decided here,
-once; so is its engine (engine: the one place a run turns its device into an engine).
+once; so is its engine (engine: the one place a run turns its placement and configuration into
+an engine, which everything below takes as given).
 
 Every rule about what a run may be lives here too (Spec, check_resume, check_run): the command
 line, zosoma.api, the comparison and the studies refuse the same inputs with the same one-line
@@ -24,12 +25,13 @@ from typing import Callable, Iterable, Iterator
 
 from zosoma.config import LOSSES, PRESETS, ModelConfig, TrainConfig, _typed
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.engines import get_ops, run_ops
-from zosoma.errors import OptionError
+from zosoma.engines import get_ops
+from zosoma.errors import ConfigError, OptionError
 from zosoma.formats.checkpoint import description, load_checkpoint, summary
 from zosoma.model.params import Layout
 from zosoma.model.protocol import PROTOCOL, EvalProtocol
-from zosoma.training.folder import RunFolder, checkpoint_path, last_metrics, new_run_dir, warn_if_training
+from zosoma.training.folder import (CheckpointFallback, RunFolder, checkpoint_path, last_metrics, new_run_dir,
+                                    warn_if_training)
 from zosoma.training.shape import DataPaths, SomaShape
 from zosoma.strategies.settings import resolve
 from zosoma.training.trainer import train
@@ -111,11 +113,30 @@ def check_resume(given: Iterable[str]) -> None:
                           + " (--steps extends the run, --wikitext replaces its WikiText-103 file)")
 
 
-def engine(placement: Placement = Placement()):
-    """The engine of a run placed by `placement` (default: the CPU's): the one place a run resolves
-    it, to hand it down; only a process boundary rebuilds one, from the record it was sent
-    (zosoma.engines.SendsEngine)."""
-    return get_ops(placement.device, gemm=placement.gemm)
+def engine(placement: Placement = Placement(), cfg: TrainConfig | None = None):
+    """The engine of a run of `cfg` placed by `placement`: the one place a run resolves it, to hand
+    it down (only a process boundary rebuilds one, from the record it was sent:
+    zosoma.engines.SendsEngine). Its device's engine (placement.device, placement.gemm), unless cfg
+    names another engine or a forward precision, which run on the CPU; without cfg, the device's
+    own fp32 engine, which a run is scored on."""
+    ops = get_ops(placement.device, gemm=placement.gemm)
+    if cfg is None or (cfg.engine, cfg.forward_precision) == ("native", "fp32"):
+        return ops
+    if ops.on_device:
+        raise ConfigError(f"--engine {cfg.engine} --forward-precision {cfg.forward_precision} runs on the CPU, "
+                          f"not on {ops.name}")
+    return get_ops("cpu", cfg.engine, cfg.forward_precision)
+
+
+def newest_config(folder: RunFolder) -> TrainConfig | None:
+    """The training configuration of `folder`'s newest checkpoint, read before a resume opens the
+    run so that its engine is resolved first (a damaged newest file is said when the run opens);
+    None where the folder holds no checkpoint, which the resume then refuses in its own words."""
+    if not folder.has_checkpoint:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointFallback)
+        return folder.read_checkpoint().train
 
 
 def check_run(spec: Spec, placement: Placement = Placement()):
@@ -127,8 +148,7 @@ def check_run(spec: Spec, placement: Placement = Placement()):
     cfg = spec.train
     if not spec.is_soma and placement.workers is not None:
         raise _soma_only("workers")
-    ops = engine(placement)
-    run_ops(ops, cfg.engine, cfg.forward_precision)  # an engine not installed: one line, now
+    ops = engine(placement, cfg)  # an engine not installed or not for the device: one line, now
     if placement.population_workers:
         check_shardable(cfg, placement.population_workers)  # W > P, or a strategy that cannot be split
     make_strategy(cfg).check(Layout(spec.model))  # e.g. an EGGROLL rank above the matrices' sides
@@ -191,13 +211,13 @@ class Run:
         return Training(run_dir, records, made)
 
     @staticmethod
-    def create(spec: Spec, run_dir, device: str = "cpu") -> "Run":
-        """The run of `spec` in run_dir (on the shipped corpus, its forwards on `device`) opened to
-        train in this process a step target at a time (advance), as a study trains its runs:
-        resumed from its checkpoints, or made at step 0 as Run.start leaves a new run before its
-        first step (a SOMA run whose creation was cut short is made again: the same files). Checked
-        as Run.start checks (check_run)."""
-        ops = check_run(spec, Placement(executor="inline", device=device))
+    def create(spec: Spec, run_dir, placement: Placement = Placement(executor="inline")) -> "Run":
+        """The run of `spec` in run_dir (on the shipped corpus, its forwards where `placement` puts
+        them) opened to train in this process a step target at a time (advance), as a study trains
+        its runs: resumed from its checkpoints, or made at step 0 as Run.start leaves a new run
+        before its first step (a SOMA run whose creation was cut short is made again: the same
+        files). Checked as Run.start checks (check_run), which resolves its engine."""
+        ops = check_run(spec, placement)
         folder = RunFolder(run_dir)
         if spec.is_soma:
             if not folder.is_soma:
@@ -302,7 +322,8 @@ class SingleModel(Run):
 
         placement = placement or self.folder.read_placement(Placement)
         _, _, sharding = place(placement, 1)
-        return Training(self.path, resume_run(self.path, should_stop, ops=engine(placement), sharding=sharding,
+        ops = engine(placement, newest_config(self.folder))  # the engine its configuration names
+        return Training(self.path, resume_run(self.path, should_stop, ops=ops, sharding=sharding,
                                               placement=placement, steps=steps, wikitext=wikitext))
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
@@ -349,7 +370,7 @@ class Soma(Run):
 
         placement = placement or self.folder.read_placement(Placement)
         shape = self.shape
-        ops = engine(placement)
+        ops = engine(placement, newest_config(self.folder.expert(0)))  # the experts' configuration's engine
         executor, summed, _ = place(placement, shape.experts, shape.loss, ops.on_device)
         return Training(self.path, resume_soma(self.path, executor, should_stop, ops=ops,
                                                workers=summed, placement=placement, steps=steps, wikitext=wikitext))

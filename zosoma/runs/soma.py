@@ -30,7 +30,7 @@ import numpy as np
 from zosoma.config import LOSSES, ClusterConfig, ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, chunk, describe, load_text
 from zosoma.download import check_wikitext103, find_wikitext103
-from zosoma.engines import SendsEngine, run_ops
+from zosoma.engines import SendsEngine
 from zosoma.engines.ops import Ops
 from zosoma.errors import CheckpointError, ConfigError, OptionError
 from zosoma.model.params import Layout
@@ -98,8 +98,8 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
     """Cluster, initialise and train a new SOMA run in run_dir (new or empty); yields Clusters,
     Started, the experts' Step records, Finished / Stopped / Failed per expert, then Evaluated.
     The run folder is locked while it runs; each expert's folder by the unit training it.
-    `ops` is the engine of the run's device; `placement`, where it all runs,
-    is recorded for a resume."""
+    `ops` is the run's engine (zosoma.runs.run.engine); `placement`, where it all runs, is
+    recorded for a resume."""
     folder = RunFolder(run_dir)
     folder.require_empty()
     with folder.lock():
@@ -109,7 +109,6 @@ def start_soma(run_dir, model: ModelConfig, cfg: TrainConfig, n_experts: int, lo
             folder.write_placement(placement)
         run = open_soma(run_dir)
         yield Clusters(report, n_chunks, chunk_size)
-        ops = run_ops(ops, cfg.engine, cfg.forward_precision)  # the run's engine, once
         yield Started(str(run_dir), model, cfg, describe(run.train_corpus), n_experts, loss, (0,) * n_experts, ops.name)
         yield from no_heldout(train_paths, heldout_paths)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)
@@ -221,8 +220,8 @@ def soma_summary(d: dict) -> str:
 def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda: False, *,
                 ops: Ops, workers=None, placement: Placement | None = None, steps: int | None = None,
                 wikitext=None) -> Iterator:
-    """Continue every expert of a SOMA run where it stopped, then evaluate, on `ops` (the engine
-    of the run's device); `steps` extends the run to that many steps per
+    """Continue every expert of a SOMA run where it stopped, then evaluate, on `ops` (the run's
+    engine, zosoma.runs.run.engine); `steps` extends the run to that many steps per
     expert, `wikitext` replaces the WikiText-103 file it is scored on, and `placement` is
     recorded as where it now runs."""
     folder = RunFolder(run_dir)
@@ -246,7 +245,6 @@ def resume_soma(run_dir, executor=None, should_stop: Callable[[], bool] = lambda
         if placement is not None:
             folder.write_placement(placement)
         yield from notes
-        ops = run_ops(ops, first.train.engine, first.train.forward_precision)  # once
         yield Started(str(run_dir), first.model, cfg, describe(run.train_corpus), run.n_experts,
                       run.soma.loss, done, ops.name, resumed=True)
         yield from _train_and_evaluate(run, executor, should_stop, ops, workers)

@@ -21,7 +21,6 @@ import time
 
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus
-from zosoma.engines import run_ops
 from zosoma.engines.ops import Ops
 from zosoma.errors import ConfigError
 from zosoma.formats.checkpoint import Checkpoint
@@ -40,8 +39,8 @@ def stream(expert: int, restarts: int) -> int:
 
 class Stepper:
     """One model's steps: `model` trained by `cfg` on `sampler`'s batches as expert `expert`, with
-    `ops` (the run's engine, handed down: a forward precision or engine its config names is
-    checked against it by run_ops, so a resume keeps them) after `restarts` restarts."""
+    `ops` (the run's engine, handed down: zosoma.runs.run.engine resolves it from the placement and
+    from cfg's engine and forward precision) after `restarts` restarts."""
 
     def __init__(self, model: ModelConfig, cfg: TrainConfig, sampler: BatchSampler, ops: Ops, expert: int = 0,
                  restarts: int = 0):
@@ -50,7 +49,7 @@ class Stepper:
         self.model, self.cfg, self.sampler, self.expert = model, cfg, sampler, expert
         self.restarts = restarts  # the restarts so far: they pick the stream and scale the rate
         self.strategy = make_strategy(cfg)
-        self.ops = run_ops(ops, cfg.engine, cfg.forward_precision)
+        self.ops = ops
         self.layout = Layout(model)
         self.strategy.check(self.layout)
 
