@@ -70,8 +70,8 @@ def test_resolve_takes_the_preset_then_the_strategys_defaults_then_what_was_give
 
 
 def test_resolve_holds_the_one_default_optimizer():
-    """TrainConfig names no optimizer of its own: resolve's default is the default run's (one-sided
-    SPSA at its rate and steps); a stored configuration written before the field existed reads as
+    """TrainConfig names no optimizer of its own: resolve's default is the default run's (activity
+    perturbation with one-sided members at its rate and steps); a stored configuration written before the field existed reads as
     the paper's sgd, what it trained."""
     import json
 
@@ -81,7 +81,8 @@ def test_resolve_holds_the_one_default_optimizer():
     with pytest.raises(TypeError, match="optimizer"):
         TrainConfig()
     cfg = resolve("tiny")[1]
-    assert (cfg.optimizer, cfg.steps, cfg.lr) == (DEFAULT_OPTIMIZER, 3540, 0.15 * 1.4142) and cfg.optimizer == "onesided"
+    assert (cfg.optimizer, cfg.steps, cfg.lr) == (DEFAULT_OPTIMIZER, 3100, 0.15 * 20 / 3) and cfg.optimizer == "activity-onesided"
+    assert (resolve("tiny", {"optimizer": "onesided"})[1].steps, resolve("tiny", {"optimizer": "onesided"})[1].lr) == (3540, 0.15 * 1.4142)
     assert resolve(None, {"optimizer": "sgd"})[1] == TrainConfig(optimizer="sgd")  # the paper's: the other defaults
     stored = json.loads(to_json(TrainConfig(optimizer="sgd")))
     del stored["TrainConfig"]["optimizer"]

@@ -72,8 +72,9 @@ class TrainConfig:
     eps: float = 1e-3  # perturbation scale: SPSA's eps (MeZO's default), EGGROLL's sigma
     noise: str = "rademacher"  # "rademacher" or "gaussian"
     # The strategy (zosoma.strategies): "sgd", "momentum", "adam" (SPSA with ZO-SGD, ZO-momentum,
-    # ZO-Adam), "eggroll" (low-rank ES), "es" (OpenAI-ES) or "onesided" (SPSA's forward differences,
-    # 2P directions a step). No default here: a run that names no optimizer trains one-sided SPSA
+    # ZO-Adam), "eggroll" (low-rank ES), "es" (OpenAI-ES), "onesided" (SPSA's forward differences,
+    # 2P directions a step), "activity-onesided" (activity perturbation) and the others of
+    # zosoma.strategies. No default here: a run that names no optimizer trains activity-onesided
     # at its own rate and steps, which zosoma.strategies.settings.resolve (DEFAULT_OPTIMIZER)
     # decides, so a configuration is built there, or names its strategy. The other fields'
     # defaults are the paper's estimator's, ZO-SGD as in MeZO (ZO-Adam's per-coordinate

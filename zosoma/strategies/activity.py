@@ -128,6 +128,9 @@ class ActivityOneSided(ActivityLocalCausal):
     # 1.0 at the tiny preset's 0.15: `zosoma train`'s model (E=32 H=64, 3,540 steps) scored 2.475 /
     # 2.523 / 2.650 on validation at 1, 2 and 4 (results/price-activity, seed 0; 1 is the grid's edge)
     rate_factor = 20 / 3
+    # 3,100 steps: one-sided SPSA's 3,540 at equal wall, a step costing 1.13x-1.14x its
+    # (results/piece-cost.txt, the tiny preset's shape)
+    defaults = {**ActivityLocalCausal.defaults, "steps": 3100}
 
     def ask(self, expert: int, step: int) -> Population:
         return one_sided(super().ask(expert, step))
