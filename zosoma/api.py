@@ -160,21 +160,22 @@ class SkippedStep(UserWarning):
 
 class Optimizer:
     """A zosoma strategy's ask/tell on your own loss over a flat float32 vector of d parameters:
-    the same estimator, shaping and update rule as training (by default one-sided SPSA, as
-    `zosoma train`; optimizer sgd, the paper's, momentum, adam or es; EGGROLL's perturbations need
-    an LSTM's matrices). Options: TrainConfig fields (perturbations, eps, lr, schedule, warmup,
+    the same estimator, shaping and update rule as training (by default one-sided SPSA, the
+    default run's estimator before activity perturbation, which needs a model's pre-activations,
+    as EGGROLL's perturbations need an LSTM's matrices; optimizer sgd, the paper's, momentum, adam
+    or es). Options: TrainConfig fields (perturbations, eps, lr, schedule, warmup,
     steps (the schedule's length), shaping, seed, ...), resolved as a run's."""
 
     def __init__(self, d: int, **options):
         from zosoma.engines.ops import Ops
         from zosoma.strategies import make_strategy
-        from zosoma.strategies.settings import resolve
+        from zosoma.strategies.settings import VECTOR_OPTIMIZER, resolve
 
         if options.get("optimizer") == "eggroll":
             raise ConfigError("EGGROLL perturbs an LSTM's matrices at low rank: use sgd, momentum, adam or es here")
         if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1:
             raise ConfigError(f"d, the number of parameters, must be a positive integer, got {d!r}")
-        _, self.cfg = resolve(None, options)
+        _, self.cfg = resolve(None, {"optimizer": VECTOR_OPTIMIZER, **options})
         self.d, self.ops = int(d), Ops()
         self.strategy = make_strategy(self.cfg)
         self.strategy.check(None)  # no model's layout here: --probes blocks is refused

@@ -32,6 +32,9 @@ TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 # for 4,000 steps, --optimizer sgd); the summed-loss ablation, whose scalars must add up across
 # experts, defaults to sgd.
 DEFAULT_OPTIMIZER = "activity-onesided"
+# What zosoma.Optimizer trains a flat vector with when no optimizer is named: a vector has no
+# pre-activations to perturb, so the default run's weight-perturbation estimator, one-sided SPSA.
+VECTOR_OPTIMIZER = "onesided"
 
 
 def resolve(preset: str | None = None, given: Mapping = {}, shared: Mapping = {},
