@@ -289,13 +289,16 @@ def test_the_papers_estimator_is_trainconfigs_default_and_available_by_name():
     assert strategy.probes is None and not strategy.transforms  # the engine's fused step
 
 
-def test_a_run_that_names_no_optimizer_trains_with_one_sided_spsa_at_sqrt2_the_presets_rate():
+def test_a_run_that_names_no_optimizer_trains_with_activity_onesided_one_sided_at_sqrt2_the_presets_rate():
     for preset, rate in (("tiny", 0.15), ("small", 0.008), ("paper", 0.003)):
         model, cfg = resolve(preset)
-        assert (cfg.optimizer, cfg.lr, cfg.steps) == ("onesided", rate * 1.4142, 3540)
-        assert resolve(preset, {"optimizer": "onesided"}) == (model, cfg)
+        assert (cfg.optimizer, cfg.lr, cfg.steps) == ("activity-onesided", rate * 20 / 3, 3100)
+        assert resolve(preset, {"optimizer": "activity-onesided"}) == (model, cfg)
+        onesided = resolve(preset, {"optimizer": "onesided"})[1]
+        assert (onesided.lr, onesided.steps) == (rate * 1.4142, 3540)
         assert resolve(preset, {"optimizer": "sgd"})[1].lr == rate  # the paper's, at the preset's own
-    assert resolve("tiny")[1].lr == 0.3 * 0.7071  # the rate results/default-run tuned, bit for bit
+    assert resolve("tiny")[1].lr == 1.0  # the rate results/default-run-activity tuned
+    assert resolve("tiny", {"optimizer": "onesided"})[1].lr == 0.3 * 0.7071  # results/default-run's, bit for bit
     assert resolve("tiny", {"lr": 0.1, "steps": 7})[1].lr == 0.1  # given values win
     assert resolve("tiny", {"optimizer": "es"})[1].lr == 0.005  # a strategy's own rate stays its own
     assert resolve("tiny", loss="summed")[1].optimizer == "sgd"  # the ablation's scalars must add up

@@ -150,14 +150,14 @@ def test_the_training_graph_gives_the_losses_stages_figures(kit):
 
 def test_the_kit_has_a_readme_and_the_default_runs_batches(kit):
     """README.md names every stage and file; default_run_batches.npz holds the default run's
-    3,540 x 8 windows on stream 0 and a first restart's, as zosoma's sampler draws them."""
+    3,100 x 8 windows on stream 0 and a first restart's, as zosoma's sampler draws them."""
     from zosoma.corpus import BatchSampler, load_corpus
     manifest = json.loads((kit / "manifest.json").read_text())
     readme = (kit / "README.md").read_text()
     assert all(f"`{s}.npz`" in readme for s in STAGES) and "check_port.py" in readme
     assert {"README.md", "default_run_batches.npz"} <= set(manifest["files"]) and "skipped" not in manifest
     f = _load(kit, "default_run_batches")
-    assert f["batch_doc"].shape == f["batch_start"].shape == (2, 3540, 8) and list(f["streams"]) == [0, 65536]
+    assert f["batch_doc"].shape == f["batch_start"].shape == (2, 3100, 8) and list(f["streams"]) == [0, 65536]
     sampler = BatchSampler(load_corpus(None, split="train"), int(f["T"]) + 1)
     for row, s in enumerate(f["streams"]):
         for t in (0, 1234, 3539):

@@ -214,5 +214,4 @@ def activity_onesided_stage(theta, layout: Layout, rng) -> Stage:
                            "readout": ("local", "the logits take no noise: the readout by its exact delta rule"),
                            "causal": (True, "the gates at t weighted by the targets from t on"),
                            "weight_decay": (0.0, "none in this stage"), "lr_scheduled": (True, SCHEDULED)},
-                 misreadings=misreadings, tol=ACTIVITY_TOL,
-                 optional="a port of --optimizer activity-onesided (not the default)")
+                 misreadings=misreadings, tol=ACTIVITY_TOL)

@@ -175,8 +175,7 @@ def activity_stage() -> Stage:
     return Stage("run_activity", f"activity perturbation's default run (zosoma train --optimizer {OPTIMIZER}) "
                                  f"shortened to {cfg.steps} steps on the shipped corpus: every step's loss and the "
                                  "held-out nats/byte", inputs, outputs, settings=settings, misreadings=misreadings,
-                 tol=tol,
-                 optional="a port of --optimizer activity-onesided (not the default)")  # until it is the default
+                 tol=tol)
 
 
 def measure(out=sys.stdout) -> dict:
