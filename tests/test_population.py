@@ -169,19 +169,22 @@ def test_population_bad_input_is_one_line(tmp_path, two_domains):
 
 
 def test_train_command_shards_a_population(tmp_path, two_domains):
-    result = CliRunner().invoke(cli, ["train", "--data", str(two_domains / "prose.txt"), "--heldout", str(two_domains / "prose.txt"),
-                                      "--steps", "4", *TINY, "--run-dir", str(tmp_path / "run"),
-                                      "--population-workers", "2", "--executor", "inline"])
-    assert result.exit_code == 0, result.output
     import json
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["comm_bytes"] for r in records] == [exchange_bytes(4, 2, 8)] * 4  # the default run: 2P scalars
+    for optimizer, per_step in (("onesided", exchange_bytes(4, 2, 8)),  # 2P losses, 2P scalars to each worker
+                                (None, 8 * 2 * 16 * (2 * 4 + 2 * 8))):  # the default, activity: each per target (B T = 2 x 16)
+        run_dir = tmp_path / f"run-{optimizer}"
+        result = CliRunner().invoke(cli, ["train", "--data", str(two_domains / "prose.txt"), "--heldout", str(two_domains / "prose.txt"),
+                                          "--steps", "4", *TINY, "--run-dir", str(run_dir), "--population-workers", "2",
+                                          "--executor", "inline", *(["--optimizer", optimizer] if optimizer else [])])
+        assert result.exit_code == 0, result.output
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["comm_bytes"] for r in records] == [per_step] * 4, optimizer
 
 
 def test_bench_comm_table():
     tiny = next(r for r in cli_json(["bench", "comm", "-W", "8"], "bench-comm")["results"] if r["preset"] == "tiny")
     d = tiny["d"]
-    # the default run's step sends its 2P one-sided scalars to each worker
-    assert (d, tiny["P"], tiny["D"], tiny["soma"], tiny["population"]) == (49_664, 32, 64, 0, exchange_bytes(32, 8, 64))
-    assert exchange_bytes(32, 8, 64) == 8 * (2 * 32 + 8 * 64)
+    # the default run's step (activity perturbation) sends each worker a scalar per member and target
+    assert (d, tiny["P"], tiny["D"], tiny["V"], tiny["soma"]) == (49_664, 32, 64, 8 * 32, 0)
+    assert tiny["population"] == exchange_bytes(32, 8, 64, 256) == 8 * 256 * (2 * 32 + 8 * 64)
     assert tiny["allreduce_per_worker"] == round(2 * 7 / 8 * 4 * d)  # ring all-reduce of fp32 gradients

@@ -57,6 +57,9 @@ class Activity(Strategy):
                               "(zosoma train), not a flat vector")
         super().check(layout)
 
+    def values_per_member(self) -> int:
+        return self.cfg.batch * (self.cfg.seq_len if self.causal else 1)
+
     def ask(self, expert: int, step: int) -> Population:
         cfg = self.cfg
         return Population(self.pairs(step), cfg.eps, cfg.seed, expert, step, cfg.noise)

@@ -102,6 +102,11 @@ class Strategy:
         probe design's (none by default)."""
         return {**self.transforms.init(ops, d), **(self.probes.init(ops, d) if self.probes else {})}
 
+    def values_per_member(self) -> int:
+        """The losses a member returns and the scalars a direction gets: 1, the batch's mean loss
+        (activity perturbation: one per row or per target); what a sharded step exchanges scales with it."""
+        return 1
+
     def pairs(self, step: int) -> int:
         """P_t, the pairs step `step` evaluates (the query schedule's)."""
         return self.queries.pairs(step)

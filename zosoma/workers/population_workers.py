@@ -36,7 +36,8 @@ order; WorkerLost when the worker died) and close().
 
 Bytes exchanged per step, recorded as each step's comm_bytes: the 2P float64 losses gathered and
 the step's D float64 scalars (docs/architecture.md#the-steps-scalars) sent to each of the model's
-W workers, 8 (2P + W D) (exchange_bytes).
+W workers, 8 (2P + W D), each times the strategy's values per member V (activity perturbation's
+B or B T: a loss and a scalar per row or target) (exchange_bytes).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ class WorkerLost(Exception):
     """A population worker died (its process, actor or node); the driver rebuilds it."""
 
 
-def exchange_bytes(P: int, W: int, scalars: int | None = None) -> int:
+def exchange_bytes(P: int, W: int, scalars: int | None = None, values: int = 1) -> int:
     """Payload bytes per step of one model sharded over W workers: 2P float64 losses gathered, the
     step's float64 scalars sent to each worker (`scalars`, default P: the update's directions,
-    docs/architecture.md#the-steps-scalars)."""
-    return 8 * (2 * P + W * (P if scalars is None else scalars))
+    docs/architecture.md#the-steps-scalars), each times `values` (Strategy.values_per_member)."""
+    return 8 * values * (2 * P + W * (P if scalars is None else scalars))
 
 
 def shard_pairs(P: int, W: int) -> list[range]:
@@ -362,7 +363,7 @@ class ShardedTrainer(Trainer):
 
     def _exchanged(self, pop) -> int:
         """The bytes a step of population `pop` exchanges: its losses, and its scalars to each worker."""
-        return exchange_bytes(pop.P, len(self.members), pop.directions)
+        return exchange_bytes(pop.P, len(self.members), pop.directions, self.stepper.strategy.values_per_member())
 
     def losses(self):
         t0 = time.perf_counter()
