@@ -69,3 +69,23 @@ def test_a_study_run_trains_the_bits_train_does(tmp_path):
     trained, studied = (RunFolder(tmp_path / d).read_checkpoint() for d in ("train", "study"))
     assert trained.step == studied.step == 4
     np.testing.assert_array_equal(trained.theta, studied.theta)
+
+
+def test_device_auto_is_resolved_by_the_run_for_every_door(tmp_path):
+    """--device auto is resolved where the engine is, in Run.start: the run folder records the
+    device its engine runs on (here the CPU), whoever started it, and the command line prints
+    which engine auto chose from the run's own engine."""
+    from zosoma.training.folder import RunFolder
+    from zosoma.workers.placement import Placement
+    from zosoma.training.shape import DataPaths
+    from zosoma.runs.run import Run, Spec
+
+    spec = Spec.resolve("tiny", dict(steps=1, batch=2, seq_len=16, perturbations=2, embed=8, hidden=16))
+    records = Run.start(spec, DataPaths(), Placement(executor="inline", device="auto"), tmp_path / "api")
+    assert records.engine.device == "cpu"
+    list(records)
+    result = run_cli(["train", "--device", "auto", "--steps", "1", "--batch", "2", "--seq-len", "16", "-P", "2",
+                      "--embed", "8", "--hidden", "16", "--run-dir", tmp_path / "cli", "--quiet"])
+    assert result.exit_code == 0 and "--device auto: running on cpu (" in result.output
+    for d in ("api", "cli"):
+        assert RunFolder(tmp_path / d).read_placement(Placement).device == "cpu", d

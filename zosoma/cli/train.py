@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zosoma.cli import render
-from zosoma.cli.options import (Checked, Named, check_executor_options, device_ops, device_option, executor_options,
+from zosoma.cli.options import (Checked, Named, check_executor_options, device_option, executor_options,
                                 gemm_option, given, usage_errors)
 from zosoma.cli.stop import StopRequest
 from zosoma.config import ENGINES, ON_DIVERGENCE, PRECISIONS
@@ -84,6 +84,7 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
     Presets (preset values are the defaults that explicit options override): tiny E=32 H=64 L=1;
     small E=128 H=256 L=2; paper E=508 H=496 L=2 (4.22M parameters per expert, 8.44M for N=2).
     """
+    from zosoma.engines import device_note
     from zosoma.workers.placement import Placement
     from zosoma.runs.run import Run, Spec, check_resume
     from zosoma.training.shape import DataPaths
@@ -94,8 +95,6 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
         ("executor", executor_kind), ("workers", workers), ("population_workers", population_workers),
         ("address", address), ("cpus_per_unit", cpus_per_unit), ("gpus_per_unit", gpus_per_unit),
         ("device", device), ("gemm", gemm)) if given(ctx, "executor_kind" if name == "executor" else name)}
-    if "device" in given_placement:
-        given_placement["device"] = device_ops(device).device  # auto, resolved
     stop = StopRequest()
     if resume:
         check_resume([k for k, v in options.items() if v not in (None, ())]
@@ -115,6 +114,9 @@ def train(ctx, data, heldout, wikitext, preset, experts, loss, workers, executor
                                   (("loss", loss), ("top_k", top_k), ("chunk_size", chunk_size))))
         records = Run.start(spec, DataPaths(data, heldout, wikitext), Placement(**given_placement), run_dir,
                             should_stop=stop)
+    note = device_note(device, records.engine) if given(ctx, "device") else None  # which engine auto chose
+    if note:
+        click.echo(note, err=True)
     try:
         render.training(records, stop, logging)
     except ClusterLost as e:  # the checkpoints are kept: say how to go on

@@ -115,6 +115,11 @@ class SendsEngine:
         self.__dict__.update(state, ops=get_ops(*state["ops"]))  # (frozen dataclasses too)
 
 
+def resolved_device(device: str, ops) -> str:
+    """`device` as a run on the engine `ops` records it: --device auto becomes the engine's device."""
+    return ops.device if device == "auto" else device
+
+
 def device_note(device: str, ops) -> str | None:
     """The line --device auto prints: which engine it chose and, on the CPU, why not CUDA (None for
     a device named outright)."""

@@ -12,7 +12,8 @@ from zosoma.model.params import Layout
 
 
 def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) is inf below x = -88 (float32): 1 / inf is the 0 wanted
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def lstm_cell(gates, c):

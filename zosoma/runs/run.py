@@ -156,11 +156,12 @@ def check_run(spec: Spec, placement: Placement = Placement()):
 
 
 class Training:
-    """A run's records as it trains (zosoma.training.records), in the run folder `path`; a folder
-    that Run.start named and made is taken back when the run fails before writing in it."""
+    """A run's records as it trains (zosoma.training.records), in the run folder `path`, on the
+    engine `engine`; a folder that Run.start named and made is taken back when the run fails
+    before writing in it."""
 
-    def __init__(self, path: Path, records: Iterator, made: Path | None = None):
-        self.path, self._records, self._made = Path(path), records, made
+    def __init__(self, path: Path, records: Iterator, engine, made: Path | None = None):
+        self.path, self._records, self.engine, self._made = Path(path), records, engine, made
 
     def __iter__(self) -> Iterator:
         try:
@@ -196,6 +197,7 @@ class Run:
         runs/<preset>-<time>, made here and taken back if the run fails before writing in it). Every
         option is checked before any folder is made (check_run); training happens as the records are read."""
         ops = check_run(spec, placement)
+        placement = placement.on(ops)
         executor, summed, sharding = place(placement, spec.experts, spec.loss, ops.on_device)
         made = None if run_dir else new_run_dir(spec.folder_prefix())
         run_dir = Path(run_dir or made)
@@ -208,7 +210,7 @@ class Run:
         else:
             records = start_run(run_dir, spec.model, spec.train, should_stop=should_stop, ops=ops,
                                 sharding=sharding, placement=placement, **paths)
-        return Training(run_dir, records, made)
+        return Training(run_dir, records, ops, made)
 
     @staticmethod
     def create(spec: Spec, run_dir, placement: Placement = Placement(executor="inline")) -> "Run":
@@ -323,8 +325,9 @@ class SingleModel(Run):
         placement = placement or self.folder.read_placement(Placement)
         _, _, sharding = place(placement, 1)
         ops = engine(placement, newest_config(self.folder))  # the engine its configuration names
+        placement = placement.on(ops)
         return Training(self.path, resume_run(self.path, should_stop, ops=ops, sharding=sharding,
-                                              placement=placement, steps=steps, wikitext=wikitext))
+                                              placement=placement, steps=steps, wikitext=wikitext), ops)
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
         return load_model(self.path, fallback=fallback)
@@ -371,9 +374,10 @@ class Soma(Run):
         placement = placement or self.folder.read_placement(Placement)
         shape = self.shape
         ops = engine(placement, newest_config(self.folder.expert(0)))  # the experts' configuration's engine
+        placement = placement.on(ops)
         executor, summed, _ = place(placement, shape.experts, shape.loss, ops.on_device)
         return Training(self.path, resume_soma(self.path, executor, should_stop, ops=ops,
-                                               workers=summed, placement=placement, steps=steps, wikitext=wikitext))
+                                               workers=summed, placement=placement, steps=steps, wikitext=wikitext), ops)
 
     def ensemble(self, top_k=PROTOCOL.top_k, temperature=0.1, fallback=False):
         self.folder.read_soma()  # a damaged soma.json is refused here, not routed around

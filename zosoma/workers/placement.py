@@ -15,7 +15,7 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from zosoma.engines import check_device, check_gemm
+from zosoma.engines import check_device, check_gemm, resolved_device
 from zosoma.errors import ConfigError, OptionError
 from zosoma.workers.executor import Inline, LocalProcesses, Together
 from zosoma.workers.population_workers import InProcess, Processes, Sharding
@@ -61,6 +61,11 @@ class Placement:
         if fields["executor"] == "together" and "workers" not in given:  # nor local processes
             fields["workers"] = None
         return Placement(**fields)
+
+    def on(self, ops) -> "Placement":
+        """This placement as its run trains on the engine `ops`: --device auto recorded as the
+        device that engine runs on, so a resume goes back to it."""
+        return dataclasses.replace(self, device=resolved_device(self.device, ops))
 
     def describe(self) -> str:
         """The command-line options that make this placement ('' for the defaults)."""
