@@ -22,11 +22,11 @@ MODEL_KEYS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 # What a run trains with when no optimizer is named: activity perturbation with one-sided members
-# (zosoma.strategies.activity, ActivityOneSided), at its own defaults (RATE_NOTE: the preset's rate
-# times its rate_factor; 3,100 steps: one-sided SPSA's 3,540 at equal wall). Over seeds 0-2 `zosoma
-# train --experts 4` ended at SOMA4_NOTE routed held-out nats/byte with it against 2.565 +- 0.003 with
+# (zosoma.strategies.activity, ActivityOneSided), at its own defaults (20/3 times the preset's rate,
+# 1.0 at tiny; 3,100 steps: one-sided SPSA's 3,540 at equal wall). Over seeds 0-2 `zosoma train
+# --experts 4` ended at 2.297 +- 0.008 routed held-out nats/byte with it against 2.565 +- 0.003 with
 # one-sided SPSA (the default until 2026-12-05) and 2.637 with the paper's estimator; `zosoma train`
-# at SINGLE_NOTE against one-sided's ONESIDED_NOTE (results/default-run-activity-soma4,
+# at 2.512 +- 0.008 against one-sided's 2.782 +- 0.017 (results/default-run-activity-soma4,
 # results/default-run-activity, results/default-run-soma4). The only default optimizer: TrainConfig
 # has none (its other fields' defaults are the paper's estimator's, SPSA with ZO-SGD at rate 0.15
 # for 4,000 steps, --optimizer sgd); the summed-loss ablation, whose scalars must add up across
