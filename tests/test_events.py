@@ -43,7 +43,7 @@ def metrics(folder):
 
 def test_a_run_folder_shows_its_metrics_in_tensorboard(text, tmp_path):
     run = tmp_path / "runs" / "one"
-    base = ["train", "--data", text, "--heldout", text, *TINY, "--checkpoint-every", "10"]
+    base = ["train", "--data", text, "--heldout", text, *TINY, "--checkpoint-every", "10", "--optimizer", "onesided"]
     assert run_cli(base + ["--run-dir", run, "--steps", "25", "--shaping", "normalize"]).exit_code == 0
     shown = scalars(tmp_path / "runs")["one"]
     logged = metrics(run)
@@ -80,7 +80,7 @@ def test_a_run_killed_past_its_checkpoint_logs_each_step_once(text, tmp_path):
     the event files hold each step once, in order, as metrics.jsonl does."""
     run = tmp_path / "one"
     args = ["train", "--data", text, "--heldout", text, *tiny_args(4, 2), "--steps", "3000",
-            "--checkpoint-every", "3000", "--run-dir", run]
+            "--checkpoint-every", "3000", "--optimizer", "onesided", "--run-dir", run]
     proc = subprocess.Popen(zosoma_cmd() + [str(a) for a in args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.time() + 120
@@ -119,7 +119,7 @@ def test_a_soma_run_shows_each_expert_and_the_ensemble(text, tmp_path):
 
 def test_a_restarted_run_shows_the_course_it_kept(text, tmp_path):
     run = tmp_path / "runs" / "one"
-    result = run_cli(["train", "--data", text, "--heldout", text, *TINY, "--steps", "120", "--lr", "40",
+    result = run_cli(["train", "--data", text, "--heldout", text, *TINY, "--optimizer", "onesided", "--steps", "120", "--lr", "40",
                       "--checkpoint-every", "20", "--on-divergence", "restart", "--max-restarts", "1", "--run-dir", run])
     assert result.exit_code == 1 and "restarted at step" in result.output
     shown = scalars(tmp_path / "runs")["one"]["train/loss"]

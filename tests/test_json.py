@@ -30,7 +30,8 @@ def test_eval_and_info_as_json(runs):
     assert soma["kind"] == "soma" and {"routed", "expert0", "expert1", "oracle"} <= set(soma["heldout"]["overall"])
     assert soma["dropped"] == [] and soma["top_k"] == 2
     info = cli_json(["info", root / "one"], "info")
-    assert info["kind"] == "checkpoint" and info["step"] == 6 and info["train"]["shaping"] == ["normalize"]
+    assert info["kind"] == "checkpoint" and info["step"] == 6 and info["train"]["optimizer"] == "activity-onesided"
+    assert info["train"]["shaping"] == []  # the default estimator takes no shaping
     assert [t["name"] for t in info["tensors"]][0] == "embed" and info["last_metrics"]["step"] == 6
     info = cli_json(["info", root / "soma"], "info")
     assert info["kind"] == "soma" and [e["step"] for e in info["experts_status"]] == [6, 6]

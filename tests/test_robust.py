@@ -140,13 +140,15 @@ def test_plain_spsa_is_named_on_the_command_line(tmp_path):
     from click.testing import CliRunner
     from zosoma.cli.main import cli
     text = text_corpus(tmp_path)
-    for name, extra in (("default", []), ("plain", ["--shaping", "none"])):
+    for name, extra in (("default", ["--optimizer", "onesided"]), ("plain", ["--optimizer", "onesided", "--shaping", "none"]),
+                        ("activity", [])):
         args = ["train", "--data", str(text), "--heldout", str(text), "--steps", "3", "--embed", "8", "--hidden", "16",
                 "-P", "2", "--run-dir", str(tmp_path / name), "--quiet", *extra]
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 0, result.output
     assert RunFolder(tmp_path / "default").read_checkpoint().train.shaping == ("normalize",)
     assert RunFolder(tmp_path / "plain").read_checkpoint().train.shaping == ()
+    assert RunFolder(tmp_path / "activity").read_checkpoint().train.shaping == ()  # the default takes none
 
 
 def test_a_checkpoint_from_before_shaping_existed_trains_without_it():
@@ -263,7 +265,7 @@ def test_restarts_are_the_same_inline_and_in_processes(tmp_path):
 @pytest.mark.subprocess
 def test_a_restart_decision_survives_sigkill_and_resume(tmp_path):
     text = text_corpus(tmp_path)
-    args = ["train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=40, steps=3000, checkpoint_every=20),
+    args = ["train", "--data", text, "--heldout", text, *tiny_args(4, 4, optimizer="onesided", lr=40, steps=3000, checkpoint_every=20),
             "--on-divergence", "restart", "--max-restarts", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     done = subprocess.run(zosoma_cmd() + [str(a) for a in args + ["--run-dir", whole]], capture_output=True, text=True)
@@ -332,7 +334,7 @@ def test_a_dropped_single_model_is_said_on_resume_and_the_advice_is_a_new_run(tm
     from helpers import one_line_error, snapshot
     from zosoma.training.folder import LOCK
     text, run = text_corpus(tmp_path), tmp_path / "run"
-    done = cli_train("train", "--data", text, "--heldout", text, *tiny_args(4, 4, lr=40, steps=3000, checkpoint_every=20),
+    done = cli_train("train", "--data", text, "--heldout", text, *tiny_args(4, 4, optimizer="onesided", lr=40, steps=3000, checkpoint_every=20),
                      "--on-divergence", "restart", "--max-restarts", "1", "--run-dir", run, "--quiet")
     assert done.exit_code == 1 and "training gave up on it, so resuming cannot help; start a new run with a " \
                                    "lower --lr" in done.output, done.output

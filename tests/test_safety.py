@@ -727,7 +727,7 @@ def test_eval_of_a_damaged_soma_json_or_a_dropped_model_says_so(text, tmp_path):
     with pytest.raises(ConfigError, match="soma.json is damaged"):
         zosoma.open_run(soma).evaluate()
     run = tmp_path / "run"
-    result = invoke(train_args(text, run, 120, "--lr", "40", "--checkpoint-every", "20", "--on-divergence", "restart",
+    result = invoke(train_args(text, run, 120, "--optimizer", "onesided", "--lr", "40", "--checkpoint-every", "20", "--on-divergence", "restart",
                                "--max-restarts", "0", "--quiet"))
     assert result.exit_code == 1 and "the model was dropped at step" in result.output
     scored = invoke(["eval", run])
@@ -749,7 +749,7 @@ def test_a_run_that_checkpoints_every_step_keeps_a_bounded_chain_to_roll_back_to
     assert retention(TrainConfig(optimizer="sgd", checkpoint_every=500, on_divergence="restart"), 200) == (3, None)  # as it was
     assert retention(TrainConfig(optimizer="sgd", checkpoint_every=1, on_divergence="stop"), 200) == (2, None)
     run = tmp_path / "run"
-    result = invoke(train_args(text, run, 400, "--lr", "40", "--checkpoint-every", "1", "--max-restarts", "1",
+    result = invoke(train_args(text, run, 400, "--optimizer", "onesided", "--lr", "40", "--checkpoint-every", "1", "--max-restarts", "1",
                                "--quiet"))
     assert result.exit_code == 1 and "rolled back to step 49" in result.output
     assert len(list(run.glob("checkpoint*.h5"))) <= MAX_KEPT
