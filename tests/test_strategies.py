@@ -171,3 +171,19 @@ def test_tell_shapes_rates_and_skips_in_the_base_for_every_strategy(optimizer):
     skipped = strategy.tell(ops, None, theta, state, shaping, np.array([0.3, np.nan, 0.7, 0.1]), pop, restarts=2)
     assert skipped.skipped and skipped.lr == lr and skipped.record == {"spread": None}
     assert skipped.theta is theta and skipped.optimizer is state and skipped.shaping is shaping
+
+
+def test_activity_perturbation_in_a_narrow_format_warns_of_an_eps_below_its_step():
+    """The default estimator's noise at eps 1e-3 is under a bf16 pre-activation's step: resolve
+    says so in one warning (docs/precision.md measured it), and not at eps 0.03 or for SPSA."""
+    import warnings
+
+    from zosoma.strategies.settings import NarrowEps, resolve
+
+    with pytest.warns(NarrowEps, match="--forward-precision bf16 with --optimizer activity-onesided: eps 0.001"):
+        resolve("tiny", {"forward_precision": "bf16"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NarrowEps)
+        resolve("tiny", {"forward_precision": "bf16", "eps": 0.03})
+        resolve("tiny", {"forward_precision": "int8", "optimizer": "onesided"})
+        resolve("tiny")
