@@ -473,7 +473,8 @@ def test_a_resume_keeps_the_placement_and_can_extend_the_run(text, tmp_path):
     assert "extending" in result.output and "from 4 to 8 steps" in result.output
     records = [json.loads(line) for line in (run / METRICS).read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
-    assert {r["comm_bytes"] for r in records} == {exchange_bytes(4, 2, 8)}  # sharded before and after (2P scalars)
+    # sharded before and after: the default's 2P members' losses and scalars, one per target (B T = 4 x 16)
+    assert {r["comm_bytes"] for r in records} == {exchange_bytes(4, 2, 8, 4 * 16)}
     assert RunFolder(run).read_checkpoint().train.steps == 8
     assert "extend a run, not shorten it" in last_line(invoke(["train", "--resume", run, "--steps", "6"]))
 

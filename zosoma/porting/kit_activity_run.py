@@ -38,8 +38,8 @@ from zosoma.engines.ops import Ops
 from zosoma.model import node_perturbation
 from zosoma.model.params import Layout
 from zosoma.model.population import Population
-from zosoma.porting.kit_default_run import REFERENCE, STEPS, _settings, batch_indices, train_run
-from zosoma.porting.kit_run import HELDOUT_ATOL, LOSS_ATOL, corpus_sha256s
+from zosoma.porting.kit_default_run import REFERENCE, STEPS, _settings, run_inputs, train_run
+from zosoma.porting.kit_run import HELDOUT_ATOL, LOSS_ATOL
 from zosoma.porting.stage import Out, Stage
 from zosoma.strategies.settings import DEFAULT_OPTIMIZER, resolve
 
@@ -136,11 +136,7 @@ def activity_stage() -> Stage:
     if changed:  # the strategy's defaults moved (its rate, say): the stored figures are another run's
         raise RuntimeError(f"run_activity's reference was measured with other settings ({', '.join(changed)}): "
                            "measure it again, python -m zosoma.porting.kit_activity_run")
-    doc, start = batch_indices(cfg, [0])
-    inputs = {"batch_doc": (doc[0], "(steps, B) int64 each window's train document (manifest order), stream 0"),
-              "batch_start": (start[0], "(steps, B) int64 each window's first byte in its document"),
-              "sha256": (corpus_sha256s(), "the corpus files' sha256 (uncompressed): train, then held-out, "
-                                           "manifest order")}
+    inputs = run_inputs(cfg)
     outputs = {
         "losses": Out(np.array(ref["losses"]), "activity_run_losses", tuple(inputs) + ("the shipped corpus",),
                       "each step's loss (the mean over the 2P members, rows and targets of the nats, member j's gate "

@@ -124,15 +124,20 @@ def _spread(stored: dict, which: str) -> str:
     return f"zosoma's Numba and ONNX Runtime engines on this run, seed 0: {losses}, held-out {s['heldout']:.1e}"
 
 
+def run_inputs(cfg: TrainConfig) -> dict:
+    """A whole-run stage's inputs: the run's batches on stream 0 and the corpus files' digests."""
+    doc, start = batch_indices(cfg, [0])
+    return {"batch_doc": (doc[0], "(steps, B) int64 each window's train document (manifest order), stream 0"),
+            "batch_start": (start[0], "(steps, B) int64 each window's first byte in its document"),
+            "sha256": (corpus_sha256s(), "the corpus files' sha256 (uncompressed): train, then held-out, "
+                                         "manifest order")}
+
+
 def onesided_stage() -> Stage:
     model, cfg = onesided_config()
     stored = json.loads(REFERENCE.read_text())
     ref = stored["onesided"]
-    doc, start = batch_indices(cfg, [0])
-    inputs = {"batch_doc": (doc[0], "(steps, B) int64 each window's train document (manifest order), stream 0"),
-              "batch_start": (start[0], "(steps, B) int64 each window's first byte in its document"),
-              "sha256": (corpus_sha256s(), "the corpus files' sha256 (uncompressed): train, then held-out, "
-                                           "manifest order")}
+    inputs = run_inputs(cfg)
     outputs = {
         "losses": Out(np.array(ref["losses"]), "run_losses", tuple(inputs) + ("the shipped corpus",),
                       "each step's loss (the mean of the 2P members' losses, one-sided SPSA: member j = theta + eps "
