@@ -14,7 +14,7 @@ import numpy as np
 from zosoma.config import ModelConfig, TrainConfig
 from zosoma.corpus import BatchSampler, Corpus, load_corpus
 from zosoma.engines.ops import Ops
-from zosoma.engines.cpu import forward, lowrank, noisy_forward
+from zosoma.engines.cpu import forward, noisy_forward
 from zosoma.engines.emulated import precision_kernels, precision_reference
 from zosoma.model import node_perturbation, noise as noise_spec, number_formats
 from zosoma.model.reference import sigmoid
